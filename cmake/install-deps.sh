@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages mixattn's build, tests and benchmarks need (as root).
+# Usage: cmake/install-deps.sh [test|bench]   — "bench" adds plotting (python3-matplotlib).
+set -euo pipefail
+what=${1:-test}
+pkgs=(build-essential cmake libeigen3-dev libxsimd-dev googletest libgtest-dev libbenchmark-dev
+      clang libclang-rt-14-dev python3)
+if [[ $what == bench ]]; then
+  pkgs+=(python3-matplotlib)
+fi
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing: ${missing[*]}"
+  if [[ $(id -u) -ne 0 ]]; then SUDO=sudo; else SUDO=; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

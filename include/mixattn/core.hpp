@@ -1,0 +1,136 @@
+// mixattn/core.hpp — common types, errors, version and configuration macros.
+//
+// Rows are tokens; matrices are row-major (SPEC.md, preamble). Inputs are taken as
+// `const ConstMatrixRef<T>&` so that a caller's row-major buffer (a Matrix, a Map, a row block)
+// is read in place. T is never deduced from a ConstMatrixRef: it comes from the argument that
+// carries it (a Mixture<T>, a State<T>&, a Saved<T>) or is written explicitly.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#define MIXATTN_VERSION_MAJOR 0
+#define MIXATTN_VERSION_MINOR 1
+#define MIXATTN_VERSION_PATCH 0
+#define MIXATTN_VERSION_STRING "0.1.0"
+
+#if defined(__cpp_exceptions) || defined(__EXCEPTIONS) || defined(_CPPUNWIND)
+#define MIXATTN_HAS_EXCEPTIONS 1
+#else
+#define MIXATTN_HAS_EXCEPTIONS 0
+#endif
+
+// Internal invariants (never user input: that is validated and thrown). Overridable; on by
+// default unless NDEBUG, force with MIXATTN_ENABLE_ASSERTS.
+#ifndef MIXATTN_ASSERT
+#if !defined(NDEBUG) || defined(MIXATTN_ENABLE_ASSERTS)
+#define MIXATTN_ASSERT(cond)                                                                       \
+  ((cond) ? static_cast<void>(0)                                                                   \
+          : ::mixattn::detail::assert_fail(#cond, __FILE__, __LINE__))
+#else
+#define MIXATTN_ASSERT(cond) static_cast<void>(0)
+#endif
+#endif
+
+namespace mixattn {
+
+namespace detail {
+template <class T>
+struct identity {
+  using type = T;
+};
+}  // namespace detail
+
+using Index = Eigen::Index;
+
+/// Row-major dense matrix; rows are tokens.
+template <class T>
+using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+/// Column vector.
+template <class T>
+using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+/// Read-only view of a row-major matrix (inner stride 1, any outer stride): binds a Matrix, a
+/// Map over a caller's buffer, or a row block without a copy. T is non-deduced on purpose.
+template <class T>
+using ConstMatrixRef = Eigen::Ref<const Matrix<typename detail::identity<T>::type>>;
+/// Writable view of a row-major matrix, for outputs written in place.
+template <class T>
+using MatrixRef = Eigen::Ref<Matrix<typename detail::identity<T>::type>>;
+
+/// Library version as "major.minor.patch".
+inline const char* version() noexcept { return MIXATTN_VERSION_STRING; }
+
+namespace detail {
+
+/// Type used to accumulate long sums (prefix states, counts, norms): double for float input.
+template <class T>
+using wide_t = std::conditional_t<std::is_same<T, float>::value, double, T>;
+
+template <class... Args>
+std::string concat(Args&&... args) {
+  std::ostringstream os;
+  (os << ... << std::forward<Args>(args));
+  return os.str();
+}
+
+[[noreturn]] inline void assert_fail(const char* cond, const char* file, int line) {
+  std::fprintf(stderr, "mixattn: internal assertion failed: %s (%s:%d)\n", cond, file, line);
+  std::abort();
+}
+
+/// Raise std::invalid_argument (or print and abort when exceptions are off).
+[[noreturn]] inline void raise_invalid_argument(const std::string& what) {
+#if MIXATTN_HAS_EXCEPTIONS
+  throw std::invalid_argument(what);
+#else
+  std::fprintf(stderr, "mixattn: invalid argument: %s\n", what.c_str());
+  std::abort();
+#endif
+}
+
+/// Raise std::domain_error (or print and abort when exceptions are off).
+[[noreturn]] inline void raise_domain_error(const std::string& what) {
+#if MIXATTN_HAS_EXCEPTIONS
+  throw std::domain_error(what);
+#else
+  std::fprintf(stderr, "mixattn: domain error: %s\n", what.c_str());
+  std::abort();
+#endif
+}
+
+/// "rows x cols" for messages.
+template <class Derived>
+std::string shape_str(const Eigen::EigenBase<Derived>& m) {
+  return concat(m.rows(), " x ", m.cols());
+}
+
+/// Throws std::invalid_argument "<fn>: <arg> ..." when `ok` is false. The message is built
+/// only on failure.
+template <class... Args>
+inline void require(bool ok, const char* fn, Args&&... message) {
+  if (!ok) raise_invalid_argument(concat(fn, ": ", std::forward<Args>(message)...));
+}
+
+/// Throws std::domain_error naming `arg` when any entry of `x` is NaN or infinite.
+template <class Derived>
+inline void require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, const char* arg) {
+  if (x.derived().allFinite()) return;  // vectorised fast path; locate the entry only on failure
+  const Index rows = x.rows(), cols = x.cols();
+  for (Index i = 0; i < rows; ++i)
+    for (Index j = 0; j < cols; ++j)
+      if (!std::isfinite(static_cast<double>(x(i, j))))
+        raise_domain_error(concat(fn, ": ", arg, " has a non-finite entry at (", i, ", ", j,
+                                  ") of ", rows, " x ", cols));
+}
+
+}  // namespace detail
+}  // namespace mixattn

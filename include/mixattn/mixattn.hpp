@@ -1,0 +1,7 @@
+// mixattn/mixattn.hpp — umbrella header: the whole public API.
+#pragma once
+
+#include "mixattn/core.hpp"
+#include "mixattn/gma.hpp"
+#include "mixattn/ovq.hpp"
+#include "mixattn/reference.hpp"
