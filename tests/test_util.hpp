@@ -1,0 +1,77 @@
+// Shared helpers for the test suite: seeded random inputs, central finite differences, and
+// a closeness check that reports where the largest error is.
+#pragma once
+
+#include <mixattn/core.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+
+namespace mixattn::testing {
+
+/// rows x cols with i.i.d. N(0, scale^2) entries from a seeded generator.
+template <class T>
+Matrix<T> random_matrix(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> dist(0.0, scale);
+  Matrix<T> m(rows, cols);
+  for (Index i = 0; i < rows; ++i)
+    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<T>(dist(rng));
+  return m;
+}
+
+/// Central finite difference of the scalar `loss()` with respect to every entry of `x`
+/// (any Eigen lvalue: matrix, vector, Map). `x` is perturbed in place and restored.
+/// Truncation error is O(h^2 f'''), rounding O(eps/h): h = 1e-6 balances them in double.
+template <class Derived, class Loss>
+Matrix<double> numeric_gradient(Eigen::DenseBase<Derived>& x, Loss&& loss, double h = 1e-6) {
+  Matrix<double> g(x.rows(), x.cols());
+  for (Index i = 0; i < x.rows(); ++i)
+    for (Index j = 0; j < x.cols(); ++j) {
+      const double saved = x(i, j);
+      x(i, j) = saved + h;
+      const double up = loss();
+      x(i, j) = saved - h;
+      const double down = loss();
+      x(i, j) = saved;
+      g(i, j) = (up - down) / (2 * h);
+    }
+  return g;
+}
+
+/// Largest |a - b| / (atol + rtol * |b|) over all entries; <= 1 means close.
+inline ::testing::AssertionResult all_close(const Matrix<double>& a, const Matrix<double>& b,
+                                            double rtol, double atol) {
+  if (a.rows() != b.rows() || a.cols() != b.cols())
+    return ::testing::AssertionFailure() << "shape " << a.rows() << "x" << a.cols() << " vs "
+                                         << b.rows() << "x" << b.cols();
+  double worst = 0;
+  Index wi = 0, wj = 0;
+  for (Index i = 0; i < a.rows(); ++i)
+    for (Index j = 0; j < a.cols(); ++j) {
+      const double e = std::abs(a(i, j) - b(i, j)) / (atol + rtol * std::abs(b(i, j)));
+      if (!(e <= worst)) {  // also catches NaN
+        worst = e;
+        wi = i;
+        wj = j;
+        if (std::isnan(e)) break;
+      }
+    }
+  if (worst <= 1) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "worst entry (" << wi << ", " << wj << "): " << a(wi, wj) << " vs " << b(wi, wj)
+         << " (rtol " << rtol << ", atol " << atol << ", ratio " << worst << ")";
+}
+
+template <class DA, class DB>
+::testing::AssertionResult all_close(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b,
+                                     double rtol, double atol) {
+  return all_close(Matrix<double>(a.template cast<double>()),
+                   Matrix<double>(b.template cast<double>()), rtol, atol);
+}
+
+}  // namespace mixattn::testing
