@@ -5,3 +5,5 @@
 #include "mixattn/gma.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/reference.hpp"
+#include "mixattn/parallel.hpp"
+#include "mixattn/batched.hpp"
