@@ -1,0 +1,255 @@
+// mixattn/reference.hpp — O(N^2) softmax attention, the exact baseline (SPEC.md §3):
+//
+//     O = softmax(scale Q K^T + mask) V,   scale default 1/sqrt(r),   causal mask j <= i
+//
+// Two implementations of the same function, each with its backward:
+//   naive_*  materialises the N x M probability matrix: the obvious form, the tests' oracle.
+//   flash_*  tiles queries and keys with an online softmax (FlashAttention-2 schedule) and keeps
+//            O(N) state: the output and one log-sum-exp per row. The honest speed baseline.
+//
+// Thread safety: every function is reentrant; nothing is shared between calls, so distinct
+// calls may run concurrently. Each call is single-threaded (Eigen's own threading aside).
+#pragma once
+#define MIXATTN_REFERENCE_HPP_INCLUDED
+
+#include "mixattn/core.hpp"
+#include "mixattn/detail/flash_kernels.hpp"
+
+#include <cmath>
+#include <utility>
+
+namespace mixattn::reference {
+
+/// Options shared by the naive and tiled forms.
+struct Options {
+  bool causal = false;       // token i attends to j <= i (requires q.rows() == k.rows())
+  double scale = 0;          // logit scale; 0 means 1/sqrt(r)
+  bool check_finite = true;  // reject NaN/Inf in q, k, v (and grad_out) with std::domain_error
+};
+
+/// What a forward keeps for its backward. Filled by naive_forward (the N x M probabilities) or by
+/// flash_forward (the N x d_v output and N log-sum-exps, O(N) memory); each backward accepts only
+/// what its own forward saved, for the same shapes and options.
+template <class T>
+struct Saved {
+  enum class Source { none, naive, flash };
+  Source source = Source::none;  // which forward filled this
+  Index queries = 0;             // N
+  Index keys = 0;                // M
+  Index value_dim = 0;           // d_v
+  bool causal = false;           // options the forward ran with (the resolved scale)
+  double scale = 0;
+  Matrix<T> probs;  // naive: P = softmax(scale Q K^T + mask), N x M
+  Matrix<T> out;    // flash: O, N x d_v
+  Vector<T> lse;    // flash: log sum_j exp(scale q_i . k_j) over visible j, N
+};
+
+/// Gradients of a scalar loss with respect to q (N x r), k (M x r) and v (M x d_v).
+template <class T>
+struct Grad {
+  Matrix<T> q, k, v;
+};
+
+namespace detail {
+
+using mixattn::detail::require;
+using mixattn::detail::require_finite;
+using mixattn::detail::shape_str;
+
+/// Validates q, k, v and the options (once, at the API boundary); returns the resolved scale.
+template <class T>
+double check_inputs(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                    const ConstMatrixRef<T>& v, const Options& opt) {
+  require(q.cols() > 0, fn,
+          "q has 0 columns: the key dimension r must be at least 1 (q: ", shape_str(q), ")");
+  require(k.cols() == q.cols(), fn, "k has ", k.cols(), " columns but q has ", q.cols(),
+          " (q: ", shape_str(q), ", k: ", shape_str(k), ")");
+  require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows(),
+          " (k: ", shape_str(k), ", v: ", shape_str(v), ")");
+  require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
+          ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
+  require(!opt.causal || q.rows() == k.rows(), fn, "causal attention needs as many keys as ",
+          "queries, but q has ", q.rows(), " rows and k has ", k.rows());
+  require(std::isfinite(opt.scale), fn, "options.scale is ", opt.scale, ", not finite");
+  if (opt.check_finite) {
+    require_finite(q, fn, "q");
+    require_finite(k, fn, "k");
+    require_finite(v, fn, "v");
+  }
+  return opt.scale != 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.cols()));
+}
+
+/// Validates grad_out and the Saved record against the inputs; returns the resolved scale.
+template <class T>
+double check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                      const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                      const Saved<T>& saved, const Options& opt, typename Saved<T>::Source expected,
+                      const char* forward_name) {
+  const double scale = check_inputs<T>(fn, q, k, v, opt);
+  require(grad_out.rows() == q.rows() && grad_out.cols() == v.cols(), fn, "grad_out is ",
+          shape_str(grad_out), " but the output is ", q.rows(), " x ", v.cols(),
+          " (q rows x v columns)");
+  if (opt.check_finite) require_finite(grad_out, fn, "grad_out");
+  require(saved.source == expected, fn, "saved was not filled by ", forward_name,
+          saved.source == Saved<T>::Source::none ? " (it is empty)"
+                                                 : " (it comes from the other forward)");
+  require(saved.queries == q.rows() && saved.keys == k.rows() && saved.value_dim == v.cols(), fn,
+          "saved is for ", saved.queries, " queries, ", saved.keys,
+          " keys and d_v = ", saved.value_dim, " but q has ", q.rows(), " rows, k has ", k.rows(),
+          " rows and v has ", v.cols(), " columns");
+  require(saved.causal == opt.causal && saved.scale == scale, fn,
+          "saved was made with causal = ", saved.causal, ", scale = ", saved.scale,
+          " but options give causal = ", opt.causal, ", scale = ", scale);
+  return scale;
+}
+
+template <class T>
+void record(Saved<T>& saved, typename Saved<T>::Source source, const ConstMatrixRef<T>& q,
+            const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+            double scale) {
+  saved.source = source;
+  saved.queries = q.rows();
+  saved.keys = k.rows();
+  saved.value_dim = v.cols();
+  saved.causal = opt.causal;
+  saved.scale = scale;
+}
+
+/// Logits this large overflow T: report it rather than return NaN.
+template <class T>
+void check_output(const char* fn, const Matrix<T>& out, const Options& opt) {
+  if (opt.check_finite && !out.allFinite())
+    mixattn::detail::raise_domain_error(mixattn::detail::concat(
+        fn, ": the output is not finite although q, k, v are: scale * q . k overflows the ",
+        "scalar type (lower options.scale or use double)"));
+}
+
+}  // namespace detail
+
+/// Naive softmax attention (SPEC §3): forms S = scale Q K^T (N x M), masks it (causal: j > i is
+/// -inf), applies a max-subtracted row softmax and returns P V.
+///   q: N x r, k: M x r, v: M x d_v (row-major, rows are tokens)  ->  N x d_v.
+/// N == 0 gives a 0 x d_v result. `saved` (optional) receives P for naive_backward.
+/// Throws std::invalid_argument on bad shapes/options, std::domain_error on non-finite input.
+template <class T>
+Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                        const ConstMatrixRef<T>& v, const Options& opt = {},
+                        Saved<T>* saved = nullptr) {
+  constexpr const char* fn = "mixattn::reference::naive_forward";
+  const double scale = detail::check_inputs<T>(fn, q, k, v, opt);
+  const Index n = q.rows(), m = k.rows();
+
+  Matrix<T> p(n, m);
+  p.noalias() = q * k.transpose();
+  p *= static_cast<T>(scale);
+  for (Index i = 0; i < n; ++i) {
+    // Causal: keys j > i get probability 0, set explicitly (Eigen's vectorised exp clamps its
+    // argument, so exp(-inf) would be a denormal, not 0).
+    const Index visible = opt.causal ? i + 1 : m;
+    const T row_max = p.row(i).head(visible).maxCoeff();  // finite: key 0 is always visible
+    p.row(i).head(visible) = (p.row(i).head(visible).array() - row_max).exp().matrix();
+    p.row(i).tail(m - visible).setZero();
+    p.row(i) /= p.row(i).sum();
+  }
+  Matrix<T> out(n, v.cols());
+  out.noalias() = p * v;
+  detail::check_output(fn, out, opt);
+  if (saved) {
+    detail::record(*saved, Saved<T>::Source::naive, q, k, v, opt, scale);
+    saved->probs = std::move(p);
+    saved->out.resize(0, 0);
+    saved->lse.resize(0);
+  }
+  return out;
+}
+
+/// Backward of naive_forward, from the saved probabilities P (N x M):
+///   dV = P^T dO,  dP = dO V^T,  dS_ij = P_ij (dP_ij - sum_l P_il dP_il),
+///   dQ = scale dS K,  dK = scale dS^T Q.
+///   q: N x r, k: M x r, v: M x d_v, grad_out: N x d_v; saved from naive_forward on the same
+///   inputs and options.  ->  Grad {q: N x r, k: M x r, v: M x d_v}.
+template <class T>
+Grad<T> naive_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                       const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                       const Saved<T>& saved, const Options& opt = {}) {
+  constexpr const char* fn = "mixattn::reference::naive_backward";
+  const double scale = detail::check_backward<T>(fn, q, k, v, grad_out, saved, opt,
+                                                 Saved<T>::Source::naive, "naive_forward");
+  const Matrix<T>& p = saved.probs;
+  mixattn::detail::require(p.rows() == q.rows() && p.cols() == k.rows(), fn, "saved.probs is ",
+                           detail::shape_str(p), " but should be ", q.rows(), " x ", k.rows());
+  Grad<T> g;
+  g.v.resize(k.rows(), v.cols());
+  g.v.noalias() = p.transpose() * grad_out;
+  Matrix<T> ds(q.rows(), k.rows());
+  ds.noalias() = grad_out * v.transpose();
+  for (Index i = 0; i < ds.rows(); ++i) {
+    const T d = p.row(i).dot(ds.row(i));
+    ds.row(i) = (p.row(i).array() * (ds.row(i).array() - d)).matrix();
+  }
+  g.q.resize(q.rows(), q.cols());
+  g.q.noalias() = ds * k;
+  g.q *= static_cast<T>(scale);
+  g.k.resize(k.rows(), k.cols());
+  g.k.noalias() = ds.transpose() * q;
+  g.k *= static_cast<T>(scale);
+  return g;
+}
+
+/// Tiled softmax attention with an online softmax (SPEC §3; FlashAttention-2 forward): the same
+/// function as naive_forward in O(N + tile) extra memory. Causal tiles wholly above the diagonal
+/// are skipped and only diagonal tiles are masked.
+///   q: N x r, k: M x r, v: M x d_v (row-major, rows are tokens)  ->  N x d_v.
+/// N == 0 gives a 0 x d_v result. `saved` (optional) receives the output and the per-row
+/// log-sum-exp for flash_backward.
+/// Throws std::invalid_argument on bad shapes/options, std::domain_error on non-finite input.
+template <class T>
+Matrix<T> flash_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                        const ConstMatrixRef<T>& v, const Options& opt = {},
+                        Saved<T>* saved = nullptr) {
+  constexpr const char* fn = "mixattn::reference::flash_forward";
+  const double scale = detail::check_inputs<T>(fn, q, k, v, opt);
+  using Tiles = detail::FlashTiles<T>;
+  Matrix<T> out(q.rows(), v.cols());
+  Vector<T> lse(q.rows());
+  detail::flash_forward_tiles<T, Tiles::forward_queries, Tiles::forward_keys>(
+      q, k, v, static_cast<T>(scale), opt.causal, out, lse);
+  detail::check_output(fn, out, opt);
+  if (saved) {
+    detail::record(*saved, Saved<T>::Source::flash, q, k, v, opt, scale);
+    saved->out = out;
+    saved->lse = std::move(lse);
+    saved->probs.resize(0, 0);
+  }
+  return out;
+}
+
+/// Backward of flash_forward (FlashAttention-2 backward): recomputes each probability tile from
+/// the saved log-sum-exp, P = exp(scale Q K^T - lse), and accumulates
+///   dV += P^T dO,  dS = P o (dP - D) with dP = dO V^T and D_i = dO_i . O_i,
+///   dQ += scale dS K,  dK += scale dS^T Q,
+/// in O(N + M + tile) extra memory.
+///   q: N x r, k: M x r, v: M x d_v, grad_out: N x d_v; saved from flash_forward on the same
+///   inputs and options.  ->  Grad {q: N x r, k: M x r, v: M x d_v}.
+template <class T>
+Grad<T> flash_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                       const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                       const Saved<T>& saved, const Options& opt = {}) {
+  constexpr const char* fn = "mixattn::reference::flash_backward";
+  const double scale = detail::check_backward<T>(fn, q, k, v, grad_out, saved, opt,
+                                                 Saved<T>::Source::flash, "flash_forward");
+  mixattn::detail::require(
+      saved.out.rows() == q.rows() && saved.out.cols() == v.cols() && saved.lse.size() == q.rows(),
+      fn, "saved.out is ", detail::shape_str(saved.out), " and saved.lse has ", saved.lse.size(),
+      " entries but q has ", q.rows(), " rows and v has ", v.cols(), " columns");
+  using Tiles = detail::FlashTiles<T>;
+  Grad<T> g;
+  g.q.resize(q.rows(), q.cols());
+  g.k.resize(k.rows(), k.cols());
+  g.v.resize(v.rows(), v.cols());
+  detail::flash_backward_tiles<T, Tiles::backward_queries, Tiles::backward_keys>(
+      q, k, v, saved.out, grad_out, saved.lse, static_cast<T>(scale), opt.causal, g.q, g.k, g.v);
+  return g;
+}
+
+}  // namespace mixattn::reference

@@ -1,0 +1,530 @@
+// O(N^2) softmax attention (SPEC.md §3): the naive oracle against a direct triple loop, the tiled
+// online-softmax form against the naive one (forward, log-sum-exp and backward, at the public tile
+// sizes and at small tile sizes that force many partial and diagonal tiles), every backward
+// against central differences in double, argument validation, empty inputs and extreme logits.
+#include <mixattn/reference.hpp>
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using mixattn::Index;
+using mixattn::Matrix;
+using mixattn::Vector;
+using mixattn::testing::numeric_gradient;
+using mixattn::testing::random_matrix;
+namespace ref = mixattn::reference;
+
+/// all_close on any two real matrices (float results against double expectations included).
+template <class A, class B>
+::testing::AssertionResult close_to(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b,
+                                    double rtol, double atol) {
+  return mixattn::testing::all_close(Matrix<double>(a.template cast<double>()),
+                                     Matrix<double>(b.template cast<double>()), rtol, atol);
+}
+
+template <class T>
+struct Tol;
+// float: logits and probabilities carry ~1e-7 relative rounding, amplified by the sums over
+// r, M and d_v terms (<= a few hundred here) and by exp near 1: 1e-4 relative / 2e-5 absolute
+// on O(1) outputs leaves a margin of ~10 while still catching any wrong term (O(1/M) effects).
+template <>
+struct Tol<float> {
+  static constexpr double rtol = 1e-4, atol = 2e-5;
+};
+// double: the same argument at eps = 1.1e-16 gives ~1e-13; 1e-11 leaves a margin of ~100.
+template <>
+struct Tol<double> {
+  static constexpr double rtol = 1e-11, atol = 1e-11;
+};
+
+/// Direct triple loop in double: o_i = sum_j softmax_j(scale q_i . k_j, j visible) v_j.
+/// Also returns lse_i = log sum_j exp(scale q_i . k_j) over the visible j.
+template <class T>
+Matrix<double> triple_loop(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v, double scale,
+                           bool causal, Vector<double>* lse = nullptr) {
+  const Index n = q.rows(), m = k.rows(), r = q.cols(), dv = v.cols();
+  Matrix<double> out = Matrix<double>::Zero(n, dv);
+  if (lse) lse->resize(n);
+  std::vector<double> logit(static_cast<size_t>(m));
+  for (Index i = 0; i < n; ++i) {
+    const Index visible = causal ? i + 1 : m;
+    double mx = -std::numeric_limits<double>::infinity();
+    for (Index j = 0; j < visible; ++j) {
+      double s = 0;
+      for (Index c = 0; c < r; ++c) s += double(q(i, c)) * double(k(j, c));
+      logit[j] = scale * s;
+      mx = std::max(mx, logit[j]);
+    }
+    double sum = 0;
+    for (Index j = 0; j < visible; ++j) sum += std::exp(logit[j] - mx);
+    for (Index j = 0; j < visible; ++j) {
+      const double p = std::exp(logit[j] - mx) / sum;
+      for (Index c = 0; c < dv; ++c) out(i, c) += p * double(v(j, c));
+    }
+    if (lse) (*lse)[i] = mx + std::log(sum);
+  }
+  return out;
+}
+
+struct Shape {
+  Index n, m, r, dv;
+};
+
+std::string describe(const Shape& s, bool causal, std::uint64_t seed) {
+  return "N=" + std::to_string(s.n) + " M=" + std::to_string(s.m) + " r=" + std::to_string(s.r) +
+         " d_v=" + std::to_string(s.dv) + (causal ? " causal" : " bidirectional") +
+         " seed=" + std::to_string(seed);
+}
+
+// Shapes for flash vs naive: tiny N, N != M both ways, sizes off every tile multiple, exactly
+// one public tile (64 x 256), and several tiles in both directions.
+const std::vector<Shape> kShapes = {{1, 1, 3, 2},       {1, 9, 4, 3},     {2, 2, 5, 4},
+                                    {2, 300, 8, 5},     {67, 67, 16, 8},  {64, 256, 8, 8},
+                                    {300, 517, 16, 12}, {515, 515, 8, 6}, {129, 1000, 4, 4}};
+
+template <class T>
+class Reference : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+struct ScalarName {
+  template <class T>
+  static std::string GetName(int) {
+    return std::is_same<T, float>::value ? "float" : "double";
+  }
+};
+TYPED_TEST_SUITE(Reference, Scalars, ScalarName);
+
+// ---------------------------------------------------------------------------------------------
+// naive vs the triple loop
+
+TYPED_TEST(Reference, NaiveMatchesTripleLoop) {
+  using T = TypeParam;
+  struct Case {
+    Shape s;
+    bool causal;
+    double scale;  // 0 = default 1/sqrt(r)
+  };
+  const std::vector<Case> cases = {{{7, 11, 5, 3}, false, 0}, {{7, 11, 5, 3}, false, 0.37},
+                                   {{9, 9, 4, 6}, true, 0},   {{9, 9, 4, 6}, true, 1.7},
+                                   {{1, 1, 2, 1}, true, 0},   {{3, 40, 16, 2}, false, 0}};
+  std::uint64_t seed = 100;
+  for (const Case& c : cases) {
+    ++seed;
+    SCOPED_TRACE(describe(c.s, c.causal, seed) + " scale=" + std::to_string(c.scale));
+    const Matrix<T> q = random_matrix<T>(c.s.n, c.s.r, seed);
+    const Matrix<T> k = random_matrix<T>(c.s.m, c.s.r, seed + 1000);
+    const Matrix<T> v = random_matrix<T>(c.s.m, c.s.dv, seed + 2000);
+    ref::Options opt;
+    opt.causal = c.causal;
+    opt.scale = c.scale;
+    const double scale = c.scale != 0 ? c.scale : 1 / std::sqrt(double(c.s.r));
+    const Matrix<double> expected = triple_loop(q, k, v, scale, c.causal);
+    ref::Saved<T> saved;
+    const Matrix<T> got = ref::naive_forward<T>(q, k, v, opt, &saved);
+    EXPECT_TRUE(close_to(got, expected, Tol<T>::rtol, Tol<T>::atol));
+    // The saved probabilities are row-stochastic and zero above the diagonal when causal.
+    ASSERT_EQ(saved.probs.rows(), c.s.n);
+    ASSERT_EQ(saved.probs.cols(), c.s.m);
+    for (Index i = 0; i < c.s.n; ++i) {
+      EXPECT_NEAR(double(saved.probs.row(i).sum()), 1.0, 10 * Tol<T>::rtol);
+      if (c.causal) {
+        for (Index j = i + 1; j < c.s.m; ++j) EXPECT_EQ(saved.probs(i, j), T(0));
+      }
+    }
+  }
+}
+
+// The default scale is 1/sqrt(r), not 1: a loop run at scale 1 must disagree.
+TYPED_TEST(Reference, DefaultScaleIsInverseSqrtR) {
+  using T = TypeParam;
+  const Matrix<T> q = random_matrix<T>(6, 16, 1), k = random_matrix<T>(8, 16, 2);
+  const Matrix<T> v = random_matrix<T>(8, 3, 3);
+  const Matrix<T> got = ref::flash_forward<T>(q, k, v);
+  EXPECT_TRUE(close_to(got, triple_loop(q, k, v, 0.25, false), Tol<T>::rtol, Tol<T>::atol));
+  EXPECT_FALSE(close_to(got, triple_loop(q, k, v, 1.0, false), Tol<T>::rtol, Tol<T>::atol));
+}
+
+// ---------------------------------------------------------------------------------------------
+// flash vs naive, forward
+
+TYPED_TEST(Reference, FlashForwardMatchesNaive) {
+  using T = TypeParam;
+  std::uint64_t seed = 200;
+  for (const Shape& s : kShapes)
+    for (bool causal : {false, true}) {
+      if (causal && s.n != s.m) continue;
+      ++seed;
+      SCOPED_TRACE(describe(s, causal, seed));
+      const Matrix<T> q = random_matrix<T>(s.n, s.r, seed);
+      const Matrix<T> k = random_matrix<T>(s.m, s.r, seed + 1000);
+      const Matrix<T> v = random_matrix<T>(s.m, s.dv, seed + 2000);
+      ref::Options opt;
+      opt.causal = causal;
+      const Matrix<T> naive = ref::naive_forward<T>(q, k, v, opt);
+      ref::Saved<T> saved;
+      const Matrix<T> flash = ref::flash_forward<T>(q, k, v, opt, &saved);
+      EXPECT_TRUE(close_to(flash, naive, Tol<T>::rtol, Tol<T>::atol));
+
+      // What flash saves: the output itself and the log-sum-exp of every row, O(N) memory.
+      EXPECT_EQ(saved.probs.size(), 0);
+      EXPECT_TRUE(saved.out == flash);  // the very same numbers
+      Vector<double> lse;
+      triple_loop(q, k, v, 1 / std::sqrt(double(s.r)), causal, &lse);
+      EXPECT_TRUE(close_to(saved.lse, lse, Tol<T>::rtol, Tol<T>::atol));
+    }
+}
+
+// Strided views (a block of a wider matrix) and Maps bind without copies and give the same answer.
+TYPED_TEST(Reference, StridedAndMappedInputs) {
+  using T = TypeParam;
+  const Matrix<T> wide = random_matrix<T>(100, 30, 7);
+  const Matrix<T> q = wide.block(0, 0, 70, 8), k = wide.block(10, 9, 90, 8);
+  const Matrix<T> v = wide.block(10, 20, 90, 5);
+  ref::Options opt;
+  const Matrix<T> expected = ref::naive_forward<T>(q, k, v, opt);
+  const Eigen::Map<const Matrix<T>> qmap(q.data(), q.rows(), q.cols());
+  const Matrix<T> got =
+      ref::flash_forward<T>(qmap, wide.block(10, 9, 90, 8), wide.block(10, 20, 90, 5), opt);
+  EXPECT_TRUE(close_to(got, expected, Tol<T>::rtol, Tol<T>::atol));
+}
+
+// ---------------------------------------------------------------------------------------------
+// small tiles: the kernels at tile sizes that make every shape span many query and key tiles,
+// with query tiles longer, shorter and coprime to key tiles (diagonal tiles cut at odd places).
+
+template <class T, Index BQ, Index BK>
+void check_small_tiles(std::uint64_t seed) {
+  const std::vector<Shape> shapes = {
+      {1, 1, 3, 2}, {2, 2, 3, 2}, {5, 13, 4, 3}, {37, 37, 6, 5}, {40, 23, 5, 4}};
+  for (const Shape& s : shapes)
+    for (bool causal : {false, true}) {
+      if (causal && s.n != s.m) continue;
+      ++seed;
+      SCOPED_TRACE(describe(s, causal, seed) + " tiles " + std::to_string(BQ) + " x " +
+                   std::to_string(BK));
+      const Matrix<T> q = random_matrix<T>(s.n, s.r, seed);
+      const Matrix<T> k = random_matrix<T>(s.m, s.r, seed + 1000);
+      const Matrix<T> v = random_matrix<T>(s.m, s.dv, seed + 2000);
+      const Matrix<T> go = random_matrix<T>(s.n, s.dv, seed + 3000);
+      ref::Options opt;
+      opt.causal = causal;
+      opt.scale = 0.6;
+      ref::Saved<T> ns;
+      const Matrix<T> naive = ref::naive_forward<T>(q, k, v, opt, &ns);
+      const ref::Grad<T> ng = ref::naive_backward(q, k, v, go, ns, opt);
+
+      Matrix<T> out(s.n, s.dv);
+      Vector<T> lse(s.n);
+      ref::detail::flash_forward_tiles<T, BQ, BK>(q, k, v, T(0.6), causal, out, lse);
+      EXPECT_TRUE(close_to(out, naive, Tol<T>::rtol, Tol<T>::atol));
+      Matrix<T> dq(s.n, s.r), dk(s.m, s.r), dv(s.m, s.dv);
+      ref::detail::flash_backward_tiles<T, BQ, BK>(q, k, v, out, go, lse, T(0.6), causal, dq, dk,
+                                                   dv);
+      EXPECT_TRUE(close_to(dq, ng.q, Tol<T>::rtol, Tol<T>::atol)) << "dq";
+      EXPECT_TRUE(close_to(dk, ng.k, Tol<T>::rtol, Tol<T>::atol)) << "dk";
+      EXPECT_TRUE(close_to(dv, ng.v, Tol<T>::rtol, Tol<T>::atol)) << "dv";
+    }
+}
+
+TYPED_TEST(Reference, SmallTilesMatchNaive) {
+  check_small_tiles<TypeParam, 4, 4>(300);
+  check_small_tiles<TypeParam, 8, 3>(400);
+  check_small_tiles<TypeParam, 3, 8>(500);
+  check_small_tiles<TypeParam, 5, 7>(600);
+}
+
+// ---------------------------------------------------------------------------------------------
+// flash backward vs naive backward
+
+TYPED_TEST(Reference, FlashBackwardMatchesNaive) {
+  using T = TypeParam;
+  std::uint64_t seed = 700;
+  for (const Shape& s : kShapes)
+    for (bool causal : {false, true}) {
+      if (causal && s.n != s.m) continue;
+      ++seed;
+      SCOPED_TRACE(describe(s, causal, seed));
+      const Matrix<T> q = random_matrix<T>(s.n, s.r, seed);
+      const Matrix<T> k = random_matrix<T>(s.m, s.r, seed + 1000);
+      const Matrix<T> v = random_matrix<T>(s.m, s.dv, seed + 2000);
+      const Matrix<T> go = random_matrix<T>(s.n, s.dv, seed + 3000);
+      ref::Options opt;
+      opt.causal = causal;
+      ref::Saved<T> ns, fs;
+      ref::naive_forward<T>(q, k, v, opt, &ns);
+      ref::flash_forward<T>(q, k, v, opt, &fs);
+      const ref::Grad<T> ng = ref::naive_backward(q, k, v, go, ns, opt);
+      const ref::Grad<T> fg = ref::flash_backward(q, k, v, go, fs, opt);
+      EXPECT_TRUE(close_to(fg.q, ng.q, Tol<T>::rtol, Tol<T>::atol)) << "dq";
+      EXPECT_TRUE(close_to(fg.k, ng.k, Tol<T>::rtol, Tol<T>::atol)) << "dk";
+      EXPECT_TRUE(close_to(fg.v, ng.v, Tol<T>::rtol, Tol<T>::atol)) << "dv";
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// central differences in double, for q, k and v of both forms
+
+enum class Form { naive, flash };
+
+void check_gradients(Form form, const Shape& s, bool causal, double scale, std::uint64_t seed) {
+  SCOPED_TRACE(describe(s, causal, seed) + (form == Form::naive ? " naive" : " flash"));
+  Matrix<double> q = random_matrix<double>(s.n, s.r, seed);
+  Matrix<double> k = random_matrix<double>(s.m, s.r, seed + 1000);
+  Matrix<double> v = random_matrix<double>(s.m, s.dv, seed + 2000);
+  const Matrix<double> w = random_matrix<double>(s.n, s.dv, seed + 3000);  // loss = sum(w o O)
+  ref::Options opt;
+  opt.causal = causal;
+  opt.scale = scale;
+  auto forward = [&](ref::Saved<double>* saved) {
+    return form == Form::naive ? ref::naive_forward<double>(q, k, v, opt, saved)
+                               : ref::flash_forward<double>(q, k, v, opt, saved);
+  };
+  auto loss = [&] { return forward(nullptr).cwiseProduct(w).sum(); };
+  ref::Saved<double> saved;
+  forward(&saved);
+  const ref::Grad<double> g = form == Form::naive ? ref::naive_backward(q, k, v, w, saved, opt)
+                                                  : ref::flash_backward(q, k, v, w, saved, opt);
+  // h = 1e-6 central differences: truncation ~h^2 |f'''| ~ 1e-12, rounding ~eps |f| / h ~ 1e-10
+  // for |loss| <= ~1e2; 1e-7 absolute plus 1e-6 relative is well above both, far below O(1e-2)
+  // errors that any wrong term would produce.
+  EXPECT_TRUE(close_to(g.q, numeric_gradient(q, loss), 1e-6, 1e-7)) << "dq";
+  EXPECT_TRUE(close_to(g.k, numeric_gradient(k, loss), 1e-6, 1e-7)) << "dk";
+  EXPECT_TRUE(close_to(g.v, numeric_gradient(v, loss), 1e-6, 1e-7)) << "dv";
+}
+
+TEST(ReferenceGradient, NaiveMatchesCentralDifferences) {
+  check_gradients(Form::naive, {5, 7, 3, 4}, false, 0, 11);
+  check_gradients(Form::naive, {6, 6, 3, 4}, true, 0, 12);
+  check_gradients(Form::naive, {4, 9, 5, 2}, false, 1.3, 13);
+}
+
+TEST(ReferenceGradient, FlashMatchesCentralDifferences) {
+  check_gradients(Form::flash, {5, 7, 3, 4}, false, 0, 21);
+  check_gradients(Form::flash, {6, 6, 3, 4}, true, 0, 22);
+  // Several public query tiles (64) and, bidirectionally, more than one key tile (256 / 128).
+  check_gradients(Form::flash, {70, 70, 2, 2}, true, 0.8, 23);
+  check_gradients(Form::flash, {66, 260, 2, 2}, false, 0, 24);
+}
+
+// ---------------------------------------------------------------------------------------------
+// validation
+
+template <class E, class F>
+void expect_throw_naming(F&& f, const std::string& fn, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << fn << ": expected an exception mentioning '" << needle << "'";
+  } catch (const E& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("mixattn::reference::" + fn), std::string::npos) << what;
+    EXPECT_NE(what.find(needle), std::string::npos) << "'" << needle << "' not in: " << what;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << fn << ": wrong exception type: " << e.what();
+  }
+}
+
+template <class T>
+struct Api {
+  // Runs forward `which` (naive/flash) or its backward (with a matching Saved made internally
+  // from `sq, sk, sv`, unless `saved` is given).
+  static Matrix<T> forward(bool flash, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                           const ref::Options& opt, ref::Saved<T>* saved = nullptr) {
+    return flash ? ref::flash_forward<T>(q, k, v, opt, saved)
+                 : ref::naive_forward<T>(q, k, v, opt, saved);
+  }
+  static ref::Grad<T> backward(bool flash, const Matrix<T>& q, const Matrix<T>& k,
+                               const Matrix<T>& v, const Matrix<T>& go, const ref::Saved<T>& s,
+                               const ref::Options& opt) {
+    return flash ? ref::flash_backward(q, k, v, go, s, opt)
+                 : ref::naive_backward(q, k, v, go, s, opt);
+  }
+};
+
+TYPED_TEST(Reference, BadShapesAndOptionsThrowInvalidArgument) {
+  using T = TypeParam;
+  using A = Api<T>;
+  const Matrix<T> q = random_matrix<T>(4, 3, 1), k = random_matrix<T>(5, 3, 2);
+  const Matrix<T> v = random_matrix<T>(5, 2, 3), go = random_matrix<T>(4, 2, 4);
+  const Matrix<T> k_wide = random_matrix<T>(5, 4, 5), v_short = random_matrix<T>(4, 2, 6);
+  const Matrix<T> q0(4, 0), k0(5, 0), k_empty(0, 3), v_empty(0, 2);
+  ref::Options causal;
+  causal.causal = true;
+  ref::Options nan_scale, inf_scale;
+  nan_scale.scale = std::numeric_limits<double>::quiet_NaN();
+  inf_scale.scale = std::numeric_limits<double>::infinity();
+
+  for (bool flash : {false, true}) {
+    const std::string fwd = flash ? "flash_forward" : "naive_forward";
+    const std::string bwd = flash ? "flash_backward" : "naive_backward";
+    SCOPED_TRACE(fwd);
+    using IA = std::invalid_argument;
+    expect_throw_naming<IA>([&] { A::forward(flash, q, k_wide, v, {}); }, fwd, "k has 4 columns");
+    expect_throw_naming<IA>([&] { A::forward(flash, q, k, v_short, {}); }, fwd, "v has 4 rows");
+    expect_throw_naming<IA>([&] { A::forward(flash, q0, k0, v, {}); }, fwd, "q has 0 columns");
+    expect_throw_naming<IA>([&] { A::forward(flash, q, k, v, causal); }, fwd, "causal");
+    expect_throw_naming<IA>([&] { A::forward(flash, q, k_empty, v_empty, {}); }, fwd,
+                            "k has 0 rows");
+    expect_throw_naming<IA>([&] { A::forward(flash, q, k, v, nan_scale); }, fwd, "options.scale");
+    expect_throw_naming<IA>([&] { A::forward(flash, q, k, v, inf_scale); }, fwd, "options.scale");
+
+    ref::Saved<T> good;
+    A::forward(flash, q, k, v, {}, &good);
+    EXPECT_NO_THROW(A::backward(flash, q, k, v, go, good, {}));
+    // Inputs are validated by backward too.
+    expect_throw_naming<IA>([&] { A::backward(flash, q, k_wide, v, go, good, {}); }, bwd,
+                            "k has 4 columns");
+    const Matrix<T> go_bad = random_matrix<T>(4, 3, 7);
+    expect_throw_naming<IA>([&] { A::backward(flash, q, k, v, go_bad, good, {}); }, bwd,
+                            "grad_out is 4 x 3");
+    const ref::Saved<T> empty;
+    expect_throw_naming<IA>([&] { A::backward(flash, q, k, v, go, empty, {}); }, bwd, "saved");
+    ref::Saved<T> other_form;
+    A::forward(!flash, q, k, v, {}, &other_form);
+    expect_throw_naming<IA>([&] { A::backward(flash, q, k, v, go, other_form, {}); }, bwd, "saved");
+    ref::Saved<T> other_shape;
+    const Matrix<T> k6 = random_matrix<T>(6, 3, 8), v6 = random_matrix<T>(6, 2, 9);
+    A::forward(flash, q, k6, v6, {}, &other_shape);
+    expect_throw_naming<IA>([&] { A::backward(flash, q, k, v, go, other_shape, {}); }, bwd,
+                            "saved is for 4 queries, 6 keys");
+    ref::Options other_scale;
+    other_scale.scale = 2;
+    expect_throw_naming<IA>([&] { A::backward(flash, q, k, v, go, good, other_scale); }, bwd,
+                            "saved was made with");
+  }
+}
+
+TYPED_TEST(Reference, NonFiniteInputsThrowDomainError) {
+  using T = TypeParam;
+  using A = Api<T>;
+  const Matrix<T> q = random_matrix<T>(4, 3, 1), k = random_matrix<T>(4, 3, 2);
+  const Matrix<T> v = random_matrix<T>(4, 2, 3), go = random_matrix<T>(4, 2, 4);
+  const T nan = std::numeric_limits<T>::quiet_NaN(), inf = std::numeric_limits<T>::infinity();
+  Matrix<T> q_bad = q, k_bad = k, v_bad = v, go_bad = go;
+  q_bad(1, 2) = nan;
+  k_bad(3, 0) = inf;
+  v_bad(0, 1) = -inf;
+  go_bad(2, 1) = nan;
+  ref::Options unchecked;
+  unchecked.check_finite = false;
+
+  for (bool flash : {false, true}) {
+    const std::string fwd = flash ? "flash_forward" : "naive_forward";
+    const std::string bwd = flash ? "flash_backward" : "naive_backward";
+    SCOPED_TRACE(fwd);
+    using DE = std::domain_error;
+    expect_throw_naming<DE>([&] { A::forward(flash, q_bad, k, v, {}); }, fwd, "q has a non-finite");
+    expect_throw_naming<DE>([&] { A::forward(flash, q, k_bad, v, {}); }, fwd, "k has a non-finite");
+    expect_throw_naming<DE>([&] { A::forward(flash, q, k, v_bad, {}); }, fwd, "v has a non-finite");
+    ref::Saved<T> saved;
+    A::forward(flash, q, k, v, {}, &saved);
+    expect_throw_naming<DE>([&] { A::backward(flash, q_bad, k, v, go, saved, {}); }, bwd,
+                            "q has a non-finite");
+    expect_throw_naming<DE>([&] { A::backward(flash, q, k, v, go_bad, saved, {}); }, bwd,
+                            "grad_out has a non-finite");
+    // Unchecked: no throw, and the NaN reaches the output row of the bad query only.
+    Matrix<T> out;
+    EXPECT_NO_THROW(out = A::forward(flash, q_bad, k, v, unchecked));
+    EXPECT_TRUE(out.row(1).hasNaN());
+    EXPECT_TRUE(out.row(0).allFinite());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// edge cases
+
+TYPED_TEST(Reference, EmptyQueriesGiveEmptyResults) {
+  using T = TypeParam;
+  using A = Api<T>;
+  const Matrix<T> q(0, 3), go(0, 2);
+  const Matrix<T> k = random_matrix<T>(5, 3, 1), v = random_matrix<T>(5, 2, 2);
+  const Matrix<T> k0(0, 3), v0(0, 2);
+  ref::Options causal;
+  causal.causal = true;
+  for (bool flash : {false, true}) {
+    SCOPED_TRACE(flash ? "flash" : "naive");
+    ref::Saved<T> saved;
+    const Matrix<T> out = A::forward(flash, q, k, v, {}, &saved);
+    EXPECT_EQ(out.rows(), 0);
+    EXPECT_EQ(out.cols(), 2);
+    const ref::Grad<T> g = A::backward(flash, q, k, v, go, saved, {});
+    EXPECT_EQ(g.q.rows(), 0);
+    EXPECT_EQ(g.q.cols(), 3);
+    // No query reads the keys: their gradients exist and are exactly zero.
+    ASSERT_EQ(g.k.rows(), 5);
+    ASSERT_EQ(g.v.rows(), 5);
+    EXPECT_EQ(g.k.cwiseAbs().maxCoeff(), T(0));
+    EXPECT_EQ(g.v.cwiseAbs().maxCoeff(), T(0));
+
+    ref::Saved<T> saved_causal;
+    const Matrix<T> out_causal = A::forward(flash, q, k0, v0, causal, &saved_causal);
+    EXPECT_EQ(out_causal.rows(), 0);
+    EXPECT_EQ(out_causal.cols(), 2);
+    const ref::Grad<T> gc = A::backward(flash, q, k0, v0, go, saved_causal, causal);
+    EXPECT_EQ(gc.q.size() + gc.k.size() + gc.v.size(), 0);
+  }
+}
+
+// |q|, |k| ~ 1e4 with scale 1: logits ~1e8, so softmax is an argmax and any implementation that
+// skips the max subtraction (or subtracts a stale max) overflows. The output row must be the value
+// of the key with the largest logit, and gradients must stay finite.
+TYPED_TEST(Reference, ExtremeLogitsStayFinite) {
+  using T = TypeParam;
+  using A = Api<T>;
+  const Index n = 70, r = 8, dv = 3;
+  const Matrix<T> q = random_matrix<T>(n, r, 31, 1e4), k = random_matrix<T>(n, r, 32, 1e4);
+  const Matrix<T> v = random_matrix<T>(n, dv, 33), go = random_matrix<T>(n, dv, 34);
+  for (bool causal : {false, true})
+    for (bool flash : {false, true}) {
+      SCOPED_TRACE(std::string(flash ? "flash" : "naive") + (causal ? " causal" : ""));
+      ref::Options opt;
+      opt.causal = causal;
+      opt.scale = 1;
+      ref::Saved<T> saved;
+      const Matrix<T> out = A::forward(flash, q, k, v, opt, &saved);
+      ASSERT_TRUE(out.allFinite());
+      Matrix<double> expected(n, dv);
+      for (Index i = 0; i < n; ++i) {
+        const Index visible = causal ? i + 1 : n;
+        Vector<double> logit = (k.topRows(visible).template cast<double>() *
+                                q.row(i).transpose().template cast<double>());
+        Index best = 0;
+        const double top = logit.maxCoeff(&best);
+        logit[best] = -std::numeric_limits<double>::infinity();
+        // Precondition of the fixed seed: a margin far beyond float's logit rounding (~1e2),
+        // so the hard argmax is the exact answer (the runner-up weighs exp(-1e3) = 0).
+        if (visible > 1) {
+          ASSERT_GT(top - logit.maxCoeff(), 1e3) << "row " << i;
+        }
+        expected.row(i) = v.row(best).template cast<double>();
+      }
+      EXPECT_TRUE(close_to(out, expected, Tol<T>::rtol, Tol<T>::atol));
+      const ref::Grad<T> g = A::backward(flash, q, k, v, go, saved, opt);
+      EXPECT_TRUE(g.q.allFinite());
+      EXPECT_TRUE(g.k.allFinite());
+      EXPECT_TRUE(g.v.allFinite());
+    }
+}
+
+// Logits beyond the scalar type's range cannot be represented: reported, not returned as NaN.
+TYPED_TEST(Reference, OverflowingLogitsAreReported) {
+  using T = TypeParam;
+  using A = Api<T>;
+  const Matrix<T> q = random_matrix<T>(5, 4, 41, 1e4), k = random_matrix<T>(5, 4, 42, 1e4);
+  const Matrix<T> v = random_matrix<T>(5, 2, 43);
+  ref::Options opt;
+  opt.scale = double(std::numeric_limits<T>::max());  // |q . k| ~ 1e8: scale * q . k overflows
+  for (bool flash : {false, true})
+    expect_throw_naming<std::domain_error>([&] { A::forward(flash, q, k, v, opt); },
+                                           flash ? "flash_forward" : "naive_forward", "overflows");
+}
+
+}  // namespace
