@@ -43,9 +43,9 @@ Matrix<double> numeric_gradient(Eigen::DenseBase<Derived>& x, Loss&& loss, doubl
   return g;
 }
 
-/// Largest |a - b| / (atol + rtol * |b|) over all entries; <= 1 means close.
-inline ::testing::AssertionResult all_close(const Matrix<double>& a, const Matrix<double>& b,
-                                            double rtol, double atol) {
+namespace detail {
+inline ::testing::AssertionResult all_close_double(const Matrix<double>& a, const Matrix<double>& b,
+                                                   double rtol, double atol) {
   if (a.rows() != b.rows() || a.cols() != b.cols())
     return ::testing::AssertionFailure() << "shape " << a.rows() << "x" << a.cols() << " vs "
                                          << b.rows() << "x" << b.cols();
@@ -66,11 +66,13 @@ inline ::testing::AssertionResult all_close(const Matrix<double>& a, const Matri
          << "worst entry (" << wi << ", " << wj << "): " << a(wi, wj) << " vs " << b(wi, wj)
          << " (rtol " << rtol << ", atol " << atol << ", ratio " << worst << ")";
 }
+}  // namespace detail
 
+/// Largest |a - b| / (atol + rtol * |b|) over all entries (compared in double); <= 1 means close.
 template <class DA, class DB>
 ::testing::AssertionResult all_close(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b,
                                      double rtol, double atol) {
-  return all_close(Matrix<double>(a.template cast<double>()),
+  return detail::all_close_double(Matrix<double>(a.template cast<double>()),
                    Matrix<double>(b.template cast<double>()), rtol, atol);
 }
 

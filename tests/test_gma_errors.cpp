@@ -1,0 +1,163 @@
+// GMA argument validation: every bad shape, option and non-finite input is rejected at the API
+// boundary with a message naming the function, the argument and the sizes.
+#include <mixattn/gma.hpp>
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <string>
+
+namespace {
+
+using namespace mixattn;
+using mixattn::testing::random_matrix;
+
+/// Runs f, expects exception E whose message contains every fragment.
+template <class E, class F>
+void expect_throw(F&& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no exception";
+  } catch (const E& e) {
+    const std::string what = e.what();
+    for (const char* frag : fragments)
+      EXPECT_NE(what.find(frag), std::string::npos) << "'" << frag << "' not in: " << what;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception type: " << e.what();
+  }
+}
+
+class GmaErrors : public ::testing::Test {
+ protected:
+  const Index n = 6, r = 3, K = 4, dv = 2;
+  gma::Mixture<double> mix = gma::Mixture<double>::random(K, r, 1);
+  Matrix<double> q = random_matrix<double>(n, r, 2), k = random_matrix<double>(n, r, 3);
+  Matrix<double> v = random_matrix<double>(n, dv, 4), w = random_matrix<double>(n, dv, 5);
+  static constexpr const char* fwd = "mixattn::gma::forward";
+  static constexpr const char* bwd = "mixattn::gma::backward";
+  double nan = std::numeric_limits<double>::quiet_NaN();
+  double inf = std::numeric_limits<double>::infinity();
+};
+
+TEST_F(GmaErrors, ShapeMismatches) {
+  using IA = std::invalid_argument;
+  const Matrix<double> q4 = random_matrix<double>(n, 4, 9);
+  expect_throw<IA>([&] { gma::forward(mix, q4, k, v); }, {fwd, "q is 6 x 4", "dimension 3"});
+  expect_throw<IA>([&] { gma::forward(mix, q, q4, v); }, {fwd, "k is 6 x 4", "dimension 3"});
+  const Matrix<double> v5 = random_matrix<double>(5, dv, 9);
+  expect_throw<IA>([&] { gma::forward(mix, q, k, v5); }, {fwd, "v has 5 rows but k has 6"});
+  gma::Options causal;
+  causal.causal = true;
+  const Matrix<double> q7 = random_matrix<double>(7, r, 9);
+  expect_throw<IA>([&] { gma::forward(mix, q7, k, v, causal); }, {fwd, "causal", "7", "6"});
+  EXPECT_NO_THROW(gma::forward(mix, q7, k, v));  // cross-attention is fine bidirectionally
+  expect_throw<IA>([&] { gma::responsibilities(mix, q4); },
+                   {"mixattn::gma::responsibilities", "x is 6 x 4"});
+}
+
+TEST_F(GmaErrors, MixtureInconsistent) {
+  using IA = std::invalid_argument;
+  gma::Mixture<double> m = mix;
+  m.var_raw = Matrix<double>::Zero(K, r + 1);
+  expect_throw<IA>([&] { gma::forward(m, q, k, v); }, {fwd, "var_raw is 4 x 4", "mean is 4 x 3"});
+  m = mix;
+  m.prior_logit = Vector<double>::Zero(K + 2);
+  expect_throw<IA>([&] { gma::forward(m, q, k, v); }, {fwd, "prior_logit has 6", "4 components"});
+  m = mix;
+  m.var_floor = 0;
+  expect_throw<IA>([&] { gma::forward(m, q, k, v); }, {fwd, "var_floor"});
+  m.var_floor = -1e-4;
+  expect_throw<IA>([&] { gma::forward(m, q, k, v); }, {fwd, "var_floor"});
+  gma::Mixture<double> empty;  // K == 0
+  empty.mean.resize(0, r);
+  empty.var_raw.resize(0, r);
+  empty.prior_logit.resize(0);
+  expect_throw<IA>([&] { gma::forward(empty, q, k, v); }, {fwd, "0 components"});
+  gma::Mixture<double> flat;  // r == 0
+  flat.mean.resize(K, 0);
+  flat.var_raw.resize(K, 0);
+  flat.prior_logit = Vector<double>::Zero(K);
+  const Matrix<double> q0(n, 0);
+  expect_throw<IA>([&] { gma::forward(flat, q0, q0, v); }, {fwd, "dimension 0"});
+  expect_throw<IA>([&] { gma::Mixture<double>::random(0, 3, 1); }, {"random", "components is 0"});
+}
+
+TEST_F(GmaErrors, BadOptions) {
+  using IA = std::invalid_argument;
+  gma::Options o;
+  o.eps = 0;
+  expect_throw<IA>([&] { gma::forward(mix, q, k, v, o); }, {fwd, "eps is 0"});
+  o.eps = -1;
+  expect_throw<IA>([&] { gma::forward(mix, q, k, v, o); }, {fwd, "eps is -1"});
+  o.eps = nan;
+  expect_throw<IA>([&] { gma::forward(mix, q, k, v, o); }, {fwd, "eps"});
+  o = {};
+  o.chunk = -3;
+  expect_throw<IA>([&] { gma::forward(mix, q, k, v, o); }, {fwd, "chunk is -3"});
+}
+
+TEST_F(GmaErrors, NonFiniteInputs) {
+  using DE = std::domain_error;
+  auto poisoned = [](Matrix<double> m, double bad) {
+    m(m.rows() - 1, m.cols() - 1) = bad;
+    return m;
+  };
+  for (double bad : {nan, inf, -inf}) {
+    const Matrix<double> qb = poisoned(q, bad), kb = poisoned(k, bad), vb = poisoned(v, bad);
+    expect_throw<DE>([&] { gma::forward(mix, qb, k, v); }, {fwd, "q has a non-finite"});
+    expect_throw<DE>([&] { gma::forward(mix, q, kb, v); }, {fwd, "k has a non-finite"});
+    expect_throw<DE>([&] { gma::forward(mix, q, k, vb); }, {fwd, "v has a non-finite"});
+    gma::Mixture<double> m = mix;
+    m.mean(1, 2) = bad;
+    expect_throw<DE>([&] { gma::forward(m, q, k, v); }, {fwd, "mixture.mean", "(1, 2)"});
+    m = mix;
+    m.var_raw(0, 0) = bad;
+    expect_throw<DE>([&] { gma::forward(m, q, k, v); }, {fwd, "mixture.var_raw"});
+    m = mix;
+    m.prior_logit(3) = bad;
+    expect_throw<DE>([&] { gma::forward(m, q, k, v); }, {fwd, "mixture.prior_logit"});
+    gma::Saved<double> saved;
+    gma::forward(mix, q, k, v, {}, &saved);
+    const Matrix<double> wb = poisoned(w, bad);
+    expect_throw<DE>([&] { gma::backward(mix, q, k, v, wb, saved); }, {bwd, "grad_out"});
+    expect_throw<DE>([&] { gma::backward(mix, qb, k, v, w, saved); }, {bwd, "q has"});
+    expect_throw<DE>([&] { gma::responsibilities(mix, qb); }, {"responsibilities", "x has"});
+  }
+  // the check can be switched off: NaN then simply propagates
+  gma::Options off;
+  off.check_finite = false;
+  const Matrix<double> vb = poisoned(v, nan);
+  EXPECT_NO_THROW(gma::forward(mix, q, k, vb, off));
+}
+
+TEST_F(GmaErrors, BackwardRejectsMismatchedSavedAndGradOut) {
+  using IA = std::invalid_argument;
+  gma::Saved<double> saved;
+  gma::forward(mix, q, k, v, {}, &saved);
+  EXPECT_NO_THROW(gma::backward(mix, q, k, v, w, saved));
+  const Matrix<double> w3 = random_matrix<double>(n, 3, 9);
+  expect_throw<IA>([&] { gma::backward(mix, q, k, v, w3, saved); },
+                   {bwd, "grad_out is 6 x 3", "6 x 2"});
+  gma::Saved<double> never;
+  expect_throw<IA>([&] { gma::backward(mix, q, k, v, w, never); }, {bwd, "saved"});
+  // saved from other shapes
+  const Matrix<double> q8 = random_matrix<double>(8, r, 9), w8 = random_matrix<double>(8, dv, 9);
+  expect_throw<IA>([&] { gma::backward(mix, q8, k, v, w8, saved); }, {bwd, "saved is for N = 6", "N = 8"});
+  // saved from other values of the same shapes
+  const Matrix<double> k2 = random_matrix<double>(n, r, 99);
+  expect_throw<IA>([&] { gma::backward(mix, q, k2, v, w, saved); }, {bwd, "different"});
+  gma::Mixture<double> m2 = mix;
+  m2.mean(0, 0) += 1;
+  expect_throw<IA>([&] { gma::backward(m2, q, k, v, w, saved); }, {bwd, "different"});
+  // saved from the other mode or eps
+  gma::Options causal;
+  causal.causal = true;
+  expect_throw<IA>([&] { gma::backward(mix, q, k, v, w, saved, causal); }, {bwd, "causal"});
+  gma::Options eps;
+  eps.eps = 1e-3;
+  expect_throw<IA>([&] { gma::backward(mix, q, k, v, w, saved, eps); }, {bwd, "eps"});
+}
+
+}  // namespace

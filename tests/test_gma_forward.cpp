@@ -1,0 +1,342 @@
+// GMA responsibilities and forward (SPEC 1.2-1.4, 1.6) against direct O(N^2) formulas in double.
+#include <mixattn/gma.hpp>
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using namespace mixattn;
+using mixattn::testing::random_matrix;
+
+/// all_close on any two Eigen expressions (mixed float/double included), compared in double.
+template <class A, class B>
+::testing::AssertionResult close(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b,
+                                 double rtol, double atol) {
+  return mixattn::testing::all_close(Matrix<double>(a.template cast<double>()),
+                                     Matrix<double>(b.template cast<double>()), rtol, atol);
+}
+
+template <class T>
+struct Tol;
+// float: s_k carries O(r |s| eps_f) ~ 1e-5 absolute error for r <= 64 and O(1) standardised
+// distances, which moves gamma by the same relative amount.
+template <>
+struct Tol<float> {
+  static constexpr double rtol = 2e-4, atol = 2e-6;
+};
+// double: the same terms with eps_d; 1e-11 leaves room for the log/exp of the softmax.
+template <>
+struct Tol<double> {
+  static constexpr double rtol = 1e-11, atol = 1e-13;
+};
+
+/// A mixture with non-trivial variances and priors.
+template <class T>
+gma::Mixture<T> test_mixture(Index K, Index r, std::uint64_t seed) {
+  gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, seed);
+  mix.var_raw = random_matrix<T>(K, r, seed + 1, 0.7);
+  mix.prior_logit = random_matrix<T>(K, 1, seed + 2, 0.5);
+  return mix;
+}
+
+/// SPEC 1.2 literally, in double, from the raw parameters (softplus, log_softmax, the sum).
+template <class T>
+Matrix<double> direct_gamma(const gma::Mixture<T>& mix, const Matrix<T>& x) {
+  const Index K = mix.mean.rows(), r = mix.mean.cols(), n = x.rows();
+  std::vector<double> log_pi(K);
+  double lse = 0, amax = -1e300;
+  for (Index k = 0; k < K; ++k) amax = std::max(amax, double(mix.prior_logit(k)));
+  for (Index k = 0; k < K; ++k) lse += std::exp(double(mix.prior_logit(k)) - amax);
+  for (Index k = 0; k < K; ++k) log_pi[k] = double(mix.prior_logit(k)) - amax - std::log(lse);
+  Matrix<double> g(n, K);
+  for (Index i = 0; i < n; ++i) {
+    std::vector<double> s(K);
+    double smax = -1e300;
+    for (Index k = 0; k < K; ++k) {
+      double acc = log_pi[k];
+      for (Index m = 0; m < r; ++m) {
+        const double var = std::log1p(std::exp(double(mix.var_raw(k, m)))) + double(mix.var_floor);
+        const double d = double(x(i, m)) - double(mix.mean(k, m));
+        acc -= 0.5 * std::log(var) + 0.5 * d * d / var;
+      }
+      s[k] = acc;
+      smax = std::max(smax, acc);
+    }
+    double sum = 0;
+    for (Index k = 0; k < K; ++k) sum += (s[k] = std::exp(s[k] - smax));
+    for (Index k = 0; k < K; ++k) g(i, k) = s[k] / sum;
+  }
+  return g;
+}
+
+/// SPEC 1.4 oracle: O = diag(d)^-1 (mask . Gamma_Q Gamma_K^T) V, d = rowsum + eps.
+Matrix<double> explicit_attention(const Matrix<double>& gq, const Matrix<double>& gk,
+                                  const Matrix<double>& v, bool causal, double eps) {
+  Matrix<double> a = gq * gk.transpose();
+  if (causal)
+    for (Index i = 0; i < a.rows(); ++i)
+      for (Index j = i + 1; j < a.cols(); ++j) a(i, j) = 0;
+  const Vector<double> d = a.rowwise().sum().array() + eps;
+  Matrix<double> o = a * v;
+  o.array().colwise() /= d.array();
+  return o;
+}
+
+template <class T>
+class GmaForward : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(GmaForward, Scalars);
+
+TYPED_TEST(GmaForward, ResponsibilitiesMatchDirectFormulaAndLieOnSimplex) {
+  using T = TypeParam;
+  // odd r, K below / at / above / not a multiple of every SIMD width (4, 8, 16 lanes)
+  for (Index r : {1, 3, 5, 17, 64})
+    for (Index K : {1, 3, 7, 16, 17, 33, 64}) {
+      SCOPED_TRACE(::testing::Message() << "r " << r << " K " << K << " seed " << r * 100 + K);
+      const gma::Mixture<T> mix = test_mixture<T>(K, r, r * 100 + K);
+      const Matrix<T> x = random_matrix<T>(13, r, r * 1000 + K);  // 13: not a multiple of the tile
+      const Matrix<T> g = gma::responsibilities(mix, x);
+      ASSERT_EQ(g.rows(), 13);
+      ASSERT_EQ(g.cols(), K);
+      EXPECT_TRUE(close(g, direct_gamma(mix, x), Tol<T>::rtol, Tol<T>::atol));
+      EXPECT_TRUE((g.array() >= 0).all());
+      const Vector<double> ones = Vector<double>::Ones(13);
+      EXPECT_TRUE(close(g.template cast<double>().rowwise().sum(), ones, 0,
+                            std::is_same<T, float>::value ? 1e-6 : 1e-14));
+    }
+}
+
+TYPED_TEST(GmaForward, SimdKernelMatchesScalarKernel) {
+  using T = TypeParam;
+  for (Index K : {5, 16, 40}) {
+    const gma::Mixture<T> mix = test_mixture<T>(K, 9, 7 + K);
+    const Matrix<T> x = random_matrix<T>(23, 9, 8 + K, 1.5);
+    const Matrix<T> fast = gma::responsibilities(mix, x);
+    const Matrix<T> slow = gma::responsibilities<T, detail::scalar_arch>(mix, x);
+    EXPECT_TRUE(close(fast, slow, Tol<T>::rtol, Tol<T>::atol)) << "K " << K;
+  }
+}
+
+TYPED_TEST(GmaForward, ResponsibilitiesOfRowBlockAndMap) {
+  using T = TypeParam;
+  const gma::Mixture<T> mix = test_mixture<T>(6, 4, 3);
+  const Matrix<T> x = random_matrix<T>(20, 4, 4);
+  const Matrix<T> whole = gma::responsibilities(mix, x);
+  const Matrix<T> block = gma::responsibilities(mix, x.middleRows(5, 7));  // outer stride 4
+  // the per-token arithmetic does not depend on the tile a token falls in: bitwise equal
+  EXPECT_TRUE(block == whole.middleRows(5, 7));
+  Eigen::Map<const Matrix<T>> map(x.data() + 4, 10, 4);
+  EXPECT_TRUE(gma::responsibilities(mix, map) == whole.middleRows(1, 10));
+}
+
+struct Shape {
+  Index n, m, r, K, dv;
+};
+
+TYPED_TEST(GmaForward, BidirectionalMatchesExplicitFormula) {
+  using T = TypeParam;
+  for (const Shape s : {Shape{9, 9, 3, 4, 2}, Shape{5, 11, 2, 7, 3}, Shape{17, 6, 8, 17, 5},
+                        Shape{33, 33, 16, 33, 16}}) {
+    const std::uint64_t seed = s.n * 7 + s.m * 11 + s.K;
+    SCOPED_TRACE(::testing::Message() << "N " << s.n << " M " << s.m << " seed " << seed);
+    const gma::Mixture<T> mix = test_mixture<T>(s.K, s.r, seed);
+    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1), k = random_matrix<T>(s.m, s.r, seed + 2);
+    const Matrix<T> v = random_matrix<T>(s.m, s.dv, seed + 3);
+    const Matrix<T> o = gma::forward(mix, q, k, v);
+    const Matrix<double> ref =
+        explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k), v.template cast<double>(),
+                           false, 1e-6);
+    EXPECT_TRUE(close(o, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
+  }
+}
+
+TYPED_TEST(GmaForward, CausalMatchesExplicitFormulaForEveryChunkLength) {
+  using T = TypeParam;
+  for (const Shape s : {Shape{1, 1, 2, 3, 2}, Shape{13, 13, 3, 5, 2}, Shape{40, 40, 6, 17, 7}}) {
+    const std::uint64_t seed = s.n * 13 + s.K;
+    const gma::Mixture<T> mix = test_mixture<T>(s.K, s.r, seed);
+    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1), k = random_matrix<T>(s.n, s.r, seed + 2);
+    const Matrix<T> v = random_matrix<T>(s.n, s.dv, seed + 3);
+    const Matrix<double> ref = explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k),
+                                                  v.template cast<double>(), true, 1e-6);
+    for (Index chunk : {0, 1, 3, 4, 16, 64, 1000}) {
+      SCOPED_TRACE(::testing::Message() << "N " << s.n << " chunk " << chunk << " seed " << seed);
+      gma::Options opt;
+      opt.causal = true;
+      opt.chunk = chunk;
+      const Matrix<T> o = gma::forward(mix, q, k, v, opt);
+      EXPECT_TRUE(close(o, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
+    }
+  }
+}
+
+TYPED_TEST(GmaForward, SingleComponentAveragesVisibleValues) {
+  using T = TypeParam;
+  const Index n = 21, dv = 3;
+  const gma::Mixture<T> mix = test_mixture<T>(1, 4, 5);
+  const Matrix<T> q = random_matrix<T>(n, 4, 6), k = random_matrix<T>(n, 4, 7);
+  const Matrix<T> v = random_matrix<T>(n, dv, 8);
+  const double eps = 1e-6;
+  // gamma == 1 everywhere, so O_i = (sum of visible v) / (count + eps)
+  Matrix<double> bidir(n, dv), causal(n, dv);
+  const Eigen::RowVectorXd total = v.template cast<double>().colwise().sum();
+  Eigen::RowVectorXd prefix = Eigen::RowVectorXd::Zero(dv);
+  for (Index i = 0; i < n; ++i) {
+    prefix += v.row(i).template cast<double>();
+    bidir.row(i) = total / (n + eps);
+    causal.row(i) = prefix / (i + 1 + eps);
+  }
+  const double rtol = std::is_same<T, float>::value ? 1e-5 : 1e-13;  // sums of 21 values
+  EXPECT_TRUE(close(gma::forward(mix, q, k, v), bidir, rtol, rtol));
+  gma::Options opt;
+  opt.causal = true;
+  opt.chunk = 4;
+  EXPECT_TRUE(close(gma::forward(mix, q, k, v, opt), causal, rtol, rtol));
+}
+
+TYPED_TEST(GmaForward, OutputRowsAreConvexCombinations) {
+  using T = TypeParam;
+  const Index n = 50, dv = 6;
+  const gma::Mixture<T> mix = test_mixture<T>(8, 5, 9);
+  const Matrix<T> q = random_matrix<T>(n, 5, 10), k = random_matrix<T>(n, 5, 11);
+  const Matrix<T> v = random_matrix<T>(n, dv, 12, 3.0);
+  for (bool causal : {false, true}) {
+    gma::Options opt;
+    opt.causal = causal;
+    opt.chunk = 7;
+    const Matrix<T> o = gma::forward(mix, q, k, v, opt);
+    // each coordinate lies within [min_j v_jd, max_j v_jd] over the visible j
+    for (Index i = 0; i < n; ++i) {
+      const Index visible = causal ? i + 1 : n;
+      const Matrix<T> vis = v.topRows(visible);
+      for (Index d = 0; d < dv; ++d) {
+        const double slack = 1e-5 * std::abs(double(vis.col(d).cwiseAbs().maxCoeff()));
+        EXPECT_LE(double(o(i, d)), double(vis.col(d).maxCoeff()) + slack) << i << "," << d;
+        EXPECT_GE(double(o(i, d)), double(vis.col(d).minCoeff()) - slack) << i << "," << d;
+      }
+      EXPECT_LE(double(o.row(i).norm()),
+                double(vis.rowwise().norm().maxCoeff()) * (1 + 1e-5));
+    }
+  }
+}
+
+TEST(GmaForwardPrecision, FloatAgreesWithDouble) {
+  const Index n = 300, r = 16, K = 24, dv = 8;
+  const gma::Mixture<double> md = test_mixture<double>(K, r, 21);
+  gma::Mixture<float> mf;
+  mf.mean = md.mean.cast<float>();
+  mf.var_raw = md.var_raw.cast<float>();
+  mf.prior_logit = md.prior_logit.cast<float>();
+  const Matrix<float> q = random_matrix<float>(n, r, 22), k = random_matrix<float>(n, r, 23);
+  const Matrix<float> v = random_matrix<float>(n, dv, 24);
+  for (bool causal : {false, true}) {
+    gma::Options opt;
+    opt.causal = causal;
+    const Matrix<float> of = gma::forward(mf, q, k, v, opt);
+    const Matrix<double> od = gma::forward(md, q.cast<double>(), k.cast<double>(),
+                                           v.cast<double>(), opt);
+    // gamma is good to ~1e-5 relative in float (see Tol<float>); outputs average O(1) values.
+    EXPECT_TRUE(close(of, od, 1e-4, 1e-5)) << "causal " << causal;
+  }
+}
+
+TEST(GmaForwardPrecision, LongCausalSequenceInFloatStaysOnDouble) {
+  // the running state sums N terms; kept in double it does not drift with the sequence length
+  const Index n = 6000, r = 8, K = 16, dv = 4;
+  const gma::Mixture<double> md = test_mixture<double>(K, r, 31);
+  gma::Mixture<float> mf;
+  mf.mean = md.mean.cast<float>();
+  mf.var_raw = md.var_raw.cast<float>();
+  mf.prior_logit = md.prior_logit.cast<float>();
+  const Matrix<float> q = random_matrix<float>(n, r, 32), k = random_matrix<float>(n, r, 33);
+  const Matrix<float> v = random_matrix<float>(n, dv, 34);
+  gma::Options opt;
+  opt.causal = true;
+  const Matrix<float> of = gma::forward(mf, q, k, v, opt);
+  const Matrix<double> od =
+      gma::forward(md, q.cast<double>(), k.cast<double>(), v.cast<double>(), opt);
+  EXPECT_TRUE(close(of.bottomRows(100), od.bottomRows(100), 1e-4, 1e-5));
+}
+
+TEST(GmaForwardPrecision, CancellationFreeWhereExpandedFormFails) {
+  // |mu| ~ 1e3 and sigma at the floor (var_raw = -30: sigma^2 = 1e-4): standardised distances
+  // are O(1) but x^2 / sigma^2 ~ 1e10. Components sit a few sigma apart so gamma is not one-hot.
+  const Index K = 4, r = 3, n = 64;
+  gma::Mixture<float> mix;
+  const Matrix<double> base = random_matrix<double>(1, r, 41, 1000.0);
+  const Matrix<double> spread = random_matrix<double>(K, r, 42, 0.01);
+  mix.mean = (spread.rowwise() + base.row(0)).cast<float>();
+  mix.var_raw = Matrix<float>::Constant(K, r, -30.0f);
+  mix.prior_logit = Vector<float>::Zero(K);
+  Matrix<float> x(n, r);
+  const Matrix<double> offsets = random_matrix<double>(n, r, 43, 0.01);
+  for (Index i = 0; i < n; ++i) x.row(i) = (mix.mean.row(i % K).cast<double>() + offsets.row(i)).cast<float>();
+
+  const Matrix<double> exact = direct_gamma(mix, x);  // same float inputs, double arithmetic
+  const Matrix<float> ours = gma::responsibilities(mix, x);
+
+  // the expanded form in float: (X.X) L^T - 2 X (L.mu)^T + sum_m L mu^2, L = 1/sigma^2
+  const float var = float(std::log1p(std::exp(-30.0)) + 1e-4);
+  Matrix<float> expanded(n, K);
+  for (Index i = 0; i < n; ++i) {
+    Vector<float> s(K);
+    for (Index k = 0; k < K; ++k) {
+      float xx = 0, xm = 0, mm = 0;
+      for (Index m = 0; m < r; ++m) {
+        xx += x(i, m) * x(i, m) / var;
+        xm += x(i, m) * mix.mean(k, m) / var;
+        mm += mix.mean(k, m) * mix.mean(k, m) / var;
+      }
+      s(k) = -0.5f * (xx - 2 * xm + mm);
+    }
+    s.array() -= s.maxCoeff();
+    s = s.array().exp();
+    expanded.row(i) = s.transpose() / s.sum();
+  }
+  const double ours_err = (ours.cast<double>() - exact).cwiseAbs().maxCoeff();
+  const double expanded_err = (expanded.cast<double>() - exact).cwiseAbs().maxCoeff();
+  // a and b = mu a are rounded separately: |t| error ~ (|mu| / sigma) eps_f ~ 1e5 * 6e-8 per
+  // dimension, so gamma moves by ~1e-2 at most here, against O(1) for the expanded form.
+  EXPECT_LT(ours_err, 3e-2) << "expanded form error " << expanded_err;
+  EXPECT_GT(expanded_err, 0.3) << "the test no longer exercises cancellation";
+  // gamma is non-trivial, so the comparison above measured something
+  EXPECT_GT((exact.array() > 0.05 && exact.array() < 0.95).count(), n / 4);
+}
+
+TYPED_TEST(GmaForward, EmptySequence) {
+  using T = TypeParam;
+  const gma::Mixture<T> mix = test_mixture<T>(3, 2, 1);
+  const Matrix<T> q(0, 2), k(0, 2), v(0, 5);
+  for (bool causal : {false, true}) {
+    gma::Options opt;
+    opt.causal = causal;
+    const Matrix<T> o = gma::forward(mix, q, k, v, opt);
+    EXPECT_EQ(o.rows(), 0);
+    EXPECT_EQ(o.cols(), 5);
+  }
+  EXPECT_EQ(gma::responsibilities(mix, q).rows(), 0);
+}
+
+TEST(GmaMixture, RandomIsReproducibleAndFollowsSpec) {
+  const gma::Mixture<double> a = gma::Mixture<double>::random(32, 16, 99, 2.0);
+  const gma::Mixture<double> b = gma::Mixture<double>::random(32, 16, 99, 2.0);
+  const gma::Mixture<double> c = gma::Mixture<double>::random(32, 16, 100, 2.0);
+  EXPECT_TRUE(a.mean == b.mean);
+  EXPECT_FALSE(a.mean == c.mean);
+  EXPECT_TRUE(a.var_raw.isZero(0));
+  EXPECT_TRUE(a.prior_logit.isZero(0));
+  EXPECT_EQ(a.var_floor, 1e-4);
+  // 512 draws of N(0, 2^2): sample mean within 4 standard errors, sample sd within 10%
+  const double mean = a.mean.mean();
+  const double sd = std::sqrt((a.mean.array() - mean).square().sum() / (a.mean.size() - 1));
+  EXPECT_LT(std::abs(mean), 4 * 2.0 / std::sqrt(512.0));
+  EXPECT_NEAR(sd, 2.0, 0.2);
+}
+
+}  // namespace
