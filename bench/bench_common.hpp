@@ -1,0 +1,175 @@
+// bench/bench_common.hpp — shared harness for the mixattn benchmarks.
+//
+// Include from exactly one translation unit per benchmark binary: it pulls in the counting
+// allocator (counting_allocator.hpp defines the global heap entry points) unless
+// MIXATTN_BENCH_NO_ALLOCATOR is defined. End the file with MIXATTN_BENCH_MAIN().
+//
+// What every benchmark reports (see bench/summary.py, which reads the JSON):
+//  - time per call (Google Benchmark's own);
+//  - FLOPS: the operator's arithmetic as a rate (Counter kIsIterationInvariantRate), counted as
+//    the GEMM-shaped work of its floor so that "ratio to floor" is a pure time ratio;
+//  - peak_heap_bytes: the high-water mark of extra heap during the timed calls, over what was
+//    live when the loop started (inputs and setup excluded, outputs and Saved included);
+//  - N (the sweep variable) as a plain counter, and SetComplexityN(N) for the ->Complexity() fit;
+//  - with the MemoryManager registered (default), Google Benchmark's own allocs_per_iter and
+//    max_bytes_used from its separate memory run; note that run re-executes the whole benchmark
+//    function, so max_bytes_used includes the inputs built before the loop.
+#pragma once
+
+#ifndef MIXATTN_BENCH_NO_ALLOCATOR
+#include "counting_allocator.hpp"
+#endif
+
+#include <mixattn/core.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+
+namespace mixattn::bench {
+
+#ifdef MIXATTN_BENCH_NO_ALLOCATOR
+HeapCounters& heap_counters() noexcept;  // defined by the TU that includes the allocator
+#endif
+
+// ---- heap measurement --------------------------------------------------------------------------
+
+/// Peak extra heap over a scope: construct right before the timed loop, read after it. Each
+/// call's allocations are freed by the end of its iteration (keep results local to the loop body),
+/// so the high-water mark over the loop is the largest single call's extra heap.
+class PeakHeap {
+ public:
+  PeakHeap() noexcept { reset(); }
+  void reset() noexcept {
+    HeapCounters& c = heap_counters();
+    baseline_ = c.current.load(std::memory_order_relaxed);
+    c.peak.store(baseline_, std::memory_order_relaxed);
+  }
+  std::int64_t bytes() const noexcept {
+    return heap_counters().peak.load(std::memory_order_relaxed) - baseline_;
+  }
+
+ private:
+  std::int64_t baseline_ = 0;
+};
+
+/// Google Benchmark 1.7.1 MemoryManager over the counting allocator.
+class CountingMemoryManager final : public benchmark::MemoryManager {
+ public:
+  void Start() override {
+    HeapCounters& c = heap_counters();
+    baseline_ = c.current.load(std::memory_order_relaxed);
+    c.peak.store(baseline_, std::memory_order_relaxed);
+    allocs0_ = c.allocs.load(std::memory_order_relaxed);
+    total0_ = c.total.load(std::memory_order_relaxed);
+  }
+  void Stop(Result& r) override {
+    HeapCounters& c = heap_counters();
+    r.num_allocs = c.allocs.load(std::memory_order_relaxed) - allocs0_;
+    r.max_bytes_used = c.peak.load(std::memory_order_relaxed) - baseline_;
+    r.total_allocated_bytes = c.total.load(std::memory_order_relaxed) - total0_;
+    r.net_heap_growth = c.current.load(std::memory_order_relaxed) - baseline_;
+  }
+  // 1.7.1 still declares the pointer overload pure virtual (deprecated).
+  void Stop(Result* r) override { Stop(*r); }
+
+ private:
+  std::int64_t baseline_ = 0, allocs0_ = 0, total0_ = 0;
+};
+
+// ---- inputs ------------------------------------------------------------------------------------
+
+/// rows x cols with i.i.d. N(0, scale^2) entries from a seeded generator (reproducible runs).
+template <class T>
+Matrix<T> random_matrix(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> dist(0.0, scale);
+  Matrix<T> m(rows, cols);
+  for (Index i = 0; i < rows; ++i)
+    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<T>(dist(rng));
+  return m;
+}
+
+// ---- counters ----------------------------------------------------------------------------------
+
+/// Per-call FLOPs, reported as FLOP/s.
+inline void set_flops(benchmark::State& state, double flops_per_call) {
+  state.counters["FLOPS"] =
+      benchmark::Counter(flops_per_call, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// Per-call bytes the operator must read and write at least once (inputs + outputs), reported as
+/// bytes/s, plus the per-call figure itself.
+inline void set_bytes(benchmark::State& state, double bytes_per_call) {
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes_per_call) * state.iterations());
+  state.counters["io_bytes"] = benchmark::Counter(bytes_per_call);
+}
+
+/// The sweep variable, peak heap and complexity N; call after the timed loop.
+inline void finish(benchmark::State& state, Index n, const PeakHeap& heap) {
+  state.SetComplexityN(static_cast<std::int64_t>(n));
+  state.counters["N"] = benchmark::Counter(static_cast<double>(n));
+  state.counters["peak_heap_bytes"] = benchmark::Counter(static_cast<double>(heap.bytes()));
+}
+
+/// Tokens per second and seconds per token for sequence benchmarks.
+inline void set_tokens(benchmark::State& state, Index tokens) {
+  state.counters["tokens_per_s"] = benchmark::Counter(
+      static_cast<double>(tokens), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["s_per_token"] = benchmark::Counter(
+      static_cast<double>(tokens),
+      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
+// ---- sweeps ------------------------------------------------------------------------------------
+
+/// MIXATTN_BENCH_QUICK=1 shrinks every sweep to a subset that still covers the targets.
+inline bool quick() {
+  const char* q = std::getenv("MIXATTN_BENCH_QUICK");
+  return q && *q && std::strcmp(q, "0") != 0;
+}
+
+/// Powers of two lo, 2 lo, ..., hi as Args, the complexity fit and one thread.
+inline void sweep(benchmark::internal::Benchmark* b, Index lo, Index hi) {
+  for (Index n = lo; n <= hi; n *= 2) b->Arg(n);
+  b->Complexity()->Unit(benchmark::kMillisecond);
+}
+
+/// Powers of two from lo to hi, keeping only the values listed in `quick_set` in quick mode.
+template <std::size_t K>
+void sweep(benchmark::internal::Benchmark* b, Index lo, Index hi, const Index (&quick_set)[K]) {
+  if (!quick()) return sweep(b, lo, hi);
+  for (Index n : quick_set)
+    if (n >= lo && n <= hi) b->Arg(n);
+  b->Complexity()->Unit(benchmark::kMillisecond);
+}
+
+inline int run_main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  static CountingMemoryManager memory_manager;
+  // The memory run re-executes each benchmark for up to 16 iterations; set
+  // MIXATTN_BENCH_MEMORY_MANAGER=0 to skip it (peak_heap_bytes is reported either way).
+  const char* mm = std::getenv("MIXATTN_BENCH_MEMORY_MANAGER");
+  if (!(mm && std::strcmp(mm, "0") == 0)) benchmark::RegisterMemoryManager(&memory_manager);
+  benchmark::AddCustomContext("mixattn_version", mixattn::version());
+  benchmark::AddCustomContext("eigen_simd", Eigen::SimdInstructionSetsInUse());
+  benchmark::AddCustomContext("eigen_version", std::to_string(EIGEN_WORLD_VERSION) + "." +
+                                                   std::to_string(EIGEN_MAJOR_VERSION) + "." +
+                                                   std::to_string(EIGEN_MINOR_VERSION));
+  benchmark::AddCustomContext("mixattn_bench_quick", quick() ? "1" : "0");
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
+}  // namespace mixattn::bench
+
+#define MIXATTN_BENCH_MAIN()                       \
+  int main(int argc, char** argv) {                \
+    return ::mixattn::bench::run_main(argc, argv); \
+  }

@@ -1,0 +1,179 @@
+// bench/bench_gma.cpp — Gaussian Mixture Attention (SPEC §1), float, one thread.
+//
+//   gma_responsibilities          Γ of N tokens (SPEC 1.2)
+//   gma_forward_{bidir,causal}    SPEC 1.3 / 1.4 (causal with the library's default chunk)
+//   gma_fwd_bwd_{bidir,causal}    forward with Saved, then backward (SPEC 1.5)
+//   floor_gma_*                   the Eigen GEMMs of the same shapes (gma_floor.hpp lists them)
+// N = 256 ... 65536, K = 64 components, r = d_v = 64. The FLOPS counter is the floor's GEMM
+// work for both an operator and its floor, so the counter ratio is the time ratio.
+#include "bench_common.hpp"
+#include "gma_floor.hpp"
+
+#include <mixattn/gma.hpp>
+
+#include <cmath>
+
+namespace {
+
+using mixattn::Index;
+using mixattn::Matrix;
+namespace mb = mixattn::bench;
+namespace gma = mixattn::gma;
+
+constexpr Index kK = 64;
+constexpr Index kR = 64;
+constexpr Index kDv = 64;
+constexpr Index kMaxN = 65536;
+constexpr Index kQuickSet[] = {256, 512, 1024, 4096, 16384, 65536};
+// The floor uses the chunk the operator uses by default (options.chunk = 0).
+constexpr Index kChunk = mixattn::detail::gma_default_chunk;
+
+struct Inputs {
+  gma::Mixture<float> mix;
+  Matrix<float> q, k, v, d_out;
+  explicit Inputs(Index n)
+      : mix(gma::Mixture<float>::random(kK, kR, 7)),
+        // The operators' cost does not depend on the values (no data-dependent branches), so
+        // plain N(0, 1) inputs serve.
+        q(mb::random_matrix<float>(n, kR, 1)),
+        k(mb::random_matrix<float>(n, kR, 2)),
+        v(mb::random_matrix<float>(n, kDv, 3)),
+        d_out(mb::random_matrix<float>(n, kDv, 4)) {}
+};
+
+double io_bytes(Index n, bool backward) {
+  const double fwd = static_cast<double>(n) * (2 * kR + 2 * kDv) * sizeof(float);
+  return backward ? fwd + static_cast<double>(n) * (3 * kR + 3 * kDv) * sizeof(float) : fwd;
+}
+
+void gma_responsibilities(benchmark::State& state) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    Matrix<float> g = gma::responsibilities(in.mix, in.q);
+    benchmark::DoNotOptimize(g.data());
+    benchmark::ClobberMemory();
+  }
+  mb::set_flops(state, mb::GmaFloor::responsibilities_flops(n, kK, kR));
+  mb::set_bytes(state, static_cast<double>(n) * (kR + kK) * sizeof(float));
+  mb::finish(state, n, heap);
+}
+
+void run_forward(benchmark::State& state, bool causal) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  gma::Options opt;
+  opt.causal = causal;
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    Matrix<float> out = gma::forward(in.mix, in.q, in.k, in.v, opt);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  mb::set_flops(state, mb::GmaFloor::forward_flops(n, kK, kR, kDv, kChunk, causal));
+  mb::set_bytes(state, io_bytes(n, false));
+  mb::finish(state, n, heap);
+}
+
+void run_forward_backward(benchmark::State& state, bool causal) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  gma::Options opt;
+  opt.causal = causal;
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    gma::Saved<float> saved;
+    Matrix<float> out = gma::forward(in.mix, in.q, in.k, in.v, opt, &saved);
+    benchmark::DoNotOptimize(out.data());
+    gma::Grad<float> g = gma::backward(in.mix, in.q, in.k, in.v, in.d_out, saved, opt);
+    benchmark::DoNotOptimize(g.q.data());
+    benchmark::ClobberMemory();
+  }
+  mb::set_flops(state, mb::GmaFloor::forward_flops(n, kK, kR, kDv, kChunk, causal) +
+                           mb::GmaFloor::backward_flops(n, kK, kR, kDv, kChunk, causal));
+  mb::set_bytes(state, io_bytes(n, true));
+  mb::finish(state, n, heap);
+}
+
+enum class What { responsibilities, forward, forward_backward };
+
+void run_floor(benchmark::State& state, What what, bool causal) {
+  const Index n = state.range(0);
+  mb::GmaFloor floor(n, kK, kR, kDv, kChunk);
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    floor.reset_flops();
+    switch (what) {
+      case What::responsibilities:
+        floor.responsibilities();
+        break;
+      case What::forward:
+        floor.forward(causal);
+        break;
+      case What::forward_backward:
+        floor.forward_backward(causal);
+        break;
+    }
+    benchmark::DoNotOptimize(floor.sink());
+    benchmark::ClobberMemory();
+  }
+  double expected = mb::GmaFloor::responsibilities_flops(n, kK, kR);
+  if (what != What::responsibilities)
+    expected = mb::GmaFloor::forward_flops(n, kK, kR, kDv, kChunk, causal);
+  if (what == What::forward_backward)
+    expected += mb::GmaFloor::backward_flops(n, kK, kR, kDv, kChunk, causal);
+  // The operators' FLOPS counters use the closed form; it must match what the floor issues.
+  if (std::abs(floor.flops() - expected) > 1e-9 * expected)
+    state.SkipWithError("GmaFloor closed-form FLOP count disagrees with the issued GEMMs");
+  mb::set_flops(state, floor.flops());
+  mb::set_bytes(state, io_bytes(n, what == What::forward_backward));
+  mb::finish(state, n, heap);
+}
+
+void gma_forward_bidir(benchmark::State& s) {
+  run_forward(s, false);
+}
+void gma_forward_causal(benchmark::State& s) {
+  run_forward(s, true);
+}
+void gma_fwd_bwd_bidir(benchmark::State& s) {
+  run_forward_backward(s, false);
+}
+void gma_fwd_bwd_causal(benchmark::State& s) {
+  run_forward_backward(s, true);
+}
+void floor_gma_responsibilities(benchmark::State& s) {
+  run_floor(s, What::responsibilities, false);
+}
+void floor_gma_forward_bidir(benchmark::State& s) {
+  run_floor(s, What::forward, false);
+}
+void floor_gma_forward_causal(benchmark::State& s) {
+  run_floor(s, What::forward, true);
+}
+void floor_gma_fwd_bwd_bidir(benchmark::State& s) {
+  run_floor(s, What::forward_backward, false);
+}
+void floor_gma_fwd_bwd_causal(benchmark::State& s) {
+  run_floor(s, What::forward_backward, true);
+}
+
+void sweep(benchmark::internal::Benchmark* b) {
+  mb::sweep(b, 256, kMaxN, kQuickSet);
+}
+
+BENCHMARK(gma_responsibilities)->Apply(sweep);
+BENCHMARK(floor_gma_responsibilities)->Apply(sweep);
+BENCHMARK(gma_forward_bidir)->Apply(sweep);
+BENCHMARK(floor_gma_forward_bidir)->Apply(sweep);
+BENCHMARK(gma_forward_causal)->Apply(sweep);
+BENCHMARK(floor_gma_forward_causal)->Apply(sweep);
+BENCHMARK(gma_fwd_bwd_bidir)->Apply(sweep);
+BENCHMARK(floor_gma_fwd_bwd_bidir)->Apply(sweep);
+BENCHMARK(gma_fwd_bwd_causal)->Apply(sweep);
+BENCHMARK(floor_gma_fwd_bwd_causal)->Apply(sweep);
+
+}  // namespace
+
+MIXATTN_BENCH_MAIN()

@@ -1,0 +1,172 @@
+// bench/bench_reference.cpp — the O(N²) softmax attention baselines (SPEC §3), float, one thread.
+//
+//   naive_*  materialises N x N (the oracle): N = 256 ... 4096 (N² floats must fit, twice for
+//            backward)
+//   flash_*  tiled online softmax (the honest baseline): N = 256 ... 16384
+//   floor_softmax_*  the Eigen GEMMs of the same shapes (softmax_floor.hpp), so that flash's
+//            fraction of the GEMM rate is time(floor) / time(flash)
+// each bidirectional and causal, forward and forward+backward; r = d_v = 64.
+// FLOPS counters use the nominal GEMM work (4 N² r forward, 14 N² r forward+backward
+// bidirectional, about half causal), identical for an operator and its floor.
+#include "bench_common.hpp"
+#include "softmax_floor.hpp"
+
+#include <mixattn/reference.hpp>
+
+namespace {
+
+using mixattn::Index;
+using mixattn::Matrix;
+namespace mb = mixattn::bench;
+namespace ref = mixattn::reference;
+
+constexpr Index kR = 64;
+constexpr Index kDv = 64;
+constexpr Index kQuickSet[] = {256, 512, 1024, 4096};
+
+struct Inputs {
+  Matrix<float> q, k, v, d_out;
+  explicit Inputs(Index n)
+      : q(mb::random_matrix<float>(n, kR, 1)),
+        k(mb::random_matrix<float>(n, kR, 2)),
+        v(mb::random_matrix<float>(n, kDv, 3)),
+        d_out(mb::random_matrix<float>(n, kDv, 4)) {}
+};
+
+double io_bytes(Index n, bool backward) {
+  // forward reads q, k, v and writes O; backward also reads dO and writes dq, dk, dv.
+  const double fwd = static_cast<double>(n) * (2 * kR + 2 * kDv) * sizeof(float);
+  return backward ? fwd + static_cast<double>(n) * (3 * kR + 3 * kDv) * sizeof(float) : fwd;
+}
+
+enum class Impl { naive, flash };
+
+template <Impl impl>
+void run_forward(benchmark::State& state, bool causal) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  ref::Options opt;
+  opt.causal = causal;
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    Matrix<float> out = impl == Impl::naive ? ref::naive_forward<float>(in.q, in.k, in.v, opt)
+                                            : ref::flash_forward<float>(in.q, in.k, in.v, opt);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  mb::set_flops(state, mb::SoftmaxFloor::forward_flops(n, kR, kDv, causal));
+  mb::set_bytes(state, io_bytes(n, false));
+  mb::finish(state, n, heap);
+}
+
+template <Impl impl>
+void run_forward_backward(benchmark::State& state, bool causal) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  ref::Options opt;
+  opt.causal = causal;
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    ref::Saved<float> saved;
+    if (impl == Impl::naive) {
+      Matrix<float> out = ref::naive_forward<float>(in.q, in.k, in.v, opt, &saved);
+      benchmark::DoNotOptimize(out.data());
+      ref::Grad<float> g = ref::naive_backward<float>(in.q, in.k, in.v, in.d_out, saved, opt);
+      benchmark::DoNotOptimize(g.q.data());
+    } else {
+      Matrix<float> out = ref::flash_forward<float>(in.q, in.k, in.v, opt, &saved);
+      benchmark::DoNotOptimize(out.data());
+      ref::Grad<float> g = ref::flash_backward<float>(in.q, in.k, in.v, in.d_out, saved, opt);
+      benchmark::DoNotOptimize(g.q.data());
+    }
+    benchmark::ClobberMemory();
+  }
+  mb::set_flops(state, mb::SoftmaxFloor::forward_flops(n, kR, kDv, causal) +
+                           mb::SoftmaxFloor::backward_flops(n, kR, kDv, causal));
+  mb::set_bytes(state, io_bytes(n, true));
+  mb::finish(state, n, heap);
+}
+
+void run_floor(benchmark::State& state, bool causal, bool backward) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  mb::SoftmaxFloor floor(n, kR, kDv);
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    if (backward)
+      floor.forward_backward(in.q, in.k, in.v, in.d_out, causal);
+    else
+      floor.forward(in.q, in.k, in.v, causal);
+    benchmark::DoNotOptimize(floor.out().data());
+    benchmark::ClobberMemory();
+  }
+  double flops = mb::SoftmaxFloor::forward_flops(n, kR, kDv, causal);
+  if (backward) flops += mb::SoftmaxFloor::backward_flops(n, kR, kDv, causal);
+  mb::set_flops(state, flops);
+  mb::set_bytes(state, io_bytes(n, backward));
+  mb::finish(state, n, heap);
+}
+
+void naive_forward_bidir(benchmark::State& s) {
+  run_forward<Impl::naive>(s, false);
+}
+void naive_forward_causal(benchmark::State& s) {
+  run_forward<Impl::naive>(s, true);
+}
+void naive_fwd_bwd_bidir(benchmark::State& s) {
+  run_forward_backward<Impl::naive>(s, false);
+}
+void naive_fwd_bwd_causal(benchmark::State& s) {
+  run_forward_backward<Impl::naive>(s, true);
+}
+void flash_forward_bidir(benchmark::State& s) {
+  run_forward<Impl::flash>(s, false);
+}
+void flash_forward_causal(benchmark::State& s) {
+  run_forward<Impl::flash>(s, true);
+}
+void flash_fwd_bwd_bidir(benchmark::State& s) {
+  run_forward_backward<Impl::flash>(s, false);
+}
+void flash_fwd_bwd_causal(benchmark::State& s) {
+  run_forward_backward<Impl::flash>(s, true);
+}
+void floor_softmax_forward_bidir(benchmark::State& s) {
+  run_floor(s, false, false);
+}
+void floor_softmax_forward_causal(benchmark::State& s) {
+  run_floor(s, true, false);
+}
+void floor_softmax_fwd_bwd_bidir(benchmark::State& s) {
+  run_floor(s, false, true);
+}
+void floor_softmax_fwd_bwd_causal(benchmark::State& s) {
+  run_floor(s, true, true);
+}
+
+constexpr Index kNaiveMax = 4096;
+constexpr Index kFlashMax = 16384;
+
+void naive_sweep(benchmark::internal::Benchmark* b) {
+  mb::sweep(b, 256, kNaiveMax, kQuickSet);
+}
+void flash_sweep(benchmark::internal::Benchmark* b) {
+  mb::sweep(b, 256, kFlashMax, kQuickSet);
+}
+
+BENCHMARK(naive_forward_bidir)->Apply(naive_sweep);
+BENCHMARK(naive_forward_causal)->Apply(naive_sweep);
+BENCHMARK(naive_fwd_bwd_bidir)->Apply(naive_sweep);
+BENCHMARK(naive_fwd_bwd_causal)->Apply(naive_sweep);
+BENCHMARK(flash_forward_bidir)->Apply(flash_sweep);
+BENCHMARK(flash_forward_causal)->Apply(flash_sweep);
+BENCHMARK(flash_fwd_bwd_bidir)->Apply(flash_sweep);
+BENCHMARK(flash_fwd_bwd_causal)->Apply(flash_sweep);
+BENCHMARK(floor_softmax_forward_bidir)->Apply(flash_sweep);
+BENCHMARK(floor_softmax_forward_causal)->Apply(flash_sweep);
+BENCHMARK(floor_softmax_fwd_bwd_bidir)->Apply(flash_sweep);
+BENCHMARK(floor_softmax_fwd_bwd_causal)->Apply(flash_sweep);
+
+}  // namespace
+
+MIXATTN_BENCH_MAIN()

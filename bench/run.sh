@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# bench/run.sh — build and run mixattn's benchmarks, then summarise them.
+#
+#   bash bench/run.sh                        full sweep (about 5–10 minutes on 2 idle cores)
+#   MIXATTN_BENCH_QUICK=1 bash bench/run.sh  subset that still covers every target (~2 minutes)
+#   MIXATTN_BENCH_TORCH=1 bash bench/run.sh  also the PyTorch eager side-by-side (apt-installs
+#                                            python3-torch and libopenblas0-pthread)
+#
+# On a fresh Debian 12 machine run it as root (or with sudo available): it installs the build
+# dependencies through cmake/install-deps.sh. Other knobs:
+#   MIXATTN_BENCH_MIN_TIME   Google Benchmark --benchmark_min_time in seconds (default 0.5, quick 0.1)
+#   MIXATTN_BENCH_FILTER     --benchmark_filter regex applied to every binary
+#   MIXATTN_BENCH_CPU        core the single-threaded binaries are pinned to (default: the last)
+#   MIXATTN_BENCH_BUILD_DIR  build directory (default build/bench)
+#   MIXATTN_BENCH_MEMORY_MANAGER=0  skip Google Benchmark's extra memory-accounting run (the
+#                            default in quick mode)
+# Results: bench/results/<binary>.json, bench/results/summary.md, time_vs_n.png, memory_vs_n.png.
+set -euo pipefail
+
+# The whole script is one function, read in full before it runs: editing this file while a run is
+# in progress cannot change what that run executes.
+main() {
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  cd "$root"
+  build=$(realpath -m "${MIXATTN_BENCH_BUILD_DIR:-build/bench}")
+  results=bench/results
+  quick=${MIXATTN_BENCH_QUICK:-0}
+  [[ $quick == 0 ]] && quick=
+  min_time=${MIXATTN_BENCH_MIN_TIME:-$([[ -n $quick ]] && echo 0.1 || echo 0.5)}
+  py=/usr/bin/python3
+  start=$(date +%s)
+
+  echo "== dependencies"
+  bash cmake/install-deps.sh bench
+
+  echo "== configure ($build, Release, benchmarks only)"
+  cmake_args=(-S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMIXATTN_BUILD_TESTS=OFF
+              -DMIXATTN_BUILD_EXAMPLES=OFF -DMIXATTN_BUILD_BENCHMARKS=ON -DMIXATTN_INSTALL=OFF)
+  cmake "${cmake_args[@]}" >/dev/null
+
+  mapfile -t targets < <(for f in bench/bench_*.cpp; do basename "$f" .cpp; done)
+  # Each binary on its own, so one that does not compile does not cost the others' results.
+  built=() failed=()
+  for t in "${targets[@]}"; do
+    echo "== build $t (log: $build/build-$t.log)"
+    if cmake --build "$build" -j"$(nproc)" --target "$t" >"$build/build-$t.log" 2>&1; then
+      built+=("$t")
+    else
+      grep -E "error" "$build/build-$t.log" | head -20
+      echo "bench/run.sh: $t failed to build; skipping it (see $build/build-$t.log)" >&2
+      failed+=("$t")
+    fi
+  done
+  if ((${#built[@]} == 0)); then
+    echo "bench/run.sh: nothing built" >&2
+    exit 1
+  fi
+
+  mkdir -p "$results"
+  rm -f "$results"/*.json
+
+  # One thread: Eigen is built with EIGEN_DONT_PARALLELIZE; pin the process to one core so the OS
+  # does not migrate it. The multi-threaded binary (bench_batched) gets every core.
+  cpu=${MIXATTN_BENCH_CPU:-$(($(nproc) - 1))}
+  pin=()
+  command -v taskset >/dev/null && pin=(taskset -c "$cpu")
+  export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MIXATTN_BENCH_QUICK=${quick:+1}
+  # Google Benchmark's memory run repeats every benchmark once more; quick mode skips it (the
+  # peak_heap_bytes counter is measured during the timed calls either way).
+  [[ -n $quick ]] && export MIXATTN_BENCH_MEMORY_MANAGER=${MIXATTN_BENCH_MEMORY_MANAGER:-0}
+
+  for t in "${built[@]}"; do
+    echo "== $t (min_time ${min_time}s${quick:+, quick})"
+    runner=("${pin[@]}")
+    [[ $t == bench_batched ]] && runner=()
+    "${runner[@]}" "$build/bench/$t" --benchmark_min_time="$min_time" \
+      --benchmark_out="$results/$t.json" --benchmark_out_format=json \
+      ${MIXATTN_BENCH_FILTER:+--benchmark_filter="$MIXATTN_BENCH_FILTER"} \
+      --benchmark_counters_tabular=false
+  done
+
+  if [[ ${MIXATTN_BENCH_TORCH:-0} == 1 ]]; then
+    echo "== PyTorch side-by-side"
+    if ! "$py" -c "import torch" 2>/dev/null; then
+      if [[ $(id -u) -ne 0 ]]; then SUDO=sudo; else SUDO=; fi
+      $SUDO apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+        python3-torch libopenblas0-pthread
+    fi
+    "${pin[@]}" "$py" bench/torch_side_by_side.py --out "$results/torch_side_by_side.json"
+  fi
+
+  echo "== summary"
+  "$py" bench/summary.py --out "$results"
+  echo "== done in $(($(date +%s) - start)) s"
+  if ((${#failed[@]})); then
+    echo "bench/run.sh: these benchmarks did not build: ${failed[*]}" >&2
+    exit 1
+  fi
+}
+
+main "$@"

@@ -1,0 +1,173 @@
+#!/usr/bin/python3
+"""PyTorch eager baselines at mixattn's benchmark shapes, one thread.
+
+    /usr/bin/python3 bench/torch_side_by_side.py [--out FILE.json] [--min-time SECONDS]
+
+Measures, float32, K = 64 components, r = d_v = 64, N = 256 ... 8192 (MIXATTN_BENCH_QUICK=1:
+N = 1024, 4096), forward (under no_grad) and forward+backward:
+  torch_gma_{forward,fwd_bwd}_{bidir,causal}      the paper-style eager GMA: (x − μ)² broadcast
+                                                  over N x K x r, log-softmax, matmuls; causal by
+                                                  cumulative sums over an N x K x d_v tensor
+  torch_softmax_{forward,fwd_bwd}_{bidir,causal}  softmax attention: scaled_dot_product_attention
+                                                  when torch has it (>= 2.0), else
+                                                  softmax(Q Kᵀ / √r + mask) V
+Writes Google-Benchmark-style JSON that bench/summary.py reads next to the C++ results.
+Exits 0 with a message when torch is not installed.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+# One thread everywhere: torch.set_num_threads covers ATen's OpenMP pool, but Debian's torch calls
+# OpenBLAS through libblas.so.3, whose own thread pool only these variables bound. Set before
+# torch is imported.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+K, R, DV = 64, 64, 64
+EPS = 1e-6
+VAR_FLOOR = 1e-4
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(here, "results", "torch_side_by_side.json"))
+    ap.add_argument("--min-time", type=float, default=None,
+                    help="seconds of timed calls per case (default 0.5, quick 0.1)")
+    args = ap.parse_args()
+    quick = os.environ.get("MIXATTN_BENCH_QUICK", "0") not in ("", "0")
+    min_time = args.min_time if args.min_time is not None else (0.1 if quick else 0.5)
+
+    try:
+        import torch
+    except ImportError:
+        print("torch_side_by_side: PyTorch is not installed for " + sys.executable +
+              "; skipping (MIXATTN_BENCH_TORCH=1 bash bench/run.sh installs python3-torch)")
+        return 0
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    config = torch.__config__.show()
+    print(config)
+    print(torch.__config__.parallel_info())
+    blas_info = next((line.split("=", 1)[1].strip() for line in config.replace(",", "\n").splitlines()
+                      if "BLAS_INFO" in line), "unknown")
+    # Debian's torch says BLAS_INFO=generic and uses whatever libblas.so.3 the alternatives
+    # system points at: name the library actually mapped after a matmul.
+    torch.randn(64, 64) @ torch.randn(64, 64)
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f
+                           if "blas" in line.lower() and line.split()[-1].startswith("/")})
+    except OSError:
+        libs = []
+    blas = f"{blas_info} ({', '.join(libs) if libs else 'no BLAS library mapped'})"
+    print(f"torch {torch.__version__}, BLAS: {blas}, threads: {torch.get_num_threads()}")
+
+    has_sdpa = hasattr(F, "scaled_dot_product_attention")
+
+    def gamma(x, mean, var_raw, prior_logit):
+        # SPEC 1.2, written the way the paper's reference code does: broadcast N x K x r.
+        var = F.softplus(var_raw) + VAR_FLOOR
+        diff = x[:, None, :] - mean[None, :, :]
+        s = (torch.log_softmax(prior_logit, 0) - 0.5 * torch.log(var).sum(-1)
+             - 0.5 * (diff * diff / var).sum(-1))
+        return torch.softmax(s, -1)
+
+    def gma(q, k, v, mix, causal):
+        gq, gk = gamma(q, *mix), gamma(k, *mix)
+        if not causal:
+            num = gq @ (gk.t() @ v)
+            den = gq @ gk.sum(0) + EPS
+        else:
+            state = torch.cumsum(gk[:, :, None] * v[:, None, :], 0)  # N x K x d_v
+            num = torch.einsum("nk,nkd->nd", gq, state)
+            den = (gq * torch.cumsum(gk, 0)).sum(-1) + EPS
+        return num / den[:, None]
+
+    def softmax_attention(q, k, v, _mix, causal):
+        if has_sdpa:
+            return F.scaled_dot_product_attention(q[None], k[None], v[None],
+                                                  is_causal=causal)[0]
+        s = (q @ k.t()) * (1.0 / math.sqrt(q.shape[1]))
+        if causal:
+            n = q.shape[0]
+            mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+            s = s.masked_fill(mask, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    def time_case(fn):
+        fn()  # warm-up (allocator, first-call dispatch)
+        iters, wall, cpu = 0, 0.0, 0.0
+        while wall < min_time or iters == 0:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            cpu += time.thread_time() - c0
+            wall += time.perf_counter() - w0
+            iters += 1
+        return iters, wall / iters, cpu / iters
+
+    g = torch.Generator().manual_seed(7)
+    ns = [1024, 4096] if quick else [256, 512, 1024, 2048, 4096, 8192]
+    results = []
+    for n in ns:
+        q = torch.randn(n, R, generator=g)
+        k = torch.randn(n, R, generator=g)
+        v = torch.randn(n, DV, generator=g)
+        d_out = torch.randn(n, DV, generator=g)
+        mix = [torch.randn(K, R, generator=g), torch.zeros(K, R), torch.zeros(K)]
+        for op_name, op in (("gma", gma), ("softmax", softmax_attention)):
+            for causal in (False, True):
+                mode = "causal" if causal else "bidir"
+                for kind in ("forward", "fwd_bwd"):
+                    leaves = [t.clone().requires_grad_(kind == "fwd_bwd")
+                              for t in (q, k, v, *mix)]
+                    qq, kk, vv = leaves[:3]
+                    mix_t = leaves[3:]
+
+                    if kind == "forward":
+                        def call():
+                            with torch.no_grad():
+                                return op(qq, kk, vv, mix_t, causal)
+                    else:
+                        def call():
+                            for t in leaves:
+                                t.grad = None
+                            out = op(qq, kk, vv, mix_t, causal)
+                            out.backward(d_out)
+                            return out
+                    iters, wall, cpu = time_case(call)
+                    name = f"torch_{op_name}_{kind}_{mode}/{n}"
+                    print(f"{name:40s} {cpu * 1e3:10.3f} ms cpu {wall * 1e3:10.3f} ms wall"
+                          f"  ({iters} iterations)", flush=True)
+                    results.append({"name": name, "run_name": name, "run_type": "iteration",
+                                    "iterations": iters, "real_time": wall * 1e3,
+                                    "cpu_time": cpu * 1e3, "time_unit": "ms", "N": n})
+
+    context = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host_name": platform.node(),
+        "executable": "torch_side_by_side.py",
+        "num_cpus": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "torch_blas": blas,
+        "torch_threads": torch.get_num_threads(),
+        "softmax_impl": "scaled_dot_product_attention" if has_sdpa else "softmax(QK^T)V",
+        "mixattn_bench_quick": "1" if quick else "0",
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"context": context, "benchmarks": results}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
