@@ -7,3 +7,6 @@
 #include "mixattn/reference.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/batched.hpp"
+#include "mixattn/diagnostics.hpp"
+#include "mixattn/layer.hpp"
+#include "mixattn/adam.hpp"

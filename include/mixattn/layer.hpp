@@ -1,0 +1,549 @@
+// mixattn/layer.hpp — a trainable multi-head attention layer over any of the library's mixers.
+//
+//     X (N x d_model)
+//       Q = X W_Q,  K = X W_K   (N x H·r)        V = X W_V   (N x H·d_v)
+//       O_h = mixer_h(Q_h, K_h, V_h)             (N x d_v), head h reads column block h
+//       Y = [O_1 … O_H] W_O                      (N x d_model)
+//
+// The mixer of every head is one of
+//   - GMA (SPEC §1), bidirectional or causal, with its own routing mixture per head;
+//   - OVQ (SPEC §2), always causal, with its own scale factor beta per head; every forward
+//     processes X as a whole sequence from an empty State (the layer is for training on
+//     sequences; streaming inference uses ovq::forward with a kept State directly);
+//   - softmax attention (SPEC §3, the tiled form), bidirectional or causal.
+//
+// Parameters are exposed as a flat list of named blocks (parameters()), and backward returns
+// one gradient per block in the same order, so any optimiser (adam.hpp) can step them and
+// save_parameters / load_parameters can write them to a small binary file.
+//
+// Thread safety: forward and backward are const and keep all per-call state in the Cache, so
+// several threads may run one layer on different sequences at once, each with its own Cache.
+// Changing parameters while another thread runs the layer is a data race. Inside one call the
+// heads run on up to Config::threads threads (mixattn/parallel.hpp); Eigen stays
+// single-threaded inside each head.
+#pragma once
+
+#define MIXATTN_LAYER_HPP_INCLUDING
+#include "mixattn/detail/layer_io.hpp"
+#undef MIXATTN_LAYER_HPP_INCLUDING
+
+#include "mixattn/core.hpp"
+#include "mixattn/gma.hpp"
+#include "mixattn/ovq.hpp"
+#include "mixattn/parallel.hpp"
+#include "mixattn/reference.hpp"
+
+#include <cstdint>
+#include <fstream>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mixattn::layer {
+
+// ---------------------------------------------------------------------------------------------
+// Named parameter blocks and their file format
+// ---------------------------------------------------------------------------------------------
+
+/// A named, writable view of one rows x cols row-major block held elsewhere (a parameter or
+/// its gradient). It does not own the storage; it stays valid while the owner is alive and not
+/// resized. map() gives the Eigen view.
+template <class T>
+struct NamedBlock {
+  std::string name;
+  T* data = nullptr;
+  Index rows = 0;
+  Index cols = 0;
+  Eigen::Map<Matrix<T>> map() const { return Eigen::Map<Matrix<T>>(data, rows, cols); }
+};
+
+/// Read-only counterpart of NamedBlock (for saving from a const object).
+template <class T>
+struct ConstNamedBlock {
+  std::string name;
+  const T* data = nullptr;
+  Index rows = 0;
+  Index cols = 0;
+  ConstNamedBlock() = default;
+  ConstNamedBlock(std::string n, const T* d, Index r, Index c)
+      : name(std::move(n)), data(d), rows(r), cols(c) {}
+  ConstNamedBlock(const NamedBlock<T>& b)  // NOLINT: a writable view is also a readable one
+      : name(b.name), data(b.data), rows(b.rows), cols(b.cols) {}
+  Eigen::Map<const Matrix<T>> map() const { return Eigen::Map<const Matrix<T>>(data, rows, cols); }
+};
+
+/// Magic bytes opening a parameter file.
+inline constexpr char file_magic[8] = {'M', 'I', 'X', 'A', 'T', 'T', 'N', 'P'};
+/// Format version written by save_parameters and the only one load_parameters reads.
+inline constexpr std::uint32_t file_version = 1;
+
+/// Writes `blocks` to `path` in the parameter file format, version 1 (all integers and scalars
+/// little-endian, IEEE-754):
+///
+///     8 bytes   magic "MIXATTNP"
+///     u32       version (1)
+///     u32       scalar size in bytes (4: float, 8: double)
+///     u64       number of blocks
+///     per block, in order:
+///       u32     name length L, then L bytes of name (no terminator)
+///       u64     rows, u64 cols
+///       rows·cols scalars, row-major
+///
+/// Throws std::runtime_error naming the path when the file cannot be written.
+template <class T>
+void save_parameters(const std::string& path, const std::vector<ConstNamedBlock<T>>& blocks) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "float or double");
+  const std::string fn = "mixattn::layer::save_parameters";
+  std::ofstream os(path, std::ios::binary | std::ios::trunc);
+  if (!os) detail::raise_io(detail::concat_msg(fn, path, "cannot open the file for writing"));
+  os.write(file_magic, sizeof(file_magic));
+  detail::put_le(os, file_version);
+  detail::put_le(os, static_cast<std::uint32_t>(sizeof(T)));
+  detail::put_le(os, static_cast<std::uint64_t>(blocks.size()));
+  for (const ConstNamedBlock<T>& b : blocks) {
+    detail::put_le(os, static_cast<std::uint32_t>(b.name.size()));
+    os.write(b.name.data(), static_cast<std::streamsize>(b.name.size()));
+    detail::put_le(os, static_cast<std::uint64_t>(b.rows));
+    detail::put_le(os, static_cast<std::uint64_t>(b.cols));
+    for (Index i = 0; i < b.rows * b.cols; ++i) detail::put_scalar(os, b.data[i]);
+  }
+  os.flush();
+  if (!os) detail::raise_io(detail::concat_msg(fn, path, "write failed"));
+}
+
+/// Reads a file written by save_parameters into `blocks`, which must match it exactly: same
+/// scalar type, same number of blocks, and per block the same name and shape, in order.
+/// Nothing is written into the blocks unless the whole file is valid. Throws
+/// std::runtime_error naming the path and the first mismatch (bad magic, other version, other
+/// scalar size, other count, other name or shape, truncated file, trailing bytes).
+template <class T>
+void load_parameters(const std::string& path, const std::vector<NamedBlock<T>>& blocks) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "float or double");
+  const std::string fn = "mixattn::layer::load_parameters";
+  std::ifstream is(path, std::ios::binary);
+  if (!is) detail::raise_io(detail::concat_msg(fn, path, "cannot open the file for reading"));
+  char magic[sizeof(file_magic)];
+  if (!is.read(magic, sizeof(magic)) || std::memcmp(magic, file_magic, sizeof(magic)) != 0)
+    detail::raise_io(detail::concat_msg(fn, path, "not a mixattn parameter file (bad magic)"));
+  std::uint32_t version = 0, scalar_size = 0;
+  std::uint64_t count = 0;
+  if (!detail::get_le(is, version) || !detail::get_le(is, scalar_size) ||
+      !detail::get_le(is, count))
+    detail::raise_io(detail::concat_msg(fn, path, "truncated header"));
+  if (version != file_version)
+    detail::raise_io(
+        detail::concat_msg(fn, path,
+                           ::mixattn::detail::concat("format version ", version,
+                                                     " but this library reads ", file_version)));
+  if (scalar_size != sizeof(T))
+    detail::raise_io(detail::concat_msg(fn, path,
+                                        ::mixattn::detail::concat("scalars of ", scalar_size,
+                                                                  " bytes but the model "
+                                                                  "uses ",
+                                                                  sizeof(T), "-byte scalars")));
+  if (count != blocks.size())
+    detail::raise_io(
+        detail::concat_msg(fn, path,
+                           ::mixattn::detail::concat(count, " parameters in the file but ",
+                                                     blocks.size(), " in the model")));
+  std::vector<Matrix<T>> staged(blocks.size());
+  for (std::size_t p = 0; p < blocks.size(); ++p) {
+    const NamedBlock<T>& b = blocks[p];
+    std::uint32_t len = 0;
+    if (!detail::get_le(is, len) || len > (1u << 16))
+      detail::raise_io(detail::concat_msg(
+          fn, path, ::mixattn::detail::concat("parameter ", p, ": bad or truncated name")));
+    std::string name(len, '\0');
+    std::uint64_t rows = 0, cols = 0;
+    if (!is.read(&name[0], len) || !detail::get_le(is, rows) || !detail::get_le(is, cols))
+      detail::raise_io(
+          detail::concat_msg(fn, path, ::mixattn::detail::concat("parameter ", p, ": truncated")));
+    if (name != b.name || rows != static_cast<std::uint64_t>(b.rows) ||
+        cols != static_cast<std::uint64_t>(b.cols))
+      detail::raise_io(detail::concat_msg(
+          fn, path,
+          ::mixattn::detail::concat("parameter ", p, " is '", name, "' ", rows, " x ", cols,
+                                    " in the file but '", b.name, "' ", b.rows, " x ", b.cols,
+                                    " in the model")));
+    staged[p].resize(b.rows, b.cols);
+    for (Index i = 0; i < b.rows * b.cols; ++i)
+      if (!detail::get_scalar(is, staged[p].data()[i]))
+        detail::raise_io(detail::concat_msg(
+            fn, path,
+            ::mixattn::detail::concat("parameter ", p, " ('", name, "'): truncated data")));
+  }
+  if (is.peek() != std::char_traits<char>::eof())
+    detail::raise_io(detail::concat_msg(fn, path, "trailing bytes after the last parameter"));
+  for (std::size_t p = 0; p < blocks.size(); ++p) blocks[p].map() = staged[p];
+}
+
+// ---------------------------------------------------------------------------------------------
+// The layer
+// ---------------------------------------------------------------------------------------------
+
+/// Which sequence mixer every head runs.
+enum class MixerKind {
+  gma,      ///< Gaussian Mixture Attention (SPEC §1), bidirectional or causal
+  ovq,      ///< Online vector-quantized attention (SPEC §2), always causal
+  softmax,  ///< exact softmax attention, tiled (SPEC §3), bidirectional or causal
+};
+
+/// Shape and behaviour of a MultiHeadAttention layer.
+struct Config {
+  Index model_dim = 0;  ///< d_model: columns of X and Y
+  Index heads = 1;      ///< H
+  Index key_dim = 0;    ///< r: routing/key dimension per head
+  Index value_dim = 0;  ///< d_v: value dimension per head
+  MixerKind mixer = MixerKind::gma;
+  /// Token i sees only j <= i. Decides for GMA and softmax (the `causal` fields of `gma` and
+  /// `softmax` below are overridden by it); OVQ is causal by construction and requires true.
+  bool causal = false;
+  Index components = 16;       ///< K, mixture components per head (GMA)
+  double gma_mean_scale = 1;   ///< initial component means ~ N(0, 1)·gma_mean_scale (SPEC 1.1)
+  gma::Options gma;            ///< eps, chunk, check_finite of every GMA head
+  ovq::Options ovq;            ///< block, dictionary size, growth, … of every OVQ head
+  reference::Options softmax;  ///< scale (0: 1/sqrt(r)) and check_finite of softmax heads
+  int threads = 1;             ///< threads over heads (0: all cores)
+  std::uint64_t seed = 0;      ///< initialisation seed (weights, mixture means)
+  bool check_finite = true;    ///< reject NaN/Inf in X and dY with std::domain_error
+};
+
+/// What forward keeps for backward: the projections, the concatenated head outputs and each
+/// head's Saved record. O(N (H·(2r + 2 d_v))) plus what the mixers save (O(N) per head for
+/// GMA and flash softmax; OVQ's checkpoints). Reusable across calls: buffers are resized only
+/// when N changes.
+template <class T>
+struct Cache {
+  Matrix<T> q, k, v;  ///< N x H·r, N x H·r, N x H·d_v
+  Matrix<T> mixed;    ///< N x H·d_v, the head outputs side by side
+  std::vector<gma::Saved<T>> gma_saved;
+  std::vector<ovq::Saved<T>> ovq_saved;
+  std::vector<reference::Saved<T>> softmax_saved;
+  Index tokens = -1;  ///< N of the forward that filled it; -1 when empty
+};
+
+/// Gradients of a scalar loss: x (N x d_model) and one block per parameter, params[i] matching
+/// MultiHeadAttention::parameters()[i] in name and shape.
+template <class T>
+struct Gradients {
+  Matrix<T> x;
+  std::vector<std::string> names;
+  std::vector<Matrix<T>> params;
+  /// Named views of params (valid while this object lives and is not resized).
+  std::vector<NamedBlock<T>> blocks() {
+    std::vector<NamedBlock<T>> out;
+    out.reserve(params.size());
+    for (std::size_t i = 0; i < params.size(); ++i)
+      out.push_back({names[i], params[i].data(), params[i].rows(), params[i].cols()});
+    return out;
+  }
+};
+
+/// Multi-head attention layer (see the top of this file). Parameters, in parameters() order:
+///   w_q (d_model x H·r), w_k (d_model x H·r), w_v (d_model x H·d_v), w_o (H·d_v x d_model),
+///   then per head h: GMA "head<h>.mean" (K x r), "head<h>.var_raw" (K x r),
+///   "head<h>.prior_logit" (K x 1); OVQ "head<h>.beta" (1 x 1); softmax nothing.
+/// Initialisation: projection weights ~ N(0, 1/fan_in), seeded by Config::seed; mixtures by
+/// gma::Mixture::random(K, r, seed + 1 + h, gma_mean_scale); beta = 1.
+template <class T>
+class MultiHeadAttention {
+ public:
+  explicit MultiHeadAttention(const Config& config) : cfg_(config) {
+    validate_config();
+    const Index h = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim, d = cfg_.model_dim;
+    std::mt19937_64 rng(cfg_.seed);
+    w_q_ = gaussian(d, h * r, 1.0 / std::sqrt(static_cast<double>(d)), rng);
+    w_k_ = gaussian(d, h * r, 1.0 / std::sqrt(static_cast<double>(d)), rng);
+    w_v_ = gaussian(d, h * dv, 1.0 / std::sqrt(static_cast<double>(d)), rng);
+    w_o_ = gaussian(h * dv, d, 1.0 / std::sqrt(static_cast<double>(h * dv)), rng);
+    if (cfg_.mixer == MixerKind::gma)
+      for (Index i = 0; i < h; ++i)
+        mixtures_.push_back(gma::Mixture<T>::random(cfg_.components, r,
+                                                    cfg_.seed + 1 + static_cast<std::uint64_t>(i),
+                                                    static_cast<T>(cfg_.gma_mean_scale)));
+    if (cfg_.mixer == MixerKind::ovq) beta_ = Vector<T>::Ones(h);
+  }
+
+  const Config& config() const { return cfg_; }
+  /// Threads over heads for later calls (0: all cores).
+  void set_threads(int threads) {
+    ::mixattn::detail::require(threads >= 0, "mixattn::layer::MultiHeadAttention::set_threads",
+                               "threads must be >= 0, got ", threads);
+    cfg_.threads = threads;
+  }
+
+  Matrix<T>& w_q() { return w_q_; }
+  Matrix<T>& w_k() { return w_k_; }
+  Matrix<T>& w_v() { return w_v_; }
+  Matrix<T>& w_o() { return w_o_; }
+  const Matrix<T>& w_q() const { return w_q_; }
+  const Matrix<T>& w_k() const { return w_k_; }
+  const Matrix<T>& w_v() const { return w_v_; }
+  const Matrix<T>& w_o() const { return w_o_; }
+  /// Head h's routing mixture (GMA layers only).
+  gma::Mixture<T>& mixture(Index h) { return mixtures_.at(static_cast<std::size_t>(h)); }
+  const gma::Mixture<T>& mixture(Index h) const {
+    return mixtures_.at(static_cast<std::size_t>(h));
+  }
+  /// Head h's scale factor beta (OVQ layers only).
+  T& beta(Index h) { return beta_[checked_head(h, "beta")]; }
+  T beta(Index h) const { return beta_[checked_head(h, "beta")]; }
+
+  /// Named writable views of every parameter (order and shapes documented on the class).
+  std::vector<NamedBlock<T>> parameters() {
+    std::vector<NamedBlock<T>> out;
+    for (const ConstNamedBlock<T>& b : const_parameters())
+      out.push_back({b.name, const_cast<T*>(b.data), b.rows, b.cols});  // we own the storage
+    return out;
+  }
+
+  /// Named read-only views of every parameter.
+  std::vector<ConstNamedBlock<T>> const_parameters() const {
+    std::vector<ConstNamedBlock<T>> out;
+    out.emplace_back("w_q", w_q_.data(), w_q_.rows(), w_q_.cols());
+    out.emplace_back("w_k", w_k_.data(), w_k_.rows(), w_k_.cols());
+    out.emplace_back("w_v", w_v_.data(), w_v_.rows(), w_v_.cols());
+    out.emplace_back("w_o", w_o_.data(), w_o_.rows(), w_o_.cols());
+    for (Index h = 0; h < cfg_.heads; ++h) {
+      const std::string prefix = ::mixattn::detail::concat("head", h, ".");
+      if (cfg_.mixer == MixerKind::gma) {
+        const gma::Mixture<T>& m = mixtures_[static_cast<std::size_t>(h)];
+        out.emplace_back(prefix + "mean", m.mean.data(), m.mean.rows(), m.mean.cols());
+        out.emplace_back(prefix + "var_raw", m.var_raw.data(), m.var_raw.rows(), m.var_raw.cols());
+        out.emplace_back(prefix + "prior_logit", m.prior_logit.data(), m.prior_logit.size(), 1);
+      } else if (cfg_.mixer == MixerKind::ovq) {
+        out.emplace_back(prefix + "beta", beta_.data() + h, 1, 1);
+      }
+    }
+    return out;
+  }
+
+  /// Total number of scalar parameters.
+  Index parameter_count() const {
+    Index n = 0;
+    for (const ConstNamedBlock<T>& b : const_parameters()) n += b.rows * b.cols;
+    return n;
+  }
+
+  /// Y = concat_h(mixer_h(X W_Q, X W_K, X W_V)) W_O.  x: N x d_model (N >= 1); returns
+  /// N x d_model. With a cache, fills it for backward; without, keeps nothing.
+  Matrix<T> forward(const ConstMatrixRef<T>& x, Cache<T>* cache = nullptr) const {
+    constexpr const char* fn = "mixattn::layer::MultiHeadAttention::forward";
+    check_input(fn, x);
+    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
+    Cache<T> local;
+    Cache<T>& c = cache ? *cache : local;
+    c.tokens = -1;  // stays invalid if a head throws
+    c.q.noalias() = x * w_q_;
+    c.k.noalias() = x * w_k_;
+    c.v.noalias() = x * w_v_;
+    c.mixed.resize(n, heads * dv);
+    const bool keep = cache != nullptr;
+    const std::size_t hs = static_cast<std::size_t>(heads);
+    c.gma_saved.resize(keep && cfg_.mixer == MixerKind::gma ? hs : 0);
+    c.ovq_saved.resize(keep && cfg_.mixer == MixerKind::ovq ? hs : 0);
+    c.softmax_saved.resize(keep && cfg_.mixer == MixerKind::softmax ? hs : 0);
+    const gma::Options gopt = gma_options();
+    const reference::Options sopt = softmax_options();
+    parallel_for(heads, cfg_.threads, [&](Index h) {
+      const std::size_t i = static_cast<std::size_t>(h);
+      const ConstMatrixRef<T> qh = c.q.middleCols(h * r, r);
+      const ConstMatrixRef<T> kh = c.k.middleCols(h * r, r);
+      const ConstMatrixRef<T> vh = c.v.middleCols(h * dv, dv);
+      switch (cfg_.mixer) {
+        case MixerKind::gma:
+          c.mixed.middleCols(h * dv, dv) =
+              gma::forward(mixtures_[i], qh, kh, vh, gopt, keep ? &c.gma_saved[i] : nullptr);
+          break;
+        case MixerKind::ovq: {
+          ovq::State<T> state = ovq::State<T>::empty(r, dv);  // each sequence starts afresh
+          c.mixed.middleCols(h * dv, dv) =
+              ovq::forward(qh, kh, vh, beta_[h], cfg_.ovq, state, keep ? &c.ovq_saved[i] : nullptr);
+          break;
+        }
+        case MixerKind::softmax:
+          c.mixed.middleCols(h * dv, dv) =
+              reference::flash_forward<T>(qh, kh, vh, sopt, keep ? &c.softmax_saved[i] : nullptr);
+          break;
+      }
+    });
+    Matrix<T> y(n, cfg_.model_dim);
+    y.noalias() = c.mixed * w_o_;
+    if (keep) c.tokens = n;
+    return y;
+  }
+
+  /// Gradients of a scalar loss L given dY = ∂L/∂Y. x: N x d_model, the forward's input;
+  /// grad_y: N x d_model; cache: filled by forward(x, &cache) with the current parameters.
+  Gradients<T> backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& grad_y,
+                        const Cache<T>& cache) const {
+    constexpr const char* fn = "mixattn::layer::MultiHeadAttention::backward";
+    check_input(fn, x);
+    ::mixattn::detail::require(grad_y.rows() == x.rows() && grad_y.cols() == x.cols(), fn,
+                               "grad_y is ", ::mixattn::detail::shape_str(grad_y), " but x is ",
+                               ::mixattn::detail::shape_str(x));
+    if (cfg_.check_finite) ::mixattn::detail::require_finite(grad_y, fn, "grad_y");
+    ::mixattn::detail::require(
+        cache.tokens == x.rows(), fn, "cache ",
+        cache.tokens < 0
+            ? std::string("is empty")
+            : ::mixattn::detail::concat("holds a forward of ", cache.tokens, " tokens"),
+        " but x has ", x.rows(), " rows (call forward(x, &cache) first)");
+    const std::size_t expected_saved = static_cast<std::size_t>(cfg_.heads);
+    const std::size_t saved = cfg_.mixer == MixerKind::gma   ? cache.gma_saved.size()
+                              : cfg_.mixer == MixerKind::ovq ? cache.ovq_saved.size()
+                                                             : cache.softmax_saved.size();
+    ::mixattn::detail::require(saved == expected_saved, fn, "cache holds ", saved,
+                               " head records of this mixer but the layer has ", cfg_.heads,
+                               " heads (was it filled by another layer?)");
+
+    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
+    Gradients<T> g;
+    std::vector<ConstNamedBlock<T>> params = const_parameters();
+    g.names.reserve(params.size());
+    g.params.resize(params.size());
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      g.names.push_back(params[i].name);
+      g.params[i].resize(params[i].rows, params[i].cols);
+    }
+    // Y = M W_O: dW_O = Mᵀ dY, dM = dY W_Oᵀ.
+    g.params[3].noalias() = cache.mixed.transpose() * grad_y;
+    Matrix<T> d_mixed(n, heads * dv);
+    d_mixed.noalias() = grad_y * w_o_.transpose();
+
+    Matrix<T> dq(n, heads * r), dk(n, heads * r), dvv(n, heads * dv);
+    const gma::Options gopt = gma_options();
+    const reference::Options sopt = softmax_options();
+    parallel_for(heads, cfg_.threads, [&](Index h) {
+      const std::size_t i = static_cast<std::size_t>(h);
+      const ConstMatrixRef<T> qh = cache.q.middleCols(h * r, r);
+      const ConstMatrixRef<T> kh = cache.k.middleCols(h * r, r);
+      const ConstMatrixRef<T> vh = cache.v.middleCols(h * dv, dv);
+      const ConstMatrixRef<T> doh = d_mixed.middleCols(h * dv, dv);
+      switch (cfg_.mixer) {
+        case MixerKind::gma: {
+          gma::Grad<T> gh = gma::backward(mixtures_[i], qh, kh, vh, doh, cache.gma_saved[i], gopt);
+          write_head(dq, dk, dvv, h, gh.q, gh.k, gh.v);
+          const std::size_t base = 4 + 3 * i;  // mean, var_raw, prior_logit of head h
+          g.params[base] = gh.mixture.mean;
+          g.params[base + 1] = gh.mixture.var_raw;
+          g.params[base + 2] = gh.mixture.prior_logit;
+          break;
+        }
+        case MixerKind::ovq: {
+          ovq::Grad<T> gh = ovq::backward(qh, kh, vh, beta_[h], doh, cache.ovq_saved[i], cfg_.ovq);
+          write_head(dq, dk, dvv, h, gh.q, gh.k, gh.v);
+          g.params[4 + i](0, 0) = gh.beta;
+          break;
+        }
+        case MixerKind::softmax: {
+          reference::Grad<T> gh =
+              reference::flash_backward<T>(qh, kh, vh, doh, cache.softmax_saved[i], sopt);
+          write_head(dq, dk, dvv, h, gh.q, gh.k, gh.v);
+          break;
+        }
+      }
+    });
+    // Q = X W_Q etc.: dW = Xᵀ dQ, dX = dQ W_Qᵀ + dK W_Kᵀ + dV W_Vᵀ.
+    g.params[0].noalias() = x.transpose() * dq;
+    g.params[1].noalias() = x.transpose() * dk;
+    g.params[2].noalias() = x.transpose() * dvv;
+    g.x.resize(n, cfg_.model_dim);
+    g.x.noalias() = dq * w_q_.transpose();
+    g.x.noalias() += dk * w_k_.transpose();
+    g.x.noalias() += dvv * w_v_.transpose();
+    return g;
+  }
+
+  /// Head h's query responsibilities Γ_Q = γ(X W_Q,h) (N x K) — for diagnostics (GMA only).
+  Matrix<T> query_responsibilities(const ConstMatrixRef<T>& x, Index h) const {
+    return head_responsibilities("query_responsibilities", x, h, w_q_);
+  }
+  /// Head h's key responsibilities Γ_K = γ(X W_K,h) (N x K) — for diagnostics (GMA only).
+  Matrix<T> key_responsibilities(const ConstMatrixRef<T>& x, Index h) const {
+    return head_responsibilities("key_responsibilities", x, h, w_k_);
+  }
+
+  /// Writes every parameter to `path` (format: save_parameters).
+  void save(const std::string& path) const { save_parameters<T>(path, const_parameters()); }
+  /// Reads parameters saved by a layer of the same configuration (load_parameters); the layer
+  /// is unchanged if the file does not match.
+  void load(const std::string& path) { load_parameters<T>(path, parameters()); }
+
+ private:
+  void validate_config() const {
+    constexpr const char* fn = "mixattn::layer::MultiHeadAttention";
+    using ::mixattn::detail::require;
+    require(cfg_.model_dim >= 1, fn, "config.model_dim must be >= 1, got ", cfg_.model_dim);
+    require(cfg_.heads >= 1, fn, "config.heads must be >= 1, got ", cfg_.heads);
+    require(cfg_.key_dim >= 1, fn, "config.key_dim must be >= 1, got ", cfg_.key_dim);
+    require(cfg_.value_dim >= 1, fn, "config.value_dim must be >= 1, got ", cfg_.value_dim);
+    require(cfg_.threads >= 0, fn, "config.threads must be >= 0, got ", cfg_.threads);
+    require(cfg_.mixer != MixerKind::gma || cfg_.components >= 1, fn,
+            "config.components must be >= 1 for GMA, got ", cfg_.components);
+    require(cfg_.mixer != MixerKind::ovq || cfg_.causal, fn,
+            "OVQ attention is causal: set config.causal = true");
+    require(std::isfinite(cfg_.gma_mean_scale), fn, "config.gma_mean_scale must be finite, got ",
+            cfg_.gma_mean_scale);
+  }
+
+  void check_input(const char* fn, const ConstMatrixRef<T>& x) const {
+    ::mixattn::detail::require(x.rows() >= 1 && x.cols() == cfg_.model_dim, fn, "x is ",
+                               ::mixattn::detail::shape_str(x), " but the layer needs N x ",
+                               cfg_.model_dim, " with N >= 1");
+    if (cfg_.check_finite) ::mixattn::detail::require_finite(x, fn, "x");
+  }
+
+  std::size_t checked_head(Index h, const char* what) const {
+    ::mixattn::detail::require(cfg_.mixer == MixerKind::ovq && h >= 0 && h < cfg_.heads,
+                               "mixattn::layer::MultiHeadAttention::beta", what,
+                               " exists for heads 0..H-1 of an OVQ layer; asked for head ", h);
+    return static_cast<std::size_t>(h);
+  }
+
+  gma::Options gma_options() const {
+    gma::Options o = cfg_.gma;
+    o.causal = cfg_.causal;
+    return o;
+  }
+  reference::Options softmax_options() const {
+    reference::Options o = cfg_.softmax;
+    o.causal = cfg_.causal;
+    return o;
+  }
+
+  Matrix<T> head_responsibilities(const char* name, const ConstMatrixRef<T>& x, Index h,
+                                  const Matrix<T>& w) const {
+    const std::string fn = ::mixattn::detail::concat("mixattn::layer::MultiHeadAttention::", name);
+    ::mixattn::detail::require(cfg_.mixer == MixerKind::gma, fn.c_str(),
+                               "responsibilities exist only for GMA layers");
+    ::mixattn::detail::require(h >= 0 && h < cfg_.heads, fn.c_str(), "head ", h,
+                               " is out of range [0, ", cfg_.heads, ")");
+    check_input(fn.c_str(), x);
+    Matrix<T> proj(x.rows(), cfg_.key_dim);
+    proj.noalias() = x * w.middleCols(h * cfg_.key_dim, cfg_.key_dim);
+    return gma::responsibilities(mixtures_[static_cast<std::size_t>(h)], proj);
+  }
+
+  void write_head(Matrix<T>& dq, Matrix<T>& dk, Matrix<T>& dv, Index h, const Matrix<T>& gq,
+                  const Matrix<T>& gk, const Matrix<T>& gv) const {
+    dq.middleCols(h * cfg_.key_dim, cfg_.key_dim) = gq;
+    dk.middleCols(h * cfg_.key_dim, cfg_.key_dim) = gk;
+    dv.middleCols(h * cfg_.value_dim, cfg_.value_dim) = gv;
+  }
+
+  static Matrix<T> gaussian(Index rows, Index cols, double stddev, std::mt19937_64& rng) {
+    std::normal_distribution<double> dist(0.0, stddev);
+    Matrix<T> m(rows, cols);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(dist(rng));
+    return m;
+  }
+
+  Config cfg_;
+  Matrix<T> w_q_, w_k_, w_v_, w_o_;
+  std::vector<gma::Mixture<T>> mixtures_;  // GMA: one per head
+  Vector<T> beta_;                         // OVQ: one per head
+};
+
+}  // namespace mixattn::layer
