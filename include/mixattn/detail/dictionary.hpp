@@ -1,0 +1,276 @@
+// mixattn/detail/dictionary.hpp — the OVQ dictionary and its online k-means step (SPEC.md §2.3):
+// growth schedule, dispersion seeding, nearest-centroid assignment and the exact running-mean
+// update. Internal: included by mixattn/ovq.hpp, which validates every argument first.
+//
+// Determinism matters more than usual here: streaming (SPEC §2.5) promises the same final state
+// however a sequence is split, so a block's update must be a function of the block's normalised
+// keys, its values and the dictionary alone. Every routine below reads only those, always with
+// the same shapes (C x r, C x d_v), so the state is bit-identical for any split, and the backward
+// can replay the updates bit for bit from the recorded assignments.
+#pragma once
+
+#ifndef MIXATTN_OVQ_HPP_INCLUDED
+#error "mixattn/detail/dictionary.hpp is internal; include <mixattn/ovq.hpp>"
+#endif
+
+#include "mixattn/core.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace mixattn::ovq::detail {
+
+using mixattn::detail::wide_t;
+
+/// Dictionary size after t absorbed tokens under the plateau schedule (SPEC 2.3 step 1):
+/// N(t) = min(max(floor(t N_max / (t + alpha)), 1), N_max) for t >= 1, N(0) = 0.
+/// Exact for integral alpha (128-bit integers: t N_max cannot overflow); for fractional alpha
+/// the quotient is taken in long double.
+inline Index plateau_size(Index t, Index n_max, double alpha) {
+  if (t <= 0) return 0;
+  Index n = 0;
+#if defined(__SIZEOF_INT128__)
+  if (alpha >= 0 && alpha < 9.0e15 && alpha == std::floor(alpha)) {
+    __extension__ typedef unsigned __int128 u128;
+    const u128 num = static_cast<u128>(t) * static_cast<u128>(n_max);
+    const u128 den = static_cast<u128>(t) + static_cast<u128>(static_cast<std::uint64_t>(alpha));
+    n = static_cast<Index>(num / den);  // <= n_max because t <= t + alpha
+  } else
+#endif
+  {
+    const long double x = static_cast<long double>(t) * static_cast<long double>(n_max) /
+                          (static_cast<long double>(t) + static_cast<long double>(alpha));
+    n = x >= static_cast<long double>(n_max) ? n_max : static_cast<Index>(std::floor(x));
+  }
+  return std::min(std::max(n, Index(1)), n_max);
+}
+
+/// Dictionary size after t absorbed tokens under the linear schedule: N(t) = min(t, N_max).
+inline Index linear_size(Index t, Index n_max) {
+  return t <= 0 ? 0 : std::min(t, n_max);
+}
+
+/// Centroids opened by the block that follows t absorbed tokens: nu = N(t + C) - N_t, with N_t
+/// the dictionary's current size (equal to N(t) for any state this library produced, since
+/// nu <= C for the default alpha), clamped to [0, C] because a block cannot seed more tokens
+/// than it has. Working from the current size lets a hand-built or capped state catch up to
+/// the schedule instead of overshooting N_max.
+inline Index new_centroids(Index t, Index block, Index current, Index n_max, bool plateau,
+                           double alpha) {
+  const Index target =
+      plateau ? plateau_size(t + block, n_max, alpha) : linear_size(t + block, n_max);
+  return std::clamp<Index>(target - current, 0, block);
+}
+
+/// One head's dictionary in capacity-sized buffers: rows [0, size) are live, so a block's
+/// update never reallocates.
+template <class T>
+struct Dictionary {
+  Matrix<T> keys;    // capacity x r: running means of unit-norm keys
+  Matrix<T> values;  // capacity x d_v: running means of the same tokens' values
+  Vector<T> counts;  // capacity: tokens absorbed per centroid
+  Index size = 0;
+
+  void allocate(Index capacity, Index key_dim, Index value_dim) {
+    keys.resize(capacity, key_dim);
+    values.resize(capacity, value_dim);
+    counts.resize(capacity);
+    size = 0;
+  }
+  Index capacity() const { return keys.rows(); }
+
+  /// Copies the live rows of `other` (capacity must suffice).
+  void copy_from(const Dictionary& other) {
+    MIXATTN_ASSERT(other.size <= capacity());
+    size = other.size;
+    keys.topRows(size) = other.keys.topRows(size);
+    values.topRows(size) = other.values.topRows(size);
+    counts.head(size) = other.counts.head(size);
+  }
+
+  template <class K, class V, class C>
+  void load(const Eigen::MatrixBase<K>& k, const Eigen::MatrixBase<V>& v,
+            const Eigen::MatrixBase<C>& c) {
+    MIXATTN_ASSERT(k.rows() <= capacity());
+    size = k.rows();
+    keys.topRows(size) = k;
+    values.topRows(size) = v;
+    counts.head(size) = c;
+  }
+};
+
+/// Seeding and assignment of one complete block (SPEC 2.3 steps 2-3). Scratch is sized once.
+template <class T>
+class BlockQuantizer {
+ public:
+  void reserve(Index block, Index capacity, Index key_dim) {
+    scores_.resize(block, capacity);
+    seed_dots_.resize(block, block);
+    seed_keys_.resize(block, key_dim);
+    best_.resize(block);
+    arg_.resize(block);
+    key_.resize(block);
+    pick_of_.resize(static_cast<std::size_t>(block));
+    order_.resize(static_cast<std::size_t>(block));
+  }
+
+  /// kb: C x r unit-norm block keys; dict: the dictionary before this block; nu <= C new
+  /// centroids. Writes assign[j] (the centroid row of block token j; seeds get their own new
+  /// row n0 + pick) and seeds[p] (block index of the p-th pick, p < nu).
+  void plan(const Dictionary<T>& dict, const Eigen::Ref<const Matrix<T>>& kb, Index nu, bool greedy,
+            std::int32_t* assign, std::int32_t* seeds) {
+    const Index c = kb.rows(), n0 = dict.size;
+    MIXATTN_ASSERT(nu <= c && c <= best_.size());
+    constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+    // Nearest old centroid of every token (ties -> lowest row): one C x N GEMM, reused by the
+    // seeding score and the assignment.
+    for (Index j = 0; j < c; ++j) {
+      best_[j] = neg_inf;
+      arg_[j] = n0 > 0 ? 0 : n0;  // a row that exists even if every score is NaN
+    }
+    if (n0 > 0) {
+      Eigen::Ref<Matrix<T>> s = scores_.topLeftCorner(c, n0);
+      s.noalias() = kb * dict.keys.topRows(n0).transpose();
+      for (Index j = 0; j < c; ++j) {
+        // Vectorised max, then the first row attaining it (ties -> lowest row); a NaN row
+        // finds no match and keeps row 0.
+        const T* row = s.row(j).data();
+        const T best = s.row(j).maxCoeff();
+        Index arg = 0;
+        while (arg < n0 && !(row[arg] == best)) ++arg;
+        best_[j] = best;
+        arg_[j] = arg < n0 ? arg : 0;
+      }
+    }
+    std::fill(pick_of_.begin(), pick_of_.begin() + c, -1);
+    for (Index j = 0; j < c; ++j) key_[j] = best_[j];
+
+    if (greedy) {
+      // Each pick is the unpicked token whose largest similarity to every centroid so far is
+      // smallest (strict < keeps the lowest index on ties; with no centroid all keys are -inf
+      // and token 0 wins, as the rule says).
+      for (Index p = 0; p < nu; ++p) {
+        Index pick = -1;
+        T low = std::numeric_limits<T>::infinity();
+        for (Index j = 0; j < c; ++j)
+          if (pick_of_[j] < 0 && (pick < 0 || key_[j] < low)) low = key_[j], pick = j;
+        seeds[p] = static_cast<std::int32_t>(pick);
+        pick_of_[pick] = p;
+        seed_dots_.col(p).head(c).noalias() = kb * kb.row(pick).transpose();
+        for (Index j = 0; j < c; ++j) key_[j] = std::max(key_[j], seed_dots_(j, p));
+      }
+    } else if (nu > 0) {
+      // One shot: all picks scored against the old dictionary; with none, the first token is
+      // the first pick and the others are scored against it alone.
+      Index p0 = 0;
+      if (n0 == 0) {
+        seeds[0] = 0;
+        pick_of_[0] = 0;
+        p0 = 1;
+        for (Index j = 0; j < c; ++j) key_[j] = kb.row(j).dot(kb.row(0));
+      }
+      Index m = 0;
+      for (Index j = 0; j < c; ++j)
+        if (pick_of_[j] < 0) order_[m++] = j;
+      const Index take = nu - p0;
+      std::partial_sort(order_.begin(), order_.begin() + take, order_.begin() + m,
+                        [this](Index a, Index b) {
+                          return key_[a] < key_[b] || (!(key_[b] < key_[a]) && a < b);
+                        });
+      for (Index p = p0; p < nu; ++p) {
+        const Index pick = order_[p - p0];
+        seeds[p] = static_cast<std::int32_t>(pick);
+        pick_of_[pick] = p;
+      }
+      for (Index p = 0; p < nu; ++p) seed_keys_.row(p) = kb.row(seeds[p]);
+      seed_dots_.topLeftCorner(c, nu).noalias() = kb * seed_keys_.topRows(nu).transpose();
+    }
+
+    // Assignment: argmax over old rows then the new seeds in row order; strict > keeps the
+    // lowest row on ties. Seeds count as assigned to their own centroid.
+    for (Index j = 0; j < c; ++j) {
+      if (pick_of_[j] >= 0) {
+        assign[j] = static_cast<std::int32_t>(n0 + pick_of_[j]);
+        continue;
+      }
+      T best = best_[j];
+      Index arg = arg_[j];
+      for (Index p = 0; p < nu; ++p)
+        if (seed_dots_(j, p) > best) best = seed_dots_(j, p), arg = n0 + p;
+      assign[j] = static_cast<std::int32_t>(arg);
+    }
+  }
+
+ private:
+  Matrix<T> scores_;                                            // C x capacity
+  Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> seed_dots_;  // C x C: column p = kb kb[seed p]
+  Matrix<T> seed_keys_;                                         // C x r (one-shot gather)
+  Vector<T> best_, key_;
+  Eigen::Matrix<Index, Eigen::Dynamic, 1> arg_;
+  std::vector<Index> pick_of_, order_;
+};
+
+/// The exact running-mean update of SPEC 2.3 step 4, in the wide type:
+///   c_new = c_old + m_n,  D[n] <- (c_old D[n] + sum_{j->n} x_j) / c_new,
+/// new rows (n >= size) starting from c_old = 0. Only touched rows are read or written.
+template <class T>
+class MeanUpdate {
+ public:
+  using W = wide_t<T>;
+
+  void reserve(Index capacity, Index key_dim, Index value_dim) {
+    sum_k_.resize(capacity, key_dim);
+    sum_v_.resize(capacity, value_dim);
+    hits_.assign(static_cast<std::size_t>(capacity), 0);
+    touched_.reserve(static_cast<std::size_t>(capacity));
+  }
+
+  /// kb: C x r unit-norm keys, vb: C x d_v values, assign: C rows in [0, size + nu).
+  /// Rows the last apply() wrote (their counts changed), in first-touch order.
+  const std::vector<Index>& touched() const { return touched_; }
+
+  void apply(Dictionary<T>& dict, const Eigen::Ref<const Matrix<T>>& kb,
+             const Eigen::Ref<const Matrix<T>>& vb, const std::int32_t* assign, Index nu) {
+    const Index c = kb.rows(), n0 = dict.size;
+    MIXATTN_ASSERT(n0 + nu <= dict.capacity());
+    touched_.clear();
+    for (Index j = 0; j < c; ++j) {
+      const Index n = assign[j];
+      MIXATTN_ASSERT(n >= 0 && n < n0 + nu);
+      if (hits_[n]++ == 0) {
+        touched_.push_back(n);
+        sum_k_.row(n).setZero();
+        sum_v_.row(n).setZero();
+      }
+      sum_k_.row(n) += kb.row(j).template cast<W>();
+      sum_v_.row(n) += vb.row(j).template cast<W>();
+    }
+    for (const Index n : touched_) {
+      const W c_old = n < n0 ? static_cast<W>(dict.counts[n]) : W(0);
+      const W c_new = c_old + static_cast<W>(hits_[n]);
+      if (n < n0) {
+        dict.keys.row(n) = ((c_old * dict.keys.row(n).template cast<W>() + sum_k_.row(n)) / c_new)
+                               .template cast<T>();
+        dict.values.row(n) =
+            ((c_old * dict.values.row(n).template cast<W>() + sum_v_.row(n)) / c_new)
+                .template cast<T>();
+      } else {
+        dict.keys.row(n) = (sum_k_.row(n) / c_new).template cast<T>();
+        dict.values.row(n) = (sum_v_.row(n) / c_new).template cast<T>();
+      }
+      dict.counts[n] = static_cast<T>(c_new);
+      hits_[n] = 0;
+    }
+    dict.size = n0 + nu;
+  }
+
+ private:
+  Matrix<W> sum_k_, sum_v_;
+  std::vector<Index> hits_;
+  std::vector<Index> touched_;
+};
+
+}  // namespace mixattn::ovq::detail

@@ -1,0 +1,146 @@
+// mixattn/detail/ovq_attention.hpp — one query tile of OVQ attention, forward and backward
+// (SPEC.md §2.2, §2.4). Internal: included by mixattn/ovq.hpp.
+//
+// A tile is m consecutive queries of one block, the first at block position p0, so query l sees
+// the block's keys 0 .. p0 + l (causal) and the whole dictionary. The logits of a row are
+//   s q_l . D_k[n] + log c[n]   (n < N)     and     s q_l . k_j   (j <= p0 + l),
+// one joint max-subtracted softmax: the row's own key is always visible, so the max is finite
+// and no row can be all -inf (no NaN, whatever the inputs' norms).
+#pragma once
+
+#ifndef MIXATTN_OVQ_HPP_INCLUDED
+#error "mixattn/detail/ovq_attention.hpp is internal; include <mixattn/ovq.hpp>"
+#endif
+
+#include "mixattn/core.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace mixattn::ovq::detail {
+
+template <class T>
+using CRef = Eigen::Ref<const Matrix<T>>;
+template <class T>
+using RowVec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
+
+/// Queries per tile: a 64 x (N + C) score tile stays in L2 at N = 1024 (float: 320 KiB) while
+/// the GEMMs keep a full-width panel.
+constexpr Index query_tile = 64;
+
+/// Per-call scratch, sized once for the largest tile.
+template <class T>
+struct AttentionScratch {
+  Matrix<T> pd, pb;    // tile x N, tile x C: scores, then probabilities
+  Matrix<T> dpd, dpb;  // backward: dP, then dZ
+  Matrix<T> g;         // backward: tile x r
+  Vector<T> inv;       // 1 / row sums
+  void reserve(Index dict_rows, Index block, Index key_dim, bool backward) {
+    const Index tile = std::min(query_tile, block);
+    pd.resize(tile, dict_rows);
+    pb.resize(tile, block);
+    inv.resize(tile);
+    if (backward) {
+      dpd.resize(tile, dict_rows);
+      dpb.resize(tile, block);
+      g.resize(tile, key_dim);
+    }
+  }
+};
+
+/// Fills sc.pd (m x N) and sc.pb (m x L, L = kb.rows() = p0 + m) with exp(logit - row max),
+/// masked entries 0, and sc.inv with 1 / row sum. logc: log counts (N) or nullptr without the
+/// count bias.
+template <class T>
+void tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRef<T>& kb, Index p0,
+                  T s, AttentionScratch<T>& sc) {
+  const Index m = qh.rows(), n = dk.rows(), l = kb.rows();
+  MIXATTN_ASSERT(l == p0 + m);
+  Eigen::Ref<Matrix<T>> pd = sc.pd.topLeftCorner(m, n);
+  Eigen::Ref<Matrix<T>> pb = sc.pb.topLeftCorner(m, l);
+  if (n > 0) pd.noalias() = qh * dk.transpose();
+  pb.noalias() = qh * kb.transpose();
+  for (Index i = 0; i < m; ++i) {
+    const Index vis = p0 + i + 1;
+    T mx = -std::numeric_limits<T>::infinity();
+    if (n > 0) {
+      if (logc != nullptr)
+        pd.row(i) = pd.row(i) * s + Eigen::Map<const RowVec<T>>(logc, n);
+      else
+        pd.row(i) *= s;
+      mx = pd.row(i).maxCoeff();
+    }
+    pb.row(i).head(vis) *= s;
+    mx = std::max(mx, pb.row(i).head(vis).maxCoeff());
+    T sum = 0;
+    if (n > 0) {
+      pd.row(i).array() = (pd.row(i).array() - mx).exp();
+      sum += pd.row(i).sum();
+    }
+    pb.row(i).head(vis).array() = (pb.row(i).head(vis).array() - mx).exp();
+    sum += pb.row(i).head(vis).sum();
+    pb.row(i).tail(l - vis).setZero();
+    sc.inv[i] = T(1) / sum;  // sum >= 1: the max entry contributes exp(0)
+  }
+}
+
+/// out (m x d_v) = softmax-weighted dictionary values plus block values (SPEC 2.2).
+template <class T>
+void tile_forward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, const T* logc,
+                  const CRef<T>& kb, const CRef<T>& vb, Index p0, T s, AttentionScratch<T>& sc,
+                  Eigen::Ref<Matrix<T>> out) {
+  const Index m = qh.rows(), n = dk.rows(), l = kb.rows();
+  tile_weights<T>(qh, dk, logc, kb, p0, s, sc);
+  out.noalias() = sc.pb.topLeftCorner(m, l) * vb;
+  if (n > 0) out.noalias() += sc.pd.topLeftCorner(m, n) * dv;
+  out.array().colwise() *= sc.inv.head(m).array();
+}
+
+/// Backward of one tile given dO (m x d_v): with P the probabilities, dP = dO V^T,
+/// dZ = P o (dP - rowsum(P o dP)), G = dZ_dict D_k + dZ_block K:
+///   dq_hat = s G,  ds += sum_l q_hat_l . G_l,  dK_block += s dZ_block^T Q_hat,
+///   dV_block += P_block^T dO,  and, when `dict_grad`, dD_k += s dZ_dict^T Q_hat,
+///   dD_v += P_dict^T dO.
+/// dkb, dvb: L x r, L x d_v accumulators (rows of the block); ddk, ddv: N x r, N x d_v.
+template <class T>
+void tile_backward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, const T* logc,
+                   const CRef<T>& kb, const CRef<T>& vb, Index p0, T s, const CRef<T>& dout,
+                   AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> dqh,
+                   mixattn::detail::wide_t<T>& ds, Eigen::Ref<Matrix<T>> dkb,
+                   Eigen::Ref<Matrix<T>> dvb, bool dict_grad, Eigen::Ref<Matrix<T>> ddk,
+                   Eigen::Ref<Matrix<T>> ddv) {
+  const Index m = qh.rows(), n = dk.rows(), l = kb.rows();
+  tile_weights<T>(qh, dk, logc, kb, p0, s, sc);
+  Eigen::Ref<Matrix<T>> pd = sc.pd.topLeftCorner(m, n);
+  Eigen::Ref<Matrix<T>> pb = sc.pb.topLeftCorner(m, l);
+  Eigen::Ref<Matrix<T>> dpd = sc.dpd.topLeftCorner(m, n);
+  Eigen::Ref<Matrix<T>> dpb = sc.dpb.topLeftCorner(m, l);
+  Eigen::Ref<Matrix<T>> g = sc.g.topLeftCorner(m, qh.cols());
+  pb = sc.inv.head(m).asDiagonal() * pb;
+  dpb.noalias() = dout * vb.transpose();
+  if (n > 0) {
+    pd = sc.inv.head(m).asDiagonal() * pd;
+    dpd.noalias() = dout * dv.transpose();
+  }
+  for (Index i = 0; i < m; ++i) {
+    // delta_i = sum_j P_ij dP_ij = dO_i . o_i; masked entries have P = 0.
+    T delta = pb.row(i).dot(dpb.row(i));
+    if (n > 0) delta += pd.row(i).dot(dpd.row(i));
+    dpb.row(i).array() = pb.row(i).array() * (dpb.row(i).array() - delta);
+    if (n > 0) dpd.row(i).array() = pd.row(i).array() * (dpd.row(i).array() - delta);
+  }
+  g.noalias() = dpb * kb;
+  if (n > 0) g.noalias() += dpd * dk;
+  dqh += s * g;
+  for (Index i = 0; i < m; ++i)
+    ds += static_cast<mixattn::detail::wide_t<T>>(qh.row(i).dot(g.row(i)));
+  dkb.noalias() += s * (dpb.transpose() * qh);
+  dvb.noalias() += pb.transpose() * dout;
+  if (dict_grad && n > 0) {
+    ddk.noalias() += s * (dpd.transpose() * qh);
+    ddv.noalias() += pd.transpose() * dout;
+  }
+}
+
+}  // namespace mixattn::ovq::detail

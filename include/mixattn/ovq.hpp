@@ -1,0 +1,544 @@
+// mixattn/ovq.hpp — Online Vector-Quantized attention (SPEC.md §2), forward and backward.
+//
+// One head keeps a constant-size memory: a dictionary of at most N_max centroids (running means
+// of unit-norm keys and of the same tokens' values, with counts) plus the keys and values of the
+// block that is not complete yet. Queries of block b attend, in one joint softmax, to the
+// dictionary as it stood before block b (with a log-count bias) and causally to the block's own
+// raw keys; each complete block is then absorbed by one online k-means step (SPEC 2.3).
+//
+// Token positions are global (state.tokens_seen + row) and blocks are aligned to multiples of
+// options.block, so a call may start or end mid-block: the unfinished block is carried in the
+// state. Splitting a sequence into any pieces gives the same outputs up to rounding and the
+// same final state, bit for bit (the absorption of a block reads only that block and the
+// dictionary, always with the same shapes).
+//
+// Cost per token: O((N_max + C) (r + d_v)) flops, all of it GEMMs; memory O(N_max (r + d_v)).
+//
+// Thread safety: calls on distinct states may run concurrently; a State must not be shared by
+// concurrent calls. Each call is single-threaded (Eigen's own threading aside).
+#pragma once
+#define MIXATTN_OVQ_HPP_INCLUDED
+
+#include "mixattn/core.hpp"
+#include "mixattn/detail/dictionary.hpp"
+#include "mixattn/detail/ovq_attention.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace mixattn::ovq {
+
+/// Dictionary growth schedule (SPEC 2.3 step 1).
+enum class Growth {
+  plateau,  // N(t) = min(max(floor(t N_max / (t + alpha)), 1), N_max)
+  linear    // N(t) = min(t, N_max)
+};
+
+/// Seeding rule for new centroids (SPEC 2.3 step 2).
+enum class Seeding {
+  greedy_dispersion,  // each pick scored against old centroids and the picks so far
+  one_shot            // all picks scored against the old dictionary only
+};
+
+struct Options {
+  Index block = 256;           // C, tokens per block (>= 1)
+  Index max_centroids = 1024;  // N_max (>= 1)
+  Growth growth = Growth::plateau;
+  double growth_alpha = 0;  // plateau alpha (>= 0); 0 means alpha = N_max
+  Seeding seeding = Seeding::greedy_dispersion;
+  bool count_bias = true;               // + log c[n] on dictionary logits
+  bool grad_through_dictionary = true;  // SPEC 2.4: gradients through the running means
+  double norm_eps = 1e-5;               // x_hat = x / (||x|| + norm_eps), > 0
+  bool check_finite = true;             // reject NaN/Inf inputs with std::domain_error
+};
+
+/// One head's online memory (SPEC 2.1). Make a fresh one with State<T>::empty(r, d_v).
+/// Invariants (checked by every call): keys, values, counts agree in rows (<= max_centroids),
+/// counts >= 1, pending_keys and pending_values agree in rows, and those rows equal
+/// tokens_seen mod options.block.
+template <class T>
+struct State {
+  Matrix<T> keys;            // N_t x r: running means of unit-norm keys
+  Matrix<T> values;          // N_t x d_v: running means of the same tokens' values
+  Vector<T> counts;          // N_t: tokens absorbed by each centroid
+  Matrix<T> pending_keys;    // P x r: normalised keys of the unfinished block (P < C)
+  Matrix<T> pending_values;  // P x d_v: raw values of the unfinished block
+  Index tokens_seen = 0;     // tokens processed so far, pending ones included
+
+  /// An empty memory for keys of width key_dim (r >= 1) and values of width value_dim (>= 1).
+  static State empty(Index key_dim, Index value_dim) {
+    constexpr const char* fn = "mixattn::ovq::State::empty";
+    mixattn::detail::require(key_dim >= 1, fn, "key_dim is ", key_dim, ", must be >= 1");
+    mixattn::detail::require(value_dim >= 1, fn, "value_dim is ", value_dim, ", must be >= 1");
+    State s;
+    s.keys.resize(0, key_dim);
+    s.values.resize(0, value_dim);
+    s.counts.resize(0);
+    s.pending_keys.resize(0, key_dim);
+    s.pending_values.resize(0, value_dim);
+    return s;
+  }
+};
+
+/// What forward keeps for backward. No dictionary snapshot per block: the state the call began
+/// from plus every token's centroid assignment, from which backward replays the updates bit for
+/// bit (checkpointing sqrt(#blocks) dictionaries while it runs). Tokens are indexed by their
+/// position in the call's sequence: the start state's pending tokens first (P0 of them), then
+/// the call's T rows.
+template <class T>
+struct Saved {
+  State<T> start;                           // the state the call began from (a constant)
+  std::vector<std::int32_t> assignment;     // P0 + T: centroid row each token was absorbed
+                                            // into, -1 for tokens still pending at the end
+  std::vector<std::int64_t> seeds;          // sequence index of the token that opened each new
+                                            // centroid, in row order (rows N_start, N_start+1..)
+  std::vector<std::int32_t> new_centroids;  // per absorbed block: nu
+  Index tokens = 0;                         // T
+  T beta = T(0);
+  Index block = 0;  // options the forward ran with
+  bool count_bias = true;
+  double norm_eps = 0;
+  bool recorded = false;  // set by forward
+
+  /// Heap and object bytes held.
+  std::size_t bytes() const {
+    const auto mat = [](const auto& m) { return static_cast<std::size_t>(m.size()) * sizeof(T); };
+    return sizeof(*this) + mat(start.keys) + mat(start.values) + mat(start.counts) +
+           mat(start.pending_keys) + mat(start.pending_values) +
+           assignment.capacity() * sizeof(std::int32_t) + seeds.capacity() * sizeof(std::int64_t) +
+           new_centroids.capacity() * sizeof(std::int32_t);
+  }
+};
+
+/// Gradients of a scalar loss with respect to the call's q (T x r), k (T x r), v (T x d_v) and
+/// the scale factor beta.
+template <class T>
+struct Grad {
+  Matrix<T> q, k, v;
+  T beta;
+};
+
+namespace detail {
+
+using mixattn::detail::concat;
+using mixattn::detail::require;
+using mixattn::detail::require_finite;
+using mixattn::detail::shape_str;
+using mixattn::detail::wide_t;
+
+inline void check_options(const Options& opt, const char* fn) {
+  require(opt.block >= 1, fn, "options.block is ", opt.block, ", must be >= 1");
+  require(opt.max_centroids >= 1 && opt.max_centroids <= std::numeric_limits<std::int32_t>::max(),
+          fn, "options.max_centroids is ", opt.max_centroids, ", must be in [1, 2^31 - 1]");
+  require(opt.growth_alpha >= 0 && std::isfinite(opt.growth_alpha), fn, "options.growth_alpha is ",
+          opt.growth_alpha, ", must be finite and >= 0");
+  require(opt.norm_eps > 0 && std::isfinite(opt.norm_eps), fn, "options.norm_eps is ", opt.norm_eps,
+          ", must be finite and > 0");
+}
+
+/// Every part of the state must agree before anything is read from it.
+template <class T>
+void check_state(const State<T>& st, const Options& opt, const char* fn) {
+  const Index n = st.keys.rows(), p = st.pending_keys.rows();
+  require(st.keys.cols() >= 1 && st.values.cols() >= 1, fn, "state.keys is ", shape_str(st.keys),
+          " and state.values is ", shape_str(st.values),
+          ": make the state with State<T>::empty(key_dim, value_dim)");
+  require(st.values.rows() == n, fn, "state.values has ", st.values.rows(),
+          " rows but state.keys has ", n);
+  require(st.counts.size() == n, fn, "state.counts has ", st.counts.size(),
+          " entries but state.keys has ", n, " rows");
+  require(n <= opt.max_centroids, fn, "state.keys has ", n,
+          " centroids, more than options.max_centroids = ", opt.max_centroids);
+  require(st.pending_keys.cols() == st.keys.cols(), fn, "state.pending_keys is ",
+          shape_str(st.pending_keys), " but state.keys has ", st.keys.cols(), " columns");
+  require(st.pending_values.cols() == st.values.cols(), fn, "state.pending_values is ",
+          shape_str(st.pending_values), " but state.values has ", st.values.cols(), " columns");
+  require(st.pending_values.rows() == p, fn, "state.pending_values has ", st.pending_values.rows(),
+          " rows but state.pending_keys has ", p);
+  require(p < opt.block, fn, "state.pending_keys has ", p,
+          " rows, but the unfinished block must hold fewer than options.block = ", opt.block);
+  require(st.tokens_seen >= 0, fn, "state.tokens_seen is ", st.tokens_seen, ", must be >= 0");
+  require(st.tokens_seen % opt.block == p, fn, "state.pending_keys has ", p,
+          " rows but state.tokens_seen = ", st.tokens_seen, " leaves ", st.tokens_seen % opt.block,
+          " tokens in the unfinished block of ", opt.block);
+  if (opt.check_finite) {
+    require_finite(st.keys, fn, "state.keys");
+    require_finite(st.values, fn, "state.values");
+    require_finite(st.counts, fn, "state.counts");
+    require_finite(st.pending_keys, fn, "state.pending_keys");
+    require_finite(st.pending_values, fn, "state.pending_values");
+  }
+  for (Index i = 0; i < n; ++i)
+    require(st.counts[i] >= T(1), fn, "state.counts[", i, "] is ", st.counts[i],
+            ", every centroid holds at least one token");
+}
+
+/// require_finite with a vectorised fast path for row-major views with an outer stride: a row
+/// holds a NaN or an infinity iff the sum of its entries times zero is NaN.
+template <class T>
+void require_finite_rows(const ConstMatrixRef<T>& x, const char* fn, const char* arg) {
+  T acc = 0;
+  for (Index i = 0; i < x.rows(); ++i) acc += (x.row(i).array() * T(0)).sum();
+  if (!(acc == T(0))) require_finite(x, fn, arg);  // locates the entry and throws
+}
+
+/// Shapes of q, k, v (and grad_out when given) against the key and value widths.
+template <class T>
+void check_inputs(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, Index r, Index dv, const char* where,
+                  const char* fn) {
+  require(q.cols() == r, fn, "q has ", q.cols(), " columns but ", where, " has key width ", r,
+          " (q: ", shape_str(q), ")");
+  require(k.cols() == r, fn, "k has ", k.cols(), " columns but ", where, " has key width ", r,
+          " (k: ", shape_str(k), ")");
+  require(v.cols() == dv, fn, "v has ", v.cols(), " columns but ", where, " has value width ", dv,
+          " (v: ", shape_str(v), ")");
+  require(k.rows() == q.rows(), fn, "k has ", k.rows(), " rows but q has ", q.rows());
+  require(v.rows() == q.rows(), fn, "v has ", v.rows(), " rows but q has ", q.rows());
+}
+
+/// x_hat = x / (||x|| + eps) row by row, the norm summed in the wide type in a fixed order so
+/// that a token's normalised key is the same bits whichever call normalises it.
+template <class T>
+void normalize_rows(const CRef<T>& x, Eigen::Ref<Matrix<T>> out, double eps) {
+  using W = wide_t<T>;
+  const Index cols = x.cols();
+  for (Index i = 0; i < x.rows(); ++i) {
+    const T* a = x.row(i).data();
+    W ss = 0;
+    for (Index c = 0; c < cols; ++c) ss += static_cast<W>(a[c]) * static_cast<W>(a[c]);
+    const W den = std::sqrt(ss) + static_cast<W>(eps);
+    T* o = out.row(i).data();
+    for (Index c = 0; c < cols; ++c) o[c] = static_cast<T>(static_cast<W>(a[c]) / den);
+  }
+}
+
+/// Backward of x_hat = x / (n + eps), n = ||x||: with g = dL/dx_hat (overwritten by dL/dx),
+///   dx = (g - x (x . g) / (n (n + eps))) / (n + eps),
+/// and dx = g / eps at x = 0, where the second term vanishes in the limit.
+template <class T>
+void normalize_backward(const CRef<T>& x, Eigen::Ref<Matrix<T>> g, double eps) {
+  using W = wide_t<T>;
+  const Index cols = x.cols();
+  for (Index i = 0; i < x.rows(); ++i) {
+    const T* a = x.row(i).data();
+    T* d = g.row(i).data();
+    W ss = 0, dot = 0;
+    for (Index c = 0; c < cols; ++c) {
+      ss += static_cast<W>(a[c]) * static_cast<W>(a[c]);
+      dot += static_cast<W>(a[c]) * static_cast<W>(d[c]);
+    }
+    const W n = std::sqrt(ss), den = n + static_cast<W>(eps);
+    const W coef = n > 0 ? dot / (n * den) : W(0);
+    for (Index c = 0; c < cols; ++c)
+      d[c] = static_cast<T>((static_cast<W>(d[c]) - static_cast<W>(a[c]) * coef) / den);
+  }
+}
+
+/// Token ranges of the call's blocks. The call's sequence is the start state's P0 pending
+/// tokens followed by its T rows; block u covers sequence positions [uC, min((u+1)C, P0+T)),
+/// its queries begin at max(uC, P0) (sequence) = first - P0 (call row).
+struct Blocks {
+  Index c = 0, p0 = 0, total = 0, count = 0, complete = 0;
+  Blocks(Index block, Index pending, Index tokens)
+      : c(block),
+        p0(pending),
+        total(pending + tokens),
+        count(tokens == 0 ? 0 : (pending + tokens + block - 1) / block),
+        complete((pending + tokens) / block) {}
+  Index begin(Index u) const { return u * c; }
+  Index end(Index u) const { return std::min(u * c + c, total); }
+  Index query_offset(Index u) const { return u == 0 ? p0 : 0; }  // block position of 1st query
+  Index queries(Index u) const { return end(u) - begin(u) - query_offset(u); }
+  Index call_row(Index u) const { return begin(u) + query_offset(u) - p0; }
+  bool is_complete(Index u) const { return u < complete; }
+};
+
+template <class T>
+void log_counts(const Dictionary<T>& d, Vector<T>& logc) {
+  logc.head(d.size) = d.counts.head(d.size).array().log().matrix();
+}
+
+}  // namespace detail
+
+/// OVQ attention over q, k, v as the continuation of `state` (SPEC 2.2-2.3), which it updates.
+///   q: T x r, k: T x r, v: T x d_v (row-major, rows are tokens; r, d_v fixed by the state)
+///   beta: scale factor, logits use s = beta sqrt(r)
+///   returns T x d_v.
+/// `saved` (optional) receives what backward needs: O(N_max (r + d_v) + T) memory.
+/// Throws std::invalid_argument on bad shapes, options or an inconsistent state, and
+/// std::domain_error on non-finite input (options.check_finite); `state` is untouched then.
+template <class T>
+Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
+                  const Options& opt, State<T>& state, Saved<T>* saved = nullptr) {
+  constexpr const char* fn = "mixattn::ovq::forward";
+  using detail::require;
+  detail::check_options(opt, fn);
+  detail::check_state(state, opt, fn);
+  const Index r = state.keys.cols(), dv = state.values.cols(), tn = q.rows();
+  detail::check_inputs<T>(q, k, v, r, dv, "state.keys", fn);
+  require(tn <= std::numeric_limits<Index>::max() - state.tokens_seen - opt.block, fn,
+          "state.tokens_seen + q.rows() overflows the token counter");
+  if (opt.check_finite) {
+    detail::require_finite_rows<T>(q, fn, "q");
+    detail::require_finite_rows<T>(k, fn, "k");
+    detail::require_finite_rows<T>(v, fn, "v");
+    if (!std::isfinite(beta))
+      mixattn::detail::raise_domain_error(detail::concat(fn, ": beta is ", beta, ", not finite"));
+  }
+  const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));
+  if (opt.check_finite && !std::isfinite(s))
+    mixattn::detail::raise_domain_error(
+        detail::concat(fn, ": beta * sqrt(r) = ", beta, " * sqrt(", r, ") overflows"));
+
+  // Everything below builds the new state and record aside; `state` and `*saved` change only
+  // in the non-throwing moves at the end.
+  const Index c = opt.block, n_start = state.keys.rows();
+  const detail::Blocks blocks(c, state.pending_keys.rows(), tn);
+  const Index capacity = std::min(opt.max_centroids, n_start + blocks.complete * c);
+  const bool plateau = opt.growth == Growth::plateau;
+  const double alpha =
+      opt.growth_alpha > 0 ? opt.growth_alpha : static_cast<double>(opt.max_centroids);
+  const bool greedy = opt.seeding == Seeding::greedy_dispersion;
+  const Index t_start = state.tokens_seen - blocks.p0;  // tokens absorbed before the call
+
+  Saved<T> rec;
+  if (saved != nullptr) {
+    rec.start = state;
+    rec.assignment.assign(static_cast<std::size_t>(blocks.total), -1);
+    rec.new_centroids.reserve(static_cast<std::size_t>(blocks.complete));
+    rec.tokens = tn;
+    rec.beta = beta;
+    rec.block = c;
+    rec.count_bias = opt.count_bias;
+    rec.norm_eps = opt.norm_eps;
+    rec.recorded = true;
+  }
+
+  detail::Dictionary<T> dict;
+  dict.allocate(capacity, r, dv);
+  dict.load(state.keys, state.values, state.counts);
+  Matrix<T> kb(c, r), vb(c, dv), qh(std::min(c, std::max<Index>(tn, 1)), r);
+  kb.topRows(blocks.p0) = state.pending_keys;
+  vb.topRows(blocks.p0) = state.pending_values;
+  Vector<T> logc(capacity);
+  detail::log_counts(dict, logc);
+  detail::AttentionScratch<T> sc;
+  sc.reserve(capacity, c, r, false);
+  detail::BlockQuantizer<T> quant;
+  detail::MeanUpdate<T> update;
+  std::vector<std::int32_t> assign_scratch, seeds(static_cast<std::size_t>(c));
+  if (blocks.complete > 0) {
+    quant.reserve(c, capacity, r);
+    update.reserve(capacity, r, dv);
+    if (saved == nullptr) assign_scratch.resize(static_cast<std::size_t>(c));
+  }
+
+  Matrix<T> out(tn, dv);
+  for (Index u = 0; u < blocks.count; ++u) {
+    const Index pq = blocks.query_offset(u), m = blocks.queries(u), row = blocks.call_row(u);
+    detail::normalize_rows<T>(q.middleRows(row, m), qh.topRows(m), opt.norm_eps);
+    detail::normalize_rows<T>(k.middleRows(row, m), kb.middleRows(pq, m), opt.norm_eps);
+    vb.middleRows(pq, m) = v.middleRows(row, m);
+    const T* lc = opt.count_bias ? logc.data() : nullptr;
+    for (Index t0 = 0; t0 < m; t0 += detail::query_tile) {
+      const Index mt = std::min(detail::query_tile, m - t0), l = pq + t0 + mt;
+      detail::tile_forward<T>(qh.middleRows(t0, mt), dict.keys.topRows(dict.size),
+                              dict.values.topRows(dict.size), lc, kb.topRows(l), vb.topRows(l),
+                              pq + t0, s, sc, out.middleRows(row + t0, mt));
+    }
+    if (!blocks.is_complete(u)) continue;
+    // Absorb the block (SPEC 2.3): grow, seed, assign, update the running means.
+    const Index t = t_start + blocks.begin(u);
+    const Index nu = detail::new_centroids(t, c, dict.size, opt.max_centroids, plateau, alpha);
+    std::int32_t* assign =
+        saved != nullptr ? rec.assignment.data() + blocks.begin(u) : assign_scratch.data();
+    quant.plan(dict, kb, nu, greedy, assign, seeds.data());
+    update.apply(dict, kb, vb, assign, nu);
+    for (const Index row_n : update.touched()) logc[row_n] = std::log(dict.counts[row_n]);
+    if (saved != nullptr) {
+      rec.new_centroids.push_back(static_cast<std::int32_t>(nu));
+      for (Index p = 0; p < nu; ++p) rec.seeds.push_back(blocks.begin(u) + seeds[p]);
+    }
+  }
+
+  State<T> next;
+  next.keys = dict.keys.topRows(dict.size);
+  next.values = dict.values.topRows(dict.size);
+  next.counts = dict.counts.head(dict.size);
+  const Index pending = blocks.total - blocks.complete * c;
+  next.pending_keys = kb.topRows(pending);
+  next.pending_values = vb.topRows(pending);
+  next.tokens_seen = state.tokens_seen + tn;
+  state = std::move(next);
+  if (saved != nullptr) *saved = std::move(rec);
+  return out;
+}
+
+/// Gradients of a scalar loss L through forward (SPEC 2.4), given grad_out = dL/d(output).
+///   q, k, v: the forward's inputs (T x r, T x r, T x d_v); beta as in forward;
+///   grad_out: T x d_v; saved: filled by that forward call; opt: its options (block,
+///   count_bias and norm_eps must match; grad_through_dictionary chooses the mode).
+/// Assignments, seeds, counts and the count bias are constants. With grad_through_dictionary the
+/// gradient also flows through the running means into earlier tokens of the call:
+///   dD_old[n] += (c_old / c_new) dD_new[n],   dk_hat_j += dD_k,new[n] / c_new  (j -> n);
+/// otherwise the dictionary is a constant. The start state is a constant either way.
+template <class T>
+Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 typename mixattn::detail::identity<T>::type beta,
+                 const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+  constexpr const char* fn = "mixattn::ovq::backward";
+  using detail::require;
+  using W = detail::wide_t<T>;
+  detail::check_options(opt, fn);
+  require(saved.recorded, fn, "saved was not filled by mixattn::ovq::forward");
+  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols(), tn = saved.tokens;
+  detail::check_inputs<T>(q, k, v, r, dv, "saved", fn);
+  require(q.rows() == tn, fn, "q has ", q.rows(), " rows but saved is for ", tn, " tokens");
+  require(grad_out.rows() == tn && grad_out.cols() == dv, fn, "grad_out is ",
+          detail::shape_str(grad_out), " but the output is ", tn, " x ", dv);
+  require(opt.block == saved.block && opt.count_bias == saved.count_bias &&
+              opt.norm_eps == saved.norm_eps,
+          fn, "options (block ", opt.block, ", count_bias ", opt.count_bias, ", norm_eps ",
+          opt.norm_eps, ") differ from the forward's (block ", saved.block, ", count_bias ",
+          saved.count_bias, ", norm_eps ", saved.norm_eps, ")");
+  require(beta == saved.beta, fn, "beta is ", beta, " but the forward ran with ", saved.beta);
+  if (opt.check_finite) {
+    detail::require_finite_rows<T>(q, fn, "q");
+    detail::require_finite_rows<T>(k, fn, "k");
+    detail::require_finite_rows<T>(v, fn, "v");
+    detail::require_finite_rows<T>(grad_out, fn, "grad_out");
+  }
+
+  Grad<T> g{Matrix<T>::Zero(tn, r), Matrix<T>::Zero(tn, r), Matrix<T>::Zero(tn, dv), T(0)};
+  if (tn == 0) return g;
+  const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));
+  const bool through = opt.grad_through_dictionary;
+  const Index c = saved.block;
+  const State<T>& st = saved.start;
+  const detail::Blocks blocks(c, st.pending_keys.rows(), tn);
+  MIXATTN_ASSERT(static_cast<Index>(saved.new_centroids.size()) == blocks.complete);
+  MIXATTN_ASSERT(static_cast<Index>(saved.assignment.size()) == blocks.total);
+  const Index n_final = st.keys.rows() + static_cast<Index>(saved.seeds.size());
+  const Index capacity = std::max<Index>(n_final, 1);
+
+  // Dictionaries before each block come from replaying the recorded updates: a first pass keeps
+  // one checkpoint every S blocks; then, group by group from the end, the S dictionaries of the
+  // group are rebuilt from its checkpoint and its blocks are differentiated in reverse.
+  const Index group = std::max<Index>(
+      1, static_cast<Index>(std::ceil(std::sqrt(static_cast<double>(blocks.count)))));
+  const Index groups = (blocks.count + group - 1) / group;
+  std::vector<detail::Dictionary<T>> checkpoints(static_cast<std::size_t>(groups));
+  std::vector<detail::Dictionary<T>> snaps(static_cast<std::size_t>(std::min(group, blocks.count)));
+  for (auto& d : checkpoints) d.allocate(capacity, r, dv);
+  for (auto& d : snaps) d.allocate(capacity, r, dv);
+  detail::Dictionary<T> work;
+  work.allocate(capacity, r, dv);
+  detail::MeanUpdate<T> update;
+  update.reserve(capacity, r, dv);
+
+  Matrix<T> kb(c, r), vb(c, dv), qh(c, r), dkb(c, r), dvb(c, dv);
+  Matrix<T> ddk = Matrix<T>::Zero(capacity, r), ddv = Matrix<T>::Zero(capacity, dv);
+  Vector<T> logc(capacity);
+  detail::AttentionScratch<T> sc;
+  sc.reserve(capacity, c, r, true);
+  std::vector<Index> hits(static_cast<std::size_t>(capacity), 0);
+  W ds = 0;
+
+  // Loads block u's normalised keys and values (the start state's pending ones first).
+  const auto load_block = [&](Index u) {
+    const Index pq = blocks.query_offset(u), m = blocks.queries(u), row = blocks.call_row(u);
+    if (u == 0 && blocks.p0 > 0) {
+      kb.topRows(blocks.p0) = st.pending_keys;
+      vb.topRows(blocks.p0) = st.pending_values;
+    }
+    detail::normalize_rows<T>(k.middleRows(row, m), kb.middleRows(pq, m), opt.norm_eps);
+    vb.middleRows(pq, m) = v.middleRows(row, m);
+  };
+  const auto replay = [&](Index u) {
+    load_block(u);
+    update.apply(work, kb, vb, saved.assignment.data() + blocks.begin(u),
+                 saved.new_centroids[static_cast<std::size_t>(u)]);
+  };
+
+  work.load(st.keys, st.values, st.counts);
+  for (Index u = 0; u < blocks.count; ++u) {
+    if (u % group == 0) checkpoints[static_cast<std::size_t>(u / group)].copy_from(work);
+    if (blocks.is_complete(u) && u + 1 < blocks.count) replay(u);
+  }
+
+  for (Index gi = groups - 1; gi >= 0; --gi) {
+    const Index lo = gi * group, hi = std::min(blocks.count, lo + group);
+    work.copy_from(checkpoints[static_cast<std::size_t>(gi)]);
+    for (Index u = lo; u < hi; ++u) {
+      snaps[static_cast<std::size_t>(u - lo)].copy_from(work);
+      if (blocks.is_complete(u) && u + 1 < hi) replay(u);
+    }
+    for (Index u = hi - 1; u >= lo; --u) {
+      const detail::Dictionary<T>& d = snaps[static_cast<std::size_t>(u - lo)];
+      const Index n = d.size, pq = blocks.query_offset(u), m = blocks.queries(u);
+      const Index row = blocks.call_row(u), b0 = blocks.begin(u);
+      load_block(u);
+      detail::normalize_rows<T>(q.middleRows(row, m), qh.topRows(m), opt.norm_eps);
+
+      if (through && blocks.is_complete(u)) {
+        // Through the running means of this block's update: token j -> n receives
+        // dD_new[n] / c_new; a surviving row keeps (c_old / c_new) dD_new[n]; rows the block
+        // opened did not exist before it.
+        const std::int32_t* a = saved.assignment.data() + b0;
+        const Index nu = saved.new_centroids[static_cast<std::size_t>(u)];
+        for (Index j = 0; j < c; ++j) ++hits[a[j]];
+        for (Index j = 0; j < c; ++j) {
+          if (b0 + j < blocks.p0) continue;  // the start state's pending tokens are constants
+          const Index nn = a[j], i = b0 + j - blocks.p0;
+          const W c_old = nn < n ? static_cast<W>(d.counts[nn]) : W(0);
+          const T inv = static_cast<T>(W(1) / (c_old + static_cast<W>(hits[nn])));
+          g.k.row(i) += inv * ddk.row(nn);
+          g.v.row(i) += inv * ddv.row(nn);
+        }
+        for (Index j = 0; j < c; ++j) {
+          const Index nn = a[j];
+          if (hits[nn] == 0) continue;
+          if (nn < n) {
+            const W c_old = static_cast<W>(d.counts[nn]);
+            const T keep = static_cast<T>(c_old / (c_old + static_cast<W>(hits[nn])));
+            ddk.row(nn) *= keep;
+            ddv.row(nn) *= keep;
+          }
+          hits[nn] = 0;
+        }
+        ddk.middleRows(n, nu).setZero();
+        ddv.middleRows(n, nu).setZero();
+      }
+
+      detail::log_counts(d, logc);
+      const T* lc = opt.count_bias ? logc.data() : nullptr;
+      const Index l_all = pq + m;
+      dkb.topRows(l_all).setZero();
+      dvb.topRows(l_all).setZero();
+      for (Index t0 = 0; t0 < m; t0 += detail::query_tile) {
+        const Index mt = std::min(detail::query_tile, m - t0), l = pq + t0 + mt;
+        detail::tile_backward<T>(qh.middleRows(t0, mt), d.keys.topRows(n), d.values.topRows(n), lc,
+                                 kb.topRows(l), vb.topRows(l), pq + t0, s,
+                                 grad_out.middleRows(row + t0, mt), sc,
+                                 g.q.middleRows(row + t0, mt), ds, dkb.topRows(l), dvb.topRows(l),
+                                 through, ddk.topRows(n), ddv.topRows(n));
+      }
+      g.k.middleRows(row, m) += dkb.middleRows(pq, m);
+      g.v.middleRows(row, m) += dvb.middleRows(pq, m);
+    }
+  }
+
+  detail::normalize_backward<T>(q, g.q, opt.norm_eps);
+  detail::normalize_backward<T>(k, g.k, opt.norm_eps);
+  g.beta = static_cast<T>(ds * std::sqrt(static_cast<W>(r)));
+  return g;
+}
+
+}  // namespace mixattn::ovq
