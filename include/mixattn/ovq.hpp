@@ -178,15 +178,6 @@ void check_state(const State<T>& st, const Options& opt, const char* fn) {
             ", every centroid holds at least one token");
 }
 
-/// require_finite with a vectorised fast path for row-major views with an outer stride: a row
-/// holds a NaN or an infinity iff the sum of its entries times zero is NaN.
-template <class T>
-void require_finite_rows(const ConstMatrixRef<T>& x, const char* fn, const char* arg) {
-  T acc = 0;
-  for (Index i = 0; i < x.rows(); ++i) acc += (x.row(i).array() * T(0)).sum();
-  if (!(acc == T(0))) require_finite(x, fn, arg);  // locates the entry and throws
-}
-
 /// Shapes of q, k, v (and grad_out when given) against the key and value widths.
 template <class T>
 void check_inputs(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
@@ -286,9 +277,9 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   require(tn <= std::numeric_limits<Index>::max() - state.tokens_seen - opt.block, fn,
           "state.tokens_seen + q.rows() overflows the token counter");
   if (opt.check_finite) {
-    detail::require_finite_rows<T>(q, fn, "q");
-    detail::require_finite_rows<T>(k, fn, "k");
-    detail::require_finite_rows<T>(v, fn, "v");
+    detail::require_finite(q, fn, "q");
+    detail::require_finite(k, fn, "k");
+    detail::require_finite(v, fn, "v");
     if (!std::isfinite(beta))
       mixattn::detail::raise_domain_error(detail::concat(fn, ": beta is ", beta, ", not finite"));
   }
@@ -410,10 +401,10 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
           saved.count_bias, ", norm_eps ", saved.norm_eps, ")");
   require(beta == saved.beta, fn, "beta is ", beta, " but the forward ran with ", saved.beta);
   if (opt.check_finite) {
-    detail::require_finite_rows<T>(q, fn, "q");
-    detail::require_finite_rows<T>(k, fn, "k");
-    detail::require_finite_rows<T>(v, fn, "v");
-    detail::require_finite_rows<T>(grad_out, fn, "grad_out");
+    detail::require_finite(q, fn, "q");
+    detail::require_finite(k, fn, "k");
+    detail::require_finite(v, fn, "v");
+    detail::require_finite(grad_out, fn, "grad_out");
   }
 
   Grad<T> g{Matrix<T>::Zero(tn, r), Matrix<T>::Zero(tn, r), Matrix<T>::Zero(tn, dv), T(0)};
