@@ -6,7 +6,8 @@
 //   causal         the same with prefix sums, chunk-wise (SPEC 1.4)
 // Thread safety: every function is reentrant and may run concurrently on different threads.
 // forward without `saved` reuses two per-thread (thread_local) N x K scratch buffers, which stay
-// allocated for the thread's lifetime. GEMMs use the threads Eigen is configured with.
+// allocated for the thread's lifetime; backward allocates its own panel-sized scratch per call.
+// GEMMs use the threads Eigen is configured with.
 //
 // Every entry point has a defaulted template parameter Arch (the SIMD instruction set the
 // translation unit is compiled for, detail/simd.hpp); callers never write it.
@@ -19,6 +20,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -99,7 +101,8 @@ double content_sum(const Eigen::DenseBase<Derived>& x) {
       for (int l = 0; l < 8; ++l) lanes[l] += static_cast<double>(x.derived().coeff(i, j + l));
     for (; j < cols; ++j) lanes[0] += static_cast<double>(x.derived().coeff(i, j));
   }
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
 template <class T>
@@ -122,8 +125,8 @@ void gma_require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, cons
 template <class T>
 void gma_check_mixture(const gma::Mixture<T>& mix, const char* fn, bool check_finite) {
   const Index K = mix.mean.rows(), r = mix.mean.cols();
-  require(K > 0 && r > 0, fn, "mixture has ", K, " components of dimension ", r,
-          " (mean is ", shape_str(mix.mean), "); both must be positive");
+  require(K > 0 && r > 0, fn, "mixture has ", K, " components of dimension ", r, " (mean is ",
+          shape_str(mix.mean), "); both must be positive");
   require(mix.var_raw.rows() == K && mix.var_raw.cols() == r, fn, "mixture.var_raw is ",
           shape_str(mix.var_raw), " but mixture.mean is ", shape_str(mix.mean));
   require(mix.prior_logit.size() == K, fn, "mixture.prior_logit has ", mix.prior_logit.size(),
@@ -146,8 +149,9 @@ void gma_check_inputs(const char* fn, const gma::Mixture<T>& mix, const ConstMat
   require(q.cols() == r, fn, "q is ", shape_str(q), " but the mixture has dimension ", r);
   require(k.cols() == r, fn, "k is ", shape_str(k), " but the mixture has dimension ", r);
   require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows());
-  require(!opt.causal || q.rows() == k.rows(), fn, "causal needs as many queries as keys, but q has ",
-          q.rows(), " rows and k has ", k.rows());
+  require(!opt.causal || q.rows() == k.rows(), fn,
+          "causal needs as many queries as keys, but q has ", q.rows(), " rows and k has ",
+          k.rows());
   require(opt.eps > 0 && std::isfinite(opt.eps), fn, "options.eps is ", opt.eps,
           "; it must be positive and finite");
   require(opt.chunk >= 0, fn, "options.chunk is ", opt.chunk, "; it must be >= 0 (0: default)");
@@ -174,75 +178,71 @@ inline Index gma_chunk(const gma::Options& opt) {
 template <class Arch, class T>
 Matrix<T> gma_gamma(const PackedDensity<T>& p, const ConstMatrixRef<T>& x) {
   Matrix<T> out(x.rows(), p.components);
-  responsibilities_into(Arch{}, p, x.data(), x.outerStride(), x.rows(), out.data(),
-                        p.components);
+  responsibilities_into(Arch{}, p, x.data(), x.outerStride(), x.rows(), out.data(), p.components);
   return out;
 }
 
-/// Backward through the softmax and the log-density (SPEC 1.5) for the stacked Q and K paths.
-/// The reductions are GEMMs (dS P, dS^T X, dS^T X.X); they run in wide_t<T> on inputs shifted by
-/// the mean of the component means, because the expanded form of sum_i dS P (x - mu)^2 cancels
-/// catastrophically in float once |mu| / sigma is large (see test_gma_backward, cancellation).
-template <class T, class W>
-void gma_log_density_backward(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
-                              const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                              const Matrix<T>& gq, const Matrix<T>& dgq, const Matrix<T>& gk,
-                              const Matrix<T>& dgk, gma::Grad<T>& grad) {
-  const Index N = q.rows(), M = k.rows(), K = mix.mean.rows(), r = mix.mean.cols(), n = N + M;
-  const Eigen::Matrix<W, 1, Eigen::Dynamic> centre =
-      mix.mean.template cast<W>().colwise().mean();
-  Matrix<W> ds(n, K), xx(n, 2 * r);
-  // dS = gamma . (dgamma - rowsum(gamma . dgamma)), and [x' | x'.x'] with x' = x - centre.
-  auto fill = [&](const Matrix<T>& gamma, const Matrix<T>& dgamma, const ConstMatrixRef<T>& x,
-                  Index row0) {
-    for (Index i = 0; i < x.rows(); ++i) {
-      W dot = 0;
-      for (Index kk = 0; kk < K; ++kk) dot += W(gamma(i, kk)) * W(dgamma(i, kk));
-      for (Index kk = 0; kk < K; ++kk)
-        ds(row0 + i, kk) = W(gamma(i, kk)) * (W(dgamma(i, kk)) - dot);
-      for (Index m = 0; m < r; ++m) {
-        const W xm = W(x(i, m)) - centre(m);
-        xx(row0 + i, m) = xm;
-        xx(row0 + i, r + m) = xm * xm;
-      }
+/// Rows per panel of the backward: the panel's dGamma/dS (panel x K), [g | h] (panel x (d_v+1))
+/// and padded x / dx tiles stay in L2 while the log-density kernel streams them once per tile of
+/// components, and the kernel's in-panel float sums stay short. Measured on Zen 4 (float,
+/// K = r = 64, 4096 tokens of one path, best of 40): kernel 1.57 ms with panels of 64, 1.30 (128),
+/// 1.20 (256), 1.31 (512); the two floor GEMMs dS [P | P mu] and dS^T [x | x.x] take 1.67 ms.
+constexpr Index gma_backward_panel = 256;
+
+/// Scratch of one backward call, allocated once and reused by every panel.
+template <class T>
+struct GmaBackwardScratch {
+  Matrix<T> gh;    // panel x (d_v + 1): [g | h] (bidirectional)
+  Matrix<T> ds;    // panel x K: dGamma, then dS in place (bidirectional)
+  Matrix<T> xpad;  // panel x padded r: x, zero beyond r
+  Matrix<T> acc;   // panel x padded r: -dx / 2
+  Matrix<T> upd;   // K x (d_v + 1): one panel's [dVt | dZ]
+};
+
+/// Through the softmax and the log-density (SPEC 1.5) for n <= panel tokens x (stride ldx) with
+/// responsibilities gamma (n x K, stride ldg): ds holds dGamma on entry and dS on exit (n x K,
+/// stride ldds); dx (n x r, stride lddx) is written; the mixture's token sums go to `sums`.
+template <class Arch, class T, class W>
+void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T* x, Index ldx,
+                               const T* gamma, Index ldg, T* ds, Index ldds, Index n,
+                               GmaBackwardScratch<T>& s, DensityGradSums<W>& sums, T* dx,
+                               Index lddx) {
+  const Index K = p.components, r = p.dim, rp = p.padded_dim;
+  for (Index i = 0; i < n; ++i) {
+    // dS = gamma . (dgamma - gamma . dgamma); the row dot in W (K terms of both signs)
+    const T* gi = gamma + i * ldg;
+    T* di = ds + i * ldds;
+    W dot = 0;
+    for (Index k = 0; k < K; ++k) dot += static_cast<W>(gi[k]) * static_cast<W>(di[k]);
+    for (Index k = 0; k < K; ++k) {
+      const W v = static_cast<W>(gi[k]) * (static_cast<W>(di[k]) - dot);
+      di[k] = static_cast<T>(v);
+      sums.w(k) += static_cast<W>(di[k]);
     }
-  };
-  fill(gq, dgq, q, 0);
-  fill(gk, dgk, k, N);
+    std::copy(x + i * ldx, x + i * ldx + r, s.xpad.data() + i * rp);  // padding stays zero
+  }
+  s.acc.topRows(n).setZero();
+  density_grad_into(arch, p, s.xpad.data(), rp, ds, ldds, n, s.acc.data(), rp, sums);
+  for (Index i = 0; i < n; ++i)
+    for (Index m = 0; m < r; ++m) dx[i * lddx + m] = T(-2) * s.acc(i, m);
+}
 
-  const Matrix<W> mu = mix.mean.template cast<W>().rowwise() - centre;  // K x r, shifted
-  Matrix<W> pp(K, 2 * r);                                               // [P | P.mu']
-  pp.leftCols(r) = c.var.cwiseInverse();
-  pp.rightCols(r) = pp.leftCols(r).cwiseProduct(mu);
-
-  // dx_im = -sum_k dS_ik P_km (x'_im - mu'_km) = (dS (P.mu'))_im - x'_im (dS P)_im
-  Matrix<W> dsp(n, 2 * r);
-  dsp.noalias() = ds * pp;
-  Matrix<W> dx = dsp.rightCols(r) - xx.leftCols(r).cwiseProduct(dsp.leftCols(r));
-  grad.q = dx.topRows(N).template cast<T>();
-  grad.k = dx.bottomRows(M).template cast<T>();
-
-  // T1 = dS^T x', T2 = dS^T x'^2, s = dS^T 1
-  Matrix<W> tt(K, 2 * r);
-  tt.noalias() = ds.transpose() * xx;
-  const Vector<W> s = ds.colwise().sum().transpose();
-  const Matrix<W> P = pp.leftCols(r);
-  const Matrix<W> t1 = tt.leftCols(r), t2 = tt.rightCols(r);
-  // d mu = P (T1 - mu' s);  d var = 1/2 P^2 (T2 - 2 mu' T1 + mu'^2 s) - 1/2 P s
-  const Matrix<W> dmu = P.cwiseProduct(t1 - (mu.array().colwise() * s.array()).matrix());
-  Matrix<W> r2 = t2 - 2 * mu.cwiseProduct(t1);
-  r2 += (mu.array().square().colwise() * s.array()).matrix();
-  Matrix<W> dvar = W(0.5) * P.cwiseProduct(P).cwiseProduct(r2);
-  dvar -= W(0.5) * (P.array().colwise() * s.array()).matrix();
-  // chain rule to the raw parameters: d var_raw = d var . sigmoid(var_raw); softmax for the prior
-  grad.mixture.mean = dmu.template cast<T>();
-  grad.mixture.var_raw.resize(K, r);
+/// Mixture gradients from the token sums (SPEC 1.5): d var_raw = d var . sigmoid(var_raw),
+/// d prior_logit = dlogpi - pi sum(dlogpi).
+template <class T, class W>
+void gma_mixture_grad(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
+                      const DensityGradSums<W>& sums, gma::MixtureGrad<T>& grad) {
+  const Index K = mix.mean.rows(), r = mix.mean.cols();
+  Matrix<W> dmu, dvar;
+  density_grad_finish(c, sums, dmu, dvar);
+  grad.mean = dmu.template cast<T>();
+  grad.var_raw.resize(K, r);
   for (Index kk = 0; kk < K; ++kk)
     for (Index m = 0; m < r; ++m)
-      grad.mixture.var_raw(kk, m) =
+      grad.var_raw(kk, m) =
           static_cast<T>(dvar(kk, m) * sigmoid(static_cast<W>(mix.var_raw(kk, m))));
-  const W total = s.sum();
-  grad.mixture.prior_logit = (s.array() - c.log_pi.array().exp() * total).template cast<T>();
+  const W total = sums.w.sum();
+  grad.prior_logit = (sums.w.array() - c.log_pi.array().exp() * total).template cast<T>();
 }
 
 }  // namespace mixattn::detail
@@ -365,8 +365,8 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
                       saved.gamma_k.rows() == M && saved.gamma_k.cols() == K &&
                       saved.den.size() == N && saved.out.rows() == N && saved.out.cols() == dv,
                   fn, "saved is for N = ", saved.gamma_q.rows(), ", M = ", saved.gamma_k.rows(),
-                  ", K = ", saved.gamma_q.cols(), ", d_v = ", saved.out.cols(), " but the inputs have N = ",
-                  N, ", M = ", M, ", K = ", K, ", d_v = ", dv);
+                  ", K = ", saved.gamma_q.cols(), ", d_v = ", saved.out.cols(),
+                  " but the inputs have N = ", N, ", M = ", M, ", K = ", K, ", d_v = ", dv);
   detail::require(saved.causal == opt.causal && saved.eps == opt.eps, fn,
                   "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
                   " but options have causal = ", opt.causal, ", eps = ", opt.eps);
@@ -376,37 +376,81 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
                       saved.fingerprint[3] == detail::mixture_sum(mix),
                   fn, "saved was made from different q, k, v or mixture values");
   using W = detail::wide_t<T>;
-
-  // g_i = dO_i / den_i, h_i = -(dO_i . O_i) / den_i
-  const Vector<T> inv_den = saved.den.cwiseInverse();
-  Matrix<T> g = grad_out;
-  g.array().colwise() *= inv_den.array();
-  const Vector<T> h =
-      -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
-
-  Grad<T> grad;
-  Matrix<T> dgq(N, K), dgk(M, K);
-  grad.v.resize(M, dv);
-  if (opt.causal) {
-    detail::gma_causal_backward<T>(saved.gamma_q, saved.gamma_k, v, g, h, saved.chunk, dgq, dgk,
-                                   grad.v);
-  } else {
-    // dGamma_Q = g Vt^T + h Z^T, dVt = Gamma_Q^T g, dZ = Gamma_Q^T h,
-    // dGamma_K = V dVt^T + 1 dZ^T, dV = Gamma_K dVt
-    dgq.noalias() = g * saved.vt.transpose();
-    dgq.noalias() += h * saved.z.transpose();
-    Matrix<T> dvt(K, dv);
-    dvt.noalias() = saved.gamma_q.transpose() * g;
-    Vector<T> dz(K);
-    dz.noalias() = saved.gamma_q.transpose() * h;
-    dgk.noalias() = v * dvt.transpose();
-    dgk.rowwise() += dz.transpose();
-    grad.v.noalias() = saved.gamma_k * dvt;
-  }
+  const Index r = mix.dim();
   const detail::MixtureConstants<W> c =
       detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
-  detail::gma_log_density_backward<T, W>(mix, c, q, k, saved.gamma_q, dgq, saved.gamma_k, dgk,
-                                         grad);
+  const detail::PackedDensityDims<T> p = detail::pack_density_dims<Arch, T>(mix.mean, c);
+  const Index panel = std::max<Index>(1, std::min(detail::gma_backward_panel, std::max(N, M)));
+  detail::GmaBackwardScratch<T> s;
+  s.xpad.setZero(panel, p.padded_dim);
+  s.acc.resize(panel, p.padded_dim);
+  detail::DensityGradSums<W> sums;
+  sums.reset(K, p.padded_dim);
+
+  Grad<T> grad;
+  grad.q.resize(N, r);
+  grad.k.resize(M, r);
+  grad.v.resize(M, dv);
+  if (opt.causal) {
+    // g_i = dO_i / den_i, h_i = -(dO_i . O_i) / den_i
+    const Vector<T> inv_den = saved.den.cwiseInverse();
+    Matrix<T> g = grad_out;
+    g.array().colwise() *= inv_den.array();
+    const Vector<T> h =
+        -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
+    Matrix<T> dgq(N, K), dgk(M, K);
+    detail::gma_causal_backward<T>(saved.gamma_q, saved.gamma_k, v, g, h, saved.chunk, dgq, dgk,
+                                   grad.v);
+    for (Index i0 = 0; i0 < N; i0 += panel) {
+      const Index n = std::min(panel, N - i0);
+      detail::gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),
+                                        saved.gamma_q.data() + i0 * K, K, dgq.data() + i0 * K, K, n,
+                                        s, sums, grad.q.data() + i0 * r, r);
+      detail::gma_density_backward_rows(Arch{}, p, k.data() + i0 * k.outerStride(), k.outerStride(),
+                                        saved.gamma_k.data() + i0 * K, K, dgk.data() + i0 * K, K, n,
+                                        s, sums, grad.k.data() + i0 * r, r);
+    }
+  } else {
+    // Panel by panel, nothing N x K: with [g | h] (g_i = dO_i / den_i, h_i = -(dO_i . O_i) /
+    // den_i) and [Vt | Z] (the ones-column trick),
+    //   dGamma_Q = [g | h] [Vt | Z]^T,  [dVt | dZ] = Gamma_Q^T [g | h],
+    //   dGamma_K = V dVt^T + 1 dZ^T,    dV = Gamma_K dVt.
+    // [dVt | dZ] sums over all N queries; each panel's GEMM result is added in W.
+    s.gh.resize(panel, dv + 1);
+    s.ds.resize(panel, K);
+    s.upd.resize(K, dv + 1);
+    Matrix<T> vz(K, dv + 1);
+    vz.leftCols(dv) = saved.vt;
+    vz.col(dv) = saved.z;
+    Matrix<W> dvz_wide = Matrix<W>::Zero(K, dv + 1);
+    for (Index i0 = 0; i0 < N; i0 += panel) {
+      const Index n = std::min(panel, N - i0);
+      Eigen::Map<Matrix<T>> gh(s.gh.data(), n, dv + 1), ds(s.ds.data(), n, K);
+      for (Index i = 0; i < n; ++i) {
+        const T inv = T(1) / saved.den(i0 + i);
+        gh.row(i).head(dv) = grad_out.row(i0 + i) * inv;
+        gh(i, dv) = -grad_out.row(i0 + i).dot(saved.out.row(i0 + i)) * inv;
+      }
+      s.upd.noalias() = saved.gamma_q.middleRows(i0, n).transpose() * gh;
+      dvz_wide += s.upd.template cast<W>();
+      ds.noalias() = gh * vz.transpose();
+      detail::gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),
+                                        saved.gamma_q.data() + i0 * K, K, ds.data(), K, n, s, sums,
+                                        grad.q.data() + i0 * r, r);
+    }
+    const Matrix<T> dvz = dvz_wide.template cast<T>();
+    grad.v.noalias() = saved.gamma_k * dvz.leftCols(dv);
+    for (Index j0 = 0; j0 < M; j0 += panel) {
+      const Index n = std::min(panel, M - j0);
+      Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
+      ds.noalias() = v.middleRows(j0, n) * dvz.leftCols(dv).transpose();
+      ds.rowwise() += dvz.col(dv).transpose();
+      detail::gma_density_backward_rows(Arch{}, p, k.data() + j0 * k.outerStride(), k.outerStride(),
+                                        saved.gamma_k.data() + j0 * K, K, ds.data(), K, n, s, sums,
+                                        grad.k.data() + j0 * r, r);
+    }
+  }
+  detail::gma_mixture_grad(mix, c, sums, grad.mixture);
   return grad;
 }
 

@@ -1,6 +1,7 @@
 // mixattn/detail/log_density.hpp — Gaussian log-densities and responsibilities (SPEC 1.2).
 //
-//   s_k(x) = log pi_k - 1/2 sum_m log var_km - 1/2 sum_m (x_m - mu_km)^2 / var_km,  gamma = softmax s
+//   s_k(x) = log pi_k - 1/2 sum_m log var_km - 1/2 sum_m (x_m - mu_km)^2 / var_km,  gamma = softmax
+//   s
 //
 // Computed in the cancellation-free form sum_m (x_m a_km - b_km)^2 with a = 1/(sigma sqrt 2),
 // b = mu a (the 1/2 is folded into a and b): two FMAs per (token, component, dim), no term ever
@@ -43,9 +44,9 @@ inline W sigmoid(W w) {
 /// Per-call constants of a mixture (SPEC 1.1), computed in the wide type W.
 template <class W>
 struct MixtureConstants {
-  Matrix<W> var;      // K x r, softplus(var_raw) + var_floor
-  Vector<W> log_pi;   // K, log_softmax(prior_logit)
-  Vector<W> offset;   // K, log pi_k - 1/2 sum_m log var_km
+  Matrix<W> var;     // K x r, softplus(var_raw) + var_floor
+  Vector<W> log_pi;  // K, log_softmax(prior_logit)
+  Vector<W> offset;  // K, log pi_k - 1/2 sum_m log var_km
 };
 
 template <class W, class T>
@@ -63,7 +64,8 @@ MixtureConstants<W> mixture_constants(const Matrix<T>& mean, const Matrix<T>& va
   const W lse = amax + std::log((alpha.array() - amax).exp().sum());
   c.log_pi = alpha.array() - lse;
   c.offset.resize(K);
-  for (Index k = 0; k < K; ++k) c.offset(k) = c.log_pi(k) - W(0.5) * c.var.row(k).array().log().sum();
+  for (Index k = 0; k < K; ++k)
+    c.offset(k) = c.log_pi(k) - W(0.5) * c.var.row(k).array().log().sum();
   return c;
 }
 
@@ -223,7 +225,8 @@ inline void responsibilities_into(Arch arch, const PackedDensity<T>& p, const T*
     Index i = 0;
     for (; i + TI <= n; i += TI) {
       log_density_rows<TI, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
-      for (int t = 0; t < TI; ++t) softmax_row(arch, scratch.data() + t * P, P, K, out + (i + t) * ldo);
+      for (int t = 0; t < TI; ++t)
+        softmax_row(arch, scratch.data() + t * P, P, K, out + (i + t) * ldo);
     }
     for (; i < n; ++i) {  // token tail: one row at a time
       log_density_rows<1, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
@@ -238,6 +241,205 @@ inline void responsibilities_into(Arch arch, const PackedDensity<T>& p, const T*
     log_density_row_scalar(p, x + i * ldx, scratch.data());
     softmax_row_scalar(scratch.data(), K, out + i * ldo);
   }
+}
+
+// ---- backward (SPEC 1.5) ------------------------------------------------------------------------
+//
+// With t_ikm = x_im a_km - b_km (the forward's own cancellation-free term, a = 1/(sigma sqrt 2),
+// b = mu a), the residual is r = x - mu = t / a and P = 1/sigma^2 = 2 a^2, so
+//   P r = 2 a t,      1/2 P^2 r^2 - 1/2 P = a^2 (2 t^2 - 1),
+// and SPEC 1.5 becomes, for weights w_ik = dS_ik,
+//   dx_im     = -2 sum_k a_km (w_ik t_ikm)
+//   dmu_km    =  2 a_km  sum_i w_ik t_ikm
+//   dvar_km   =  a_km^2 (2 sum_i w_ik t_ikm^2 - sum_i w_ik).
+// Nothing is ever subtracted from something much larger: t is O(1) wherever w is not negligible.
+// The kernel vectorises over the dimension m (so dx needs no horizontal sum over components):
+// a tile holds a, b and the two token sums of TK components for one register of dims, and
+// streams the tokens of a panel through it. Per (token, component, dim) that is t (FMS), w t
+// (MUL), the dx FMA and the t^2 FMA on the FMA pipes plus one ADD: the same FMA-pipe work as the
+// two GEMMs dS [P | P mu] and dS^T [x | x.x] of the expanded form.
+
+/// a and b laid out for the backward kernel: K x padded_dim each, row-major, zero beyond dim
+/// (zero a and b give t = 0, so padded dims contribute nothing).
+template <class T>
+struct PackedDensityDims {
+  Index components = 0, dim = 0, padded_dim = 0;
+  std::vector<T> a, b;
+};
+
+/// Same a and b values as pack_density (bit for bit), so the backward sees the forward's t.
+template <class Arch, class T, class W>
+PackedDensityDims<T> pack_density_dims(const Matrix<T>& mean, const MixtureConstants<W>& c) {
+  PackedDensityDims<T> p;
+  const Index K = mean.rows(), r = mean.cols();
+  const Index width = static_cast<Index>(simd_width<Arch, T>::value);
+  p.components = K;
+  p.dim = r;
+  p.padded_dim = (r + width - 1) / width * width;
+  p.a.assign(static_cast<std::size_t>(K * p.padded_dim), T(0));
+  p.b.assign(static_cast<std::size_t>(K * p.padded_dim), T(0));
+  const W inv_sqrt2 = W(1) / std::sqrt(W(2));
+  for (Index k = 0; k < K; ++k)
+    for (Index m = 0; m < r; ++m) {
+      const W a = inv_sqrt2 / std::sqrt(c.var(k, m));
+      p.a[static_cast<std::size_t>(k * p.padded_dim + m)] = static_cast<T>(a);
+      p.b[static_cast<std::size_t>(k * p.padded_dim + m)] =
+          static_cast<T>(static_cast<W>(mean(k, m)) * a);
+    }
+  return p;
+}
+
+/// Token sums of the backward (see above), in the wide type W: they run over all N + M tokens,
+/// and a float running sum of that length drifts by O(N eps) relative. Inside one panel (a few
+/// hundred tokens) the kernel sums in T; each panel's partial sums are then added here.
+template <class W>
+struct DensityGradSums {
+  Matrix<W> wt;   // K x padded_dim: sum_i w_ik t_ikm
+  Matrix<W> wtt;  // K x padded_dim: sum_i w_ik t_ikm^2
+  Vector<W> w;    // K: sum_i w_ik
+  void reset(Index K, Index padded_dim) {
+    wt.setZero(K, padded_dim);
+    wtt.setZero(K, padded_dim);
+    w.setZero(K);
+  }
+};
+
+#if MIXATTN_HAS_SIMD
+/// TK components (from k0) by one register of dims (from m0) over n tokens:
+/// acc_im += sum_k a_km w_ik t_ikm (into acc, which holds -dx / 2), and the panel's token sums
+/// of w t and w t^2 go to `sums`. x and acc: n x padded_dim (strides ldx, ldacc); w: n x K (ldw).
+template <int TK, class Arch, class T, class W>
+inline void density_grad_tile(Arch, const PackedDensityDims<T>& p, Index k0, Index m0, const T* x,
+                              Index ldx, const T* w, Index ldw, Index n, T* acc, Index ldacc,
+                              DensityGradSums<W>& sums) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  const Index rp = p.padded_dim;
+  B a[TK], b[TK], swt[TK], swtt[TK];
+  for (int c = 0; c < TK; ++c) {
+    a[c] = B::load_unaligned(p.a.data() + (k0 + c) * rp + m0);
+    b[c] = B::load_unaligned(p.b.data() + (k0 + c) * rp + m0);
+    swt[c] = B(T(0));
+    swtt[c] = B(T(0));
+  }
+  const T* wi = w + k0;
+  for (Index i = 0; i < n; ++i, x += ldx, acc += ldacc, wi += ldw) {
+    const B xv = B::load_unaligned(x + m0);
+    // two partial dx sums halve the dependent FMA chain over the components
+    B d0 = B::load_unaligned(acc + m0), d1(T(0));
+    for (int c = 0; c < TK; ++c) {
+      const B t = xsimd::fms(xv, a[c], b[c]);
+      const B wt = t * B(wi[c]);
+      if (c % 2 == 0)
+        d0 = xsimd::fma(a[c], wt, d0);
+      else
+        d1 = xsimd::fma(a[c], wt, d1);
+      swt[c] += wt;
+      swtt[c] = xsimd::fma(wt, t, swtt[c]);
+    }
+    (d0 + d1).store_unaligned(acc + m0);
+  }
+  alignas(64) T lanes[2][Wd];
+  for (int c = 0; c < TK; ++c) {
+    swt[c].store_aligned(lanes[0]);
+    swtt[c].store_aligned(lanes[1]);
+    W* row_wt = sums.wt.data() + (k0 + c) * rp + m0;
+    W* row_wtt = sums.wtt.data() + (k0 + c) * rp + m0;
+    for (Index l = 0; l < Wd; ++l) {
+      row_wt[l] += static_cast<W>(lanes[0][l]);
+      row_wtt[l] += static_cast<W>(lanes[1][l]);
+    }
+  }
+}
+
+/// The last K mod TK components: one tile of exactly `rest` (< TK) components.
+template <int TK, class Arch, class T, class W>
+inline void density_grad_rest(Arch arch, Index rest, const PackedDensityDims<T>& p, Index k0,
+                              Index m0, const T* x, Index ldx, const T* w, Index ldw, Index n,
+                              T* acc, Index ldacc, DensityGradSums<W>& sums) {
+  if constexpr (TK > 1) {
+    if (rest == TK - 1)
+      density_grad_tile<TK - 1>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums);
+    else
+      density_grad_rest<TK - 1>(arch, rest, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums);
+  }
+}
+
+/// Register tile of the backward kernel: 4 TK registers (a, b and two sums per component) plus
+/// x, two dx partials and temporaries must fit the register file. Measured on Zen 4 (float,
+/// r = K = 64, 4096 tokens in panels of 256, best of 40): TK = 4: 1.22 ms, 5: 1.20, 6: 1.20,
+/// 8: 1.20 (flat; 6 is the largest whose 4 TK + 6 registers fit in 32).
+template <class Arch>
+struct DensityGradTile {
+  static constexpr int components = simd_registers<Arch>() >= 32 ? 6 : 2;
+};
+#endif
+
+/// Scalar twin of the backward kernel (also the fallback without SIMD), same arguments.
+template <class T, class W>
+inline void density_grad_scalar(const PackedDensityDims<T>& p, const T* x, Index ldx, const T* w,
+                                Index ldw, Index n, T* acc, Index ldacc, DensityGradSums<W>& sums) {
+  const Index K = p.components, rp = p.padded_dim;
+  for (Index k = 0; k < K; ++k)
+    for (Index m = 0; m < p.dim; ++m) {
+      const T a = p.a[static_cast<std::size_t>(k * rp + m)],
+              b = p.b[static_cast<std::size_t>(k * rp + m)];
+      T swt = 0, swtt = 0;
+      for (Index i = 0; i < n; ++i) {
+        const T t = std::fma(x[i * ldx + m], a, -b);
+        const T wt = t * w[i * ldw + k];
+        acc[i * ldacc + m] = std::fma(a, wt, acc[i * ldacc + m]);
+        swt += wt;
+        swtt = std::fma(wt, t, swtt);
+      }
+      sums.wt(k, m) += static_cast<W>(swt);
+      sums.wtt(k, m) += static_cast<W>(swtt);
+    }
+}
+
+/// Backward through the log-density for n tokens (one panel, a few hundred rows at most so that
+/// the in-panel sums stay short): acc_im += sum_k a_km w_ik t_ikm, i.e. acc = -dx / 2, and the
+/// token sums go to `sums` (sums.w is the caller's: it needs no kernel). x and acc are
+/// n x padded_dim with zeros in x beyond dim; w = dS is n x K.
+template <class Arch, class T, class W>
+inline void density_grad_into(Arch arch, const PackedDensityDims<T>& p, const T* x, Index ldx,
+                              const T* w, Index ldw, Index n, T* acc, Index ldacc,
+                              DensityGradSums<W>& sums) {
+#if MIXATTN_HAS_SIMD
+  if constexpr (!std::is_same<Arch, scalar_arch>::value) {
+    constexpr int TK = DensityGradTile<Arch>::components;
+    constexpr Index Wd = static_cast<Index>(simd_width<Arch, T>::value);
+    const Index K = p.components;
+    for (Index k0 = 0; k0 < K; k0 += TK) {
+      const Index rest = std::min<Index>(TK, K - k0);
+      for (Index m0 = 0; m0 < p.padded_dim; m0 += Wd) {
+        if (rest == TK)
+          density_grad_tile<TK>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums);
+        else
+          density_grad_rest<TK>(arch, rest, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums);
+      }
+    }
+    return;
+  }
+#endif
+  (void)arch;
+  density_grad_scalar(p, x, ldx, w, ldw, n, acc, ldacc, sums);
+}
+
+/// The mixture's gradients from the token sums (SPEC 1.5, in the t form above): dmu = 2 a wt,
+/// dvar = a^2 (2 wtt - w) with a^2 = 1 / (2 var), in W. dmu, dvar: K x dim.
+template <class W>
+void density_grad_finish(const MixtureConstants<W>& c, const DensityGradSums<W>& sums,
+                         Matrix<W>& dmu, Matrix<W>& dvar) {
+  const Index K = c.var.rows(), r = c.var.cols();
+  dmu.resize(K, r);
+  dvar.resize(K, r);
+  for (Index k = 0; k < K; ++k)
+    for (Index m = 0; m < r; ++m) {
+      const W a2 = W(1) / (W(2) * c.var(k, m));
+      dmu(k, m) = W(2) * std::sqrt(a2) * sums.wt(k, m);
+      dvar(k, m) = a2 * (W(2) * sums.wtt(k, m) - sums.w(k));
+    }
 }
 
 }  // namespace mixattn::detail
