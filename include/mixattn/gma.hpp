@@ -111,17 +111,6 @@ double mixture_sum(const gma::Mixture<T>& mix) {
          static_cast<double>(mix.var_floor);
 }
 
-/// require_finite with a vectorised fast path: x * 0 is 0 for finite x and NaN otherwise, so one
-/// SIMD sum decides; the slow locating scan runs only when something is wrong.
-template <class Derived>
-void gma_require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, const char* arg) {
-  using S = typename Derived::Scalar;
-  if (x.size() == 0) return;
-  const S probe = (x.derived().array() * S(0)).sum();
-  if (probe == S(0)) return;
-  require_finite(x, fn, arg);
-}
-
 template <class T>
 void gma_check_mixture(const gma::Mixture<T>& mix, const char* fn, bool check_finite) {
   const Index K = mix.mean.rows(), r = mix.mean.cols();
@@ -134,9 +123,9 @@ void gma_check_mixture(const gma::Mixture<T>& mix, const char* fn, bool check_fi
   require(std::isfinite(static_cast<double>(mix.var_floor)) && mix.var_floor > 0, fn,
           "mixture.var_floor is ", mix.var_floor, "; it must be positive and finite");
   if (check_finite) {
-    gma_require_finite(mix.mean, fn, "mixture.mean");
-    gma_require_finite(mix.var_raw, fn, "mixture.var_raw");
-    gma_require_finite(mix.prior_logit, fn, "mixture.prior_logit");
+    require_finite(mix.mean, fn, "mixture.mean");
+    require_finite(mix.var_raw, fn, "mixture.var_raw");
+    require_finite(mix.prior_logit, fn, "mixture.prior_logit");
   }
 }
 
@@ -152,13 +141,15 @@ void gma_check_inputs(const char* fn, const gma::Mixture<T>& mix, const ConstMat
   require(!opt.causal || q.rows() == k.rows(), fn,
           "causal needs as many queries as keys, but q has ", q.rows(), " rows and k has ",
           k.rows());
-  require(opt.eps > 0 && std::isfinite(opt.eps), fn, "options.eps is ", opt.eps,
-          "; it must be positive and finite");
+  // eps is applied in T: one that rounds to 0 there (1e-300 in float) would let 0 / 0 through.
+  require(opt.eps > 0 && std::isfinite(opt.eps) && static_cast<T>(opt.eps) > T(0) &&
+              std::isfinite(static_cast<T>(opt.eps)),
+          fn, "options.eps is ", opt.eps, "; it must be positive and finite in the scalar type");
   require(opt.chunk >= 0, fn, "options.chunk is ", opt.chunk, "; it must be >= 0 (0: default)");
   if (opt.check_finite) {
-    gma_require_finite(q, fn, "q");
-    gma_require_finite(k, fn, "k");
-    gma_require_finite(v, fn, "v");
+    require_finite(q, fn, "q");
+    require_finite(k, fn, "k");
+    require_finite(v, fn, "v");
   }
 }
 
@@ -279,7 +270,7 @@ Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixRef<T>& x,
   detail::gma_check_mixture(mix, fn, check_finite);
   detail::require(x.cols() == mix.dim(), fn, "x is ", detail::shape_str(x),
                   " but the mixture has dimension ", mix.dim());
-  if (check_finite) detail::gma_require_finite(x, fn, "x");
+  if (check_finite) detail::require_finite(x, fn, "x");
   using W = detail::wide_t<T>;
   const detail::MixtureConstants<W> c =
       detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
@@ -359,7 +350,7 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
   const Index N = q.rows(), M = k.rows(), K = mix.components(), dv = v.cols();
   detail::require(grad_out.rows() == N && grad_out.cols() == dv, fn, "grad_out is ",
                   detail::shape_str(grad_out), " but the output is ", N, " x ", dv);
-  if (opt.check_finite) detail::gma_require_finite(grad_out, fn, "grad_out");
+  if (opt.check_finite) detail::require_finite(grad_out, fn, "grad_out");
   detail::require(saved.valid, fn, "saved was not filled by forward");
   detail::require(saved.gamma_q.rows() == N && saved.gamma_q.cols() == K &&
                       saved.gamma_k.rows() == M && saved.gamma_k.cols() == K &&
