@@ -1,0 +1,204 @@
+// libFuzzer target: Gaussian Mixture Attention (SPEC §1), forward and backward, bidirectional and
+// causal (any chunk length), plus responsibilities. Decodes the mixture (K ≤ 8 components, r ≤ 16,
+// hostile means, raw variances, prior logits, var_floor), options (eps, chunk, causal with N != M,
+// check_finite) and inputs (≤ 64 tokens, NaN/Inf/huge/tiny/zero/duplicate rows), and holds every
+// call to the oracle in fuzz_common.hpp. Where the inputs are moderate, causal results must not
+// depend on the chunk length and responsibility rows must lie on the simplex.
+#include <mixattn/gma.hpp>
+
+#include "fuzz_common.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+namespace {
+
+using mixattn::Index;
+using mixattn::Matrix;
+using mixattn::Vector;
+namespace gma = mixattn::gma;
+namespace fz = mixattn::fuzz;
+
+template <class D>
+double max_abs(const Eigen::DenseBase<D>& m) {
+  return m.size() == 0 ? 0.0 : static_cast<double>(m.derived().cwiseAbs().maxCoeff());
+}
+
+template <class T>
+bool same_mixture(const gma::Mixture<T>& a, const gma::Mixture<T>& b) {
+  return fz::same_bits(a.mean, b.mean) && fz::same_bits(a.var_raw, b.var_raw) &&
+         fz::same_bits(a.prior_logit, b.prior_logit) &&
+         std::memcmp(&a.var_floor, &b.var_floor, sizeof(T)) == 0;
+}
+
+template <class T>
+void run_case(fz::Bytes& in) {
+  const bool is_float = std::is_same<T, float>::value;
+  Index kc = in.range(1, 8);
+  Index r = in.range(1, 16);
+  const Index n = in.range(0, 64);
+  Index m = in.range(0, 64);
+  const Index dv = in.range(0, 16);
+  gma::Options opt;
+  opt.causal = in.flag();
+  if (opt.causal && in.u8() % 4 != 0) m = n;
+  Index qr = r, kr = r, vrows = m;
+  switch (in.u8() % 12) {
+    case 0: qr = r + 1; break;
+    case 1: kr = r + 1; break;
+    case 2: vrows = m + 1; break;
+    case 3: kc = 0; break;
+    default: break;
+  }
+  static constexpr double eps_menu[] = {1e-6, 1e-6, 1e-6, 1e-12, 1, 1e-300, 0, -1,
+                                        std::numeric_limits<double>::quiet_NaN(),
+                                        std::numeric_limits<double>::infinity()};
+  opt.eps = in.pick(eps_menu);
+  static constexpr Index chunk_menu[] = {0, 0, 1, 3, 64, 7, -1};
+  opt.chunk = in.pick(chunk_menu);
+  opt.check_finite = in.u8() % 5 != 0;
+  static constexpr double floor_menu[] = {1e-4, 1e-4, 1, 1e-30, 1e-200, 0, -1,
+                                          std::numeric_limits<double>::quiet_NaN(),
+                                          std::numeric_limits<double>::infinity()};
+  const T var_floor = static_cast<T>(in.pick(floor_menu));
+  const bool padded = in.flag();
+  const std::uint8_t backward_mode = in.u8();
+  const Index chunk2 = in.range(1, 70);
+
+  fz::Expect ex;
+  ex.check_finite = opt.check_finite;
+  gma::Mixture<T> mix;
+  mix.mean = fz::matrix<T>(in, kc, r, ex.flags);
+  mix.var_raw = fz::matrix<T>(in, kc, r, ex.flags);
+  mix.prior_logit = fz::vector<T>(in, kc, ex.flags);
+  mix.var_floor = var_floor;
+  const Matrix<T> q = fz::matrix<T>(in, n, qr, ex.flags);
+  const fz::Flags mixture_and_q = ex.flags;  // all that responsibilities(mix, q) reads
+  const Matrix<T> k = fz::matrix<T>(in, m, kr, ex.flags);
+  const Matrix<T> v = fz::matrix<T>(in, vrows, dv, ex.flags);
+  fz::Flags grad_flags;
+  const Matrix<T> dout = fz::matrix<T>(in, n, dv, grad_flags);
+
+  ex.invalid = kc == 0 || qr != r || kr != r || vrows != m || (opt.causal && n != m) ||
+               !(opt.eps > 0) || !std::isfinite(opt.eps) || opt.chunk < 0 ||
+               !(var_floor > 0) || !std::isfinite(static_cast<double>(var_floor));
+  // The log-densities are about r (|x| + |mu|)^2 / var_floor: beyond the type's range the
+  // responsibilities cannot be formed, which the operator may report as domain_error.
+  const double floor_d = static_cast<double>(var_floor);
+  const double log_density = static_cast<double>(r) * 4 * ex.flags.max_abs * ex.flags.max_abs /
+                             (floor_d > 0 ? floor_d : 1);
+  if (log_density > (is_float ? 1e30 : 1e290)) ex.flags.extreme = true;
+  // eps is applied in T: one that is 0 there (1e-300 in float) would let a query whose
+  // responsibilities miss every key's read 0 / 0, so it is a bad option.
+  if (opt.eps > 0 && static_cast<T>(opt.eps) == T(0)) ex.invalid = true;
+  if (fz::verbose())
+    std::cerr << (is_float ? "float" : "double") << " K=" << kc << " r=" << r << " n=" << n
+              << " m=" << m << " dv=" << dv << " qr=" << qr << " kr=" << kr << " vrows=" << vrows
+              << " causal=" << opt.causal << " eps=" << opt.eps << " chunk=" << opt.chunk
+              << " check_finite=" << opt.check_finite << " var_floor=" << var_floor
+              << " invalid=" << ex.invalid << " non_finite=" << ex.flags.non_finite
+              << " extreme=" << ex.flags.extreme << " max_abs=" << ex.flags.max_abs
+              << " backward_mode=" << int(backward_mode % 10) << "\nmean=\n" << mix.mean
+              << "\nvar_raw=\n" << mix.var_raw << "\nprior_logit=\n" << mix.prior_logit.transpose()
+              << "\nq=\n" << q << "\nk=\n" << k << "\nv=\n" << v << "\ndout=\n" << dout << "\n";
+
+  const gma::Mixture<T> mix_copy = mix;
+  const fz::Strided<T> qs = fz::strided(q, padded), ks = fz::strided(k, padded),
+                       vs = fz::strided(v, padded);
+  const auto inputs_unchanged = [&] {
+    return same_mixture(mix, mix_copy) && fz::same_bits(qs.view(), q) &&
+           fz::same_bits(ks.view(), k) && fz::same_bits(vs.view(), v);
+  };
+
+  // Responsibilities of the queries (same validation minus k, v and the options).
+  {
+    fz::Expect rex = ex;
+    rex.flags = mixture_and_q;
+    rex.flags.extreme |= ex.flags.extreme;  // the log-density bound above, conservatively
+    rex.invalid = kc == 0 || qr != r || !(var_floor > 0) ||
+                  !std::isfinite(static_cast<double>(var_floor));
+    Matrix<T> gamma;
+    const fz::Outcome o = fz::run(rex, [&] {
+      gamma = gma::responsibilities(mix, qs.view(), opt.check_finite);
+    });
+    MIXATTN_FUZZ_CHECK(inputs_unchanged(), "responsibilities wrote through an input");
+    if (o == fz::Outcome::returned) {
+      fz::check_result(gamma, n, kc, rex.must_be_finite(), "responsibilities");
+      if (rex.must_be_finite())
+        for (Index i = 0; i < n; ++i) {
+          MIXATTN_FUZZ_CHECK(gamma.row(i).minCoeff() >= T(0), "negative responsibility");
+          MIXATTN_FUZZ_CHECK(std::abs(static_cast<double>(gamma.row(i).sum()) - 1) <= 1e-4,
+                             "responsibilities off the simplex");
+        }
+    }
+  }
+
+  gma::Saved<T> saved;
+  Matrix<T> out;
+  const fz::Outcome fo = fz::run(ex, [&] {
+    out = gma::forward(mix, qs.view(), ks.view(), vs.view(), opt, &saved);
+  });
+  MIXATTN_FUZZ_CHECK(inputs_unchanged(), "forward wrote through an input");
+  if (fo != fz::Outcome::returned) return;
+  fz::check_result(out, n, dv, ex.must_be_finite(), "forward output");
+  // Output rows are convex combinations of value rows, shrunk by eps (SPEC 1.6).
+  const bool moderate = ex.must_be_finite() && ex.flags.max_abs <= 1e4 && floor_d >= 1e-4 &&
+                        opt.eps >= 1e-6;
+  if (ex.must_be_finite() && m > 0)
+    MIXATTN_FUZZ_CHECK(max_abs(out) <= max_abs(v) * (1 + 1e-4) + 1e-30,
+                       "output outside the convex hull of the values");
+
+  if (moderate && opt.causal) {
+    // The chunk length changes only the rounding (SPEC 1.6).
+    gma::Options o2 = opt;
+    o2.chunk = chunk2;
+    const Matrix<T> out2 = gma::forward(mix, qs.view(), ks.view(), vs.view(), o2);
+    const double tol = (is_float ? 1e-4 : 1e-10) * (max_abs(v) + 1e-300);
+    MIXATTN_FUZZ_CHECK(max_abs(out2 - out) <= tol, "causal result depends on the chunk length");
+  }
+
+  // Backward: the normal call, or a wrong grad_out shape, an empty Saved, other options.
+  fz::Expect bex = ex;
+  bex.flags.merge(grad_flags);
+  bex.unchecked_nan_may_reject = true;
+  Matrix<T> g = dout;
+  gma::Saved<T> empty;
+  const gma::Saved<T>* sv = &saved;
+  gma::Options bopt = opt;
+  switch (backward_mode % 10) {
+    case 0: g = Matrix<T>::Zero(n + 1, dv); bex.invalid = true; break;
+    case 1: sv = &empty; bex.invalid = true; break;
+    case 2: bopt.causal = !opt.causal; bex.invalid = true; break;
+    case 3: bopt.eps = opt.eps * 2; bex.invalid = true; break;
+    default: break;
+  }
+  const fz::Strided<T> gs = fz::strided(g, padded);
+  gma::Grad<T> grad;
+  const fz::Outcome bo = fz::run(bex, [&] {
+    grad = gma::backward(mix, qs.view(), ks.view(), vs.view(), gs.view(), *sv, bopt);
+  });
+  MIXATTN_FUZZ_CHECK(inputs_unchanged() && fz::same_bits(gs.view(), g),
+                     "backward wrote through an input");
+  if (bo != fz::Outcome::returned) return;
+  // Gradients can legitimately exceed T for tiny eps or var_floor with huge inputs; with
+  // |x| <= 1e4, var_floor >= 1e-4 and eps >= 1e-6 they stay below ~1e31.
+  const bool finite = moderate && !grad_flags.non_finite && grad_flags.max_abs <= 1e4;
+  fz::check_result(grad.q, n, r, finite, "grad q");
+  fz::check_result(grad.k, m, r, finite, "grad k");
+  fz::check_result(grad.v, m, dv, finite, "grad v");
+  fz::check_result(grad.mixture.mean, kc, r, finite, "grad mean");
+  fz::check_result(grad.mixture.var_raw, kc, r, finite, "grad var_raw");
+  fz::check_result(grad.mixture.prior_logit, kc, 1, finite, "grad prior_logit");
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  fz::Bytes in(data, size);
+  if (in.flag())
+    run_case<double>(in);
+  else
+    run_case<float>(in);
+  return 0;
+}

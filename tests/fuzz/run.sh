@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets with clang (ASan + UBSan) and fuzzes each for a while.
+#
+#   tests/fuzz/run.sh [seconds]        default 60 s per target
+#
+# Each target starts from its checked-in seed corpus (tests/fuzz/corpus/<target>/, never
+# modified) plus whatever earlier runs added to the working corpus in $build/corpus/<target>/.
+# A failure leaves crash-* / oom-* / timeout-* files in $build/artifacts/ and makes the script
+# exit non-zero; replay one with `$build/tests/fuzz/<target> <file>` (MIXATTN_FUZZ_VERBOSE=1
+# prints the decoded case). Environment: CXX (default clang++), MIXATTN_FUZZ_DIR (default
+# build/fuzz), MIXATTN_JOBS.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+seconds=${1:-60}
+build=${MIXATTN_FUZZ_DIR:-build/fuzz}
+jobs=${MIXATTN_JOBS:-$(nproc)}
+
+mkdir -p "$build"
+
+# No build type: no NDEBUG, so Eigen's own bounds assertions stay on next to MIXATTN_ASSERT.
+cmake -S . -B "$build" -DCMAKE_CXX_COMPILER="${CXX:-clang++}" -DCMAKE_BUILD_TYPE= \
+  -DMIXATTN_BUILD_FUZZERS=ON -DMIXATTN_BUILD_TESTS=OFF -DMIXATTN_BUILD_BENCHMARKS=OFF \
+  -DMIXATTN_BUILD_EXAMPLES=OFF -DMIXATTN_INSTALL=OFF >/dev/null
+# Targets whose operator header exists (tests/fuzz/CMakeLists.txt skips the others).
+help=$(cmake --build "$build" --target help)
+targets=()
+for src in tests/fuzz/fuzz_*.cpp; do
+  t=$(basename "$src" .cpp)
+  if grep -qw -- "$t" <<<"$help"; then targets+=("$t"); fi
+done
+if ((${#targets[@]} == 0)); then
+  echo "no fuzz targets (operator headers missing?)" >&2
+  exit 1
+fi
+cmake --build "$build" -j "$jobs" --target "${targets[@]}"
+
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:suppressions=$root/tests/fuzz/ubsan.supp
+mkdir -p "$build/artifacts"
+status=0
+summary=()
+for t in "${targets[@]}"; do
+  work="$build/corpus/$t"
+  mkdir -p "$work"
+  log="$build/$t.log"
+  echo "== $t: ${seconds} s"
+  rc=0
+  "$build/tests/fuzz/$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+    -print_final_stats=1 -artifact_prefix="$build/artifacts/$t-" \
+    "$work" "tests/fuzz/corpus/$t" >"$log" 2>&1 || rc=$?
+  execs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$' || echo "?")
+  if ((rc != 0)); then
+    status=1
+    summary+=("$t: FAILED after $execs executions (see $log)")
+    grep -E 'oracle|runtime error|ERROR|SUMMARY|Test unit written' "$log" | head -n 8
+  else
+    summary+=("$t: $execs executions in ${seconds} s, no failure")
+  fi
+done
+printf '%s\n' "${summary[@]}"
+exit $status

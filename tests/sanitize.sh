@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Builds the whole test suite with AddressSanitizer + UndefinedBehaviorSanitizer and runs it under
+# ctest; any sanitizer report fails the run (no recovery, leaks included). Then, when
+# include/mixattn/batched.hpp exists (a multi-threaded entry point), builds test_thread_safety and
+# the batched tests with ThreadSanitizer and runs them.
+#
+#   tests/sanitize.sh            ASan+UBSan pass, then the TSan pass
+#   tests/sanitize.sh asan       ASan+UBSan only
+#   tests/sanitize.sh tsan       TSan only
+#
+# Environment: CXX (default clang++: its -fsanitize=undefined also covers float-cast-overflow),
+# MIXATTN_JOBS (default nproc), MIXATTN_SANITIZE_DIR (default build/asan and build/tsan).
+#
+# Skipped under the sanitizers (ctest -E):
+#   - StressTest.*      the million-token stress runs (test_stress_*.cpp): ~10x slower at -O1
+#                       with ASan; their smaller siblings in the same files still run;
+#   - consumer.*        configure and build separate consumer projects with the default
+#                       compiler: nothing of the library is sanitized there.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+what=${1:-all}
+jobs=${MIXATTN_JOBS:-$(nproc)}
+cxx=${CXX:-clang++}
+base=${MIXATTN_SANITIZE_DIR:-build}
+
+configure() {  # configure <dir> <flags>
+  cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Sanitize -DCMAKE_CXX_COMPILER="$cxx" \
+    -DCMAKE_CXX_FLAGS_SANITIZE="$2" -DCMAKE_EXE_LINKER_FLAGS_SANITIZE="$2" \
+    -DMIXATTN_BUILD_TESTS=ON -DMIXATTN_BUILD_BENCHMARKS=OFF -DMIXATTN_BUILD_EXAMPLES=OFF \
+    -DMIXATTN_BUILD_FUZZERS=OFF -DMIXATTN_INSTALL=OFF >/dev/null
+}
+
+status=0
+start=$SECONDS
+if [[ $what == all || $what == asan ]]; then
+  dir=$base/asan
+  flags="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+  echo "== ASan+UBSan: configuring $dir with $cxx"
+  configure "$dir" "$flags"
+  echo "== ASan+UBSan: building (-j$jobs)"
+  cmake --build "$dir" -j "$jobs"
+  echo "== ASan+UBSan: running ctest"
+  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1
+  export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+  ctest --test-dir "$dir" --output-on-failure -j "$jobs" -E '^(StressTest[./]|consumer\.)' ||
+    status=1
+  echo "== ASan+UBSan: $((SECONDS - start)) s"
+fi
+
+if [[ $what == all || $what == tsan ]]; then
+  if [[ -f include/mixattn/batched.hpp ]]; then
+    t0=$SECONDS
+    dir=$base/tsan
+    flags="-O1 -g -fsanitize=thread -fno-omit-frame-pointer"
+    echo "== TSan: configuring $dir with $cxx"
+    configure "$dir" "$flags"
+    targets=(test_thread_safety)
+    for f in tests/test_*batched*.cpp; do
+      [[ -f $f ]] && targets+=("$(basename "$f" .cpp)")
+    done
+    echo "== TSan: building ${targets[*]}"
+    cmake --build "$dir" -j "$jobs" --target "${targets[@]}"
+    export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+    # gtest_discover_tests names tests by suite, so run the binaries directly.
+    for t in "${targets[@]}"; do
+      echo "== TSan: $t"
+      "$dir/tests/$t" --gtest_brief=1 || status=1
+    done
+    echo "== TSan: $((SECONDS - t0)) s"
+  else
+    echo "== TSan: include/mixattn/batched.hpp not present, skipped"
+  fi
+fi
+echo "== sanitizers: $([[ $status == 0 ]] && echo clean || echo FAILED) in $((SECONDS - start)) s"
+exit $status
