@@ -35,7 +35,7 @@ status=0
 start=$SECONDS
 if [[ $what == all || $what == asan ]]; then
   dir=$base/asan
-  flags="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+  flags="-O1 -g1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
   echo "== ASan+UBSan: configuring $dir with $cxx"
   configure "$dir" "$flags"
   echo "== ASan+UBSan: building (-j$jobs)"
@@ -52,7 +52,7 @@ if [[ $what == all || $what == tsan ]]; then
   if [[ -f include/mixattn/batched.hpp ]]; then
     t0=$SECONDS
     dir=$base/tsan
-    flags="-O1 -g -fsanitize=thread -fno-omit-frame-pointer"
+    flags="-O1 -g1 -fsanitize=thread -fno-omit-frame-pointer"
     echo "== TSan: configuring $dir with $cxx"
     configure "$dir" "$flags"
     targets=(test_thread_safety)

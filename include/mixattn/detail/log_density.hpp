@@ -165,7 +165,10 @@ inline void softmax_row(Arch, T* s, Index padded, Index K, T* out) {
   const B mb(m);
   B sum(T(0));
   for (Index k = 0; k < padded; k += Wd) {
-    const B e = xsimd::exp(B::load_unaligned(s + k) - mb);
+    // Padding lanes hold -inf; clamp at -800 (exp gives 0 in float and double) so xsimd's exp
+    // never converts an infinite exponent to an integer. NaN still propagates (max returns the
+    // second operand when either is NaN).
+    const B e = xsimd::exp(xsimd::max(B(T(-800)), B::load_unaligned(s + k) - mb));
     e.store_unaligned(s + k);
     sum += e;
   }
