@@ -160,4 +160,19 @@ TEST_F(GmaErrors, BackwardRejectsMismatchedSavedAndGradOut) {
   expect_throw<IA>([&] { gma::backward(mix, q, k, v, w, saved, eps); }, {bwd, "eps"});
 }
 
+// With check_finite = false a NaN input is the caller's business: backward must accept the Saved
+// its own forward made from the same (NaN-holding) inputs, not mistake it for another one.
+TEST_F(GmaErrors, UncheckedNanInputsStillMatchTheirSaved) {
+  gma::Options unchecked;
+  unchecked.check_finite = false;
+  Matrix<double> qn = q;
+  qn(1, 0) = std::numeric_limits<double>::quiet_NaN();
+  gma::Saved<double> saved;
+  gma::forward(mix, qn, k, v, unchecked, &saved);
+  EXPECT_NO_THROW(gma::backward(mix, qn, k, v, w, saved, unchecked));
+  // ...while a different, finite q is still recognised as different.
+  expect_throw<std::invalid_argument>([&] { gma::backward(mix, q, k, v, w, saved, unchecked); },
+                                      {bwd, "different"});
+}
+
 }  // namespace

@@ -105,6 +105,12 @@ double content_sum(const Eigen::DenseBase<Derived>& x) {
          ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
+/// Fingerprints match when equal, or both NaN (inputs with NaN are legal under
+/// check_finite = false, and NaN never compares equal to itself).
+inline bool same_fingerprint(double a, double b) {
+  return a == b || (std::isnan(a) && std::isnan(b));
+}
+
 template <class T>
 double mixture_sum(const gma::Mixture<T>& mix) {
   return content_sum(mix.mean) + 2 * content_sum(mix.var_raw) + 3 * content_sum(mix.prior_logit) +
@@ -361,10 +367,10 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
   detail::require(saved.causal == opt.causal && saved.eps == opt.eps, fn,
                   "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
                   " but options have causal = ", opt.causal, ", eps = ", opt.eps);
-  detail::require(saved.fingerprint[0] == detail::content_sum(q) &&
-                      saved.fingerprint[1] == detail::content_sum(k) &&
-                      saved.fingerprint[2] == detail::content_sum(v) &&
-                      saved.fingerprint[3] == detail::mixture_sum(mix),
+  detail::require(detail::same_fingerprint(saved.fingerprint[0], detail::content_sum(q)) &&
+                      detail::same_fingerprint(saved.fingerprint[1], detail::content_sum(k)) &&
+                      detail::same_fingerprint(saved.fingerprint[2], detail::content_sum(v)) &&
+                      detail::same_fingerprint(saved.fingerprint[3], detail::mixture_sum(mix)),
                   fn, "saved was made from different q, k, v or mixture values");
   using W = detail::wide_t<T>;
   const Index r = mix.dim();
