@@ -399,7 +399,7 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
           fn, "options (block ", opt.block, ", count_bias ", opt.count_bias, ", norm_eps ",
           opt.norm_eps, ") differ from the forward's (block ", saved.block, ", count_bias ",
           saved.count_bias, ", norm_eps ", saved.norm_eps, ")");
-  require(beta == saved.beta || (std::isnan(beta) && std::isnan(saved.beta)), fn, "beta is ", beta, " but the forward ran with ", saved.beta);
+  require(beta == saved.beta, fn, "beta is ", beta, " but the forward ran with ", saved.beta);
   if (opt.check_finite) {
     detail::require_finite(q, fn, "q");
     detail::require_finite(k, fn, "k");
