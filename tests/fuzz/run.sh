@@ -46,7 +46,12 @@ for t in "${targets[@]}"; do
   log="$build/$t.log"
   echo "== $t: ${seconds} s"
   rc=0
-  "$build/tests/fuzz/$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+  # A fixed seed and a bounded number of executions (MIXATTN_FUZZ_SEED, default 1;
+  # MIXATTN_FUZZ_RUNS, default 20000, -1 for unbounded) make a CI run explore the same inputs every
+  # time from a fresh working corpus; a slower machine that hits the time bound first explores a
+  # prefix of them. Vary the seed and lift the bound for longer campaigns.
+  "$build/tests/fuzz/$t" -seed="${MIXATTN_FUZZ_SEED:-1}" -runs="${MIXATTN_FUZZ_RUNS:-20000}" \
+    -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
     -print_final_stats=1 -artifact_prefix="$build/artifacts/$t-" \
     "$work" "tests/fuzz/corpus/$t" >"$log" 2>&1 || rc=$?
   execs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$' || echo "?")
