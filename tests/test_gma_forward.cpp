@@ -15,12 +15,6 @@ using namespace mixattn;
 using mixattn::testing::random_matrix;
 
 /// all_close on any two Eigen expressions (mixed float/double included), compared in double.
-template <class A, class B>
-::testing::AssertionResult close(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b,
-                                 double rtol, double atol) {
-  return mixattn::testing::all_close(Matrix<double>(a.template cast<double>()),
-                                     Matrix<double>(b.template cast<double>()), rtol, atol);
-}
 
 template <class T>
 struct Tol;
@@ -104,10 +98,10 @@ TYPED_TEST(GmaForward, ResponsibilitiesMatchDirectFormulaAndLieOnSimplex) {
       const Matrix<T> g = gma::responsibilities(mix, x);
       ASSERT_EQ(g.rows(), 13);
       ASSERT_EQ(g.cols(), K);
-      EXPECT_TRUE(close(g, direct_gamma(mix, x), Tol<T>::rtol, Tol<T>::atol));
+      EXPECT_TRUE(mixattn::testing::all_close(g, direct_gamma(mix, x), Tol<T>::rtol, Tol<T>::atol));
       EXPECT_TRUE((g.array() >= 0).all());
       const Vector<double> ones = Vector<double>::Ones(13);
-      EXPECT_TRUE(close(g.template cast<double>().rowwise().sum(), ones, 0,
+      EXPECT_TRUE(mixattn::testing::all_close(g.template cast<double>().rowwise().sum(), ones, 0,
                             std::is_same<T, float>::value ? 1e-6 : 1e-14));
     }
 }
@@ -119,7 +113,7 @@ TYPED_TEST(GmaForward, SimdKernelMatchesScalarKernel) {
     const Matrix<T> x = random_matrix<T>(23, 9, 8 + K, 1.5);
     const Matrix<T> fast = gma::responsibilities(mix, x);
     const Matrix<T> slow = gma::responsibilities<T, detail::scalar_arch>(mix, x);
-    EXPECT_TRUE(close(fast, slow, Tol<T>::rtol, Tol<T>::atol)) << "K " << K;
+    EXPECT_TRUE(mixattn::testing::all_close(fast, slow, Tol<T>::rtol, Tol<T>::atol)) << "K " << K;
   }
 }
 
@@ -152,7 +146,7 @@ TYPED_TEST(GmaForward, BidirectionalMatchesExplicitFormula) {
     const Matrix<double> ref =
         explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k), v.template cast<double>(),
                            false, 1e-6);
-    EXPECT_TRUE(close(o, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
+    EXPECT_TRUE(mixattn::testing::all_close(o, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
   }
 }
 
@@ -171,7 +165,7 @@ TYPED_TEST(GmaForward, CausalMatchesExplicitFormulaForEveryChunkLength) {
       opt.causal = true;
       opt.chunk = chunk;
       const Matrix<T> o = gma::forward(mix, q, k, v, opt);
-      EXPECT_TRUE(close(o, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
+      EXPECT_TRUE(mixattn::testing::all_close(o, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
     }
   }
 }
@@ -193,11 +187,11 @@ TYPED_TEST(GmaForward, SingleComponentAveragesVisibleValues) {
     causal.row(i) = prefix / (i + 1 + eps);
   }
   const double rtol = std::is_same<T, float>::value ? 1e-5 : 1e-13;  // sums of 21 values
-  EXPECT_TRUE(close(gma::forward(mix, q, k, v), bidir, rtol, rtol));
+  EXPECT_TRUE(mixattn::testing::all_close(gma::forward(mix, q, k, v), bidir, rtol, rtol));
   gma::Options opt;
   opt.causal = true;
   opt.chunk = 4;
-  EXPECT_TRUE(close(gma::forward(mix, q, k, v, opt), causal, rtol, rtol));
+  EXPECT_TRUE(mixattn::testing::all_close(gma::forward(mix, q, k, v, opt), causal, rtol, rtol));
 }
 
 TYPED_TEST(GmaForward, OutputRowsAreConvexCombinations) {
@@ -242,7 +236,7 @@ TEST(GmaForwardPrecision, FloatAgreesWithDouble) {
     const Matrix<double> od = gma::forward(md, q.cast<double>(), k.cast<double>(),
                                            v.cast<double>(), opt);
     // gamma is good to ~1e-5 relative in float (see Tol<float>); outputs average O(1) values.
-    EXPECT_TRUE(close(of, od, 1e-4, 1e-5)) << "causal " << causal;
+    EXPECT_TRUE(mixattn::testing::all_close(of, od, 1e-4, 1e-5)) << "causal " << causal;
   }
 }
 
@@ -261,7 +255,7 @@ TEST(GmaForwardPrecision, LongCausalSequenceInFloatStaysOnDouble) {
   const Matrix<float> of = gma::forward(mf, q, k, v, opt);
   const Matrix<double> od =
       gma::forward(md, q.cast<double>(), k.cast<double>(), v.cast<double>(), opt);
-  EXPECT_TRUE(close(of.bottomRows(100), od.bottomRows(100), 1e-4, 1e-5));
+  EXPECT_TRUE(mixattn::testing::all_close(of.bottomRows(100), od.bottomRows(100), 1e-4, 1e-5));
 }
 
 TEST(GmaForwardPrecision, CancellationFreeWhereExpandedFormFails) {

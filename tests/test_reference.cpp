@@ -24,13 +24,6 @@ using mixattn::testing::numeric_gradient;
 using mixattn::testing::random_matrix;
 namespace ref = mixattn::reference;
 
-/// all_close on any two real matrices (float results against double expectations included).
-template <class A, class B>
-::testing::AssertionResult close_to(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b,
-                                    double rtol, double atol) {
-  return mixattn::testing::all_close(Matrix<double>(a.template cast<double>()),
-                                     Matrix<double>(b.template cast<double>()), rtol, atol);
-}
 
 template <class T>
 struct Tol;
@@ -130,7 +123,7 @@ TYPED_TEST(Reference, NaiveMatchesTripleLoop) {
     const Matrix<double> expected = triple_loop(q, k, v, scale, c.causal);
     ref::Saved<T> saved;
     const Matrix<T> got = ref::naive_forward<T>(q, k, v, opt, &saved);
-    EXPECT_TRUE(close_to(got, expected, Tol<T>::rtol, Tol<T>::atol));
+    EXPECT_TRUE(mixattn::testing::all_close(got, expected, Tol<T>::rtol, Tol<T>::atol));
     // The saved probabilities are row-stochastic and zero above the diagonal when causal.
     ASSERT_EQ(saved.probs.rows(), c.s.n);
     ASSERT_EQ(saved.probs.cols(), c.s.m);
@@ -149,8 +142,8 @@ TYPED_TEST(Reference, DefaultScaleIsInverseSqrtR) {
   const Matrix<T> q = random_matrix<T>(6, 16, 1), k = random_matrix<T>(8, 16, 2);
   const Matrix<T> v = random_matrix<T>(8, 3, 3);
   const Matrix<T> got = ref::flash_forward<T>(q, k, v);
-  EXPECT_TRUE(close_to(got, triple_loop(q, k, v, 0.25, false), Tol<T>::rtol, Tol<T>::atol));
-  EXPECT_FALSE(close_to(got, triple_loop(q, k, v, 1.0, false), Tol<T>::rtol, Tol<T>::atol));
+  EXPECT_TRUE(mixattn::testing::all_close(got, triple_loop(q, k, v, 0.25, false), Tol<T>::rtol, Tol<T>::atol));
+  EXPECT_FALSE(mixattn::testing::all_close(got, triple_loop(q, k, v, 1.0, false), Tol<T>::rtol, Tol<T>::atol));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -172,14 +165,14 @@ TYPED_TEST(Reference, FlashForwardMatchesNaive) {
       const Matrix<T> naive = ref::naive_forward<T>(q, k, v, opt);
       ref::Saved<T> saved;
       const Matrix<T> flash = ref::flash_forward<T>(q, k, v, opt, &saved);
-      EXPECT_TRUE(close_to(flash, naive, Tol<T>::rtol, Tol<T>::atol));
+      EXPECT_TRUE(mixattn::testing::all_close(flash, naive, Tol<T>::rtol, Tol<T>::atol));
 
       // What flash saves: the output itself and the log-sum-exp of every row, O(N) memory.
       EXPECT_EQ(saved.probs.size(), 0);
       EXPECT_TRUE(saved.out == flash);  // the very same numbers
       Vector<double> lse;
       triple_loop(q, k, v, 1 / std::sqrt(double(s.r)), causal, &lse);
-      EXPECT_TRUE(close_to(saved.lse, lse, Tol<T>::rtol, Tol<T>::atol));
+      EXPECT_TRUE(mixattn::testing::all_close(saved.lse, lse, Tol<T>::rtol, Tol<T>::atol));
     }
 }
 
@@ -194,7 +187,7 @@ TYPED_TEST(Reference, StridedAndMappedInputs) {
   const Eigen::Map<const Matrix<T>> qmap(q.data(), q.rows(), q.cols());
   const Matrix<T> got =
       ref::flash_forward<T>(qmap, wide.block(10, 9, 90, 8), wide.block(10, 20, 90, 5), opt);
-  EXPECT_TRUE(close_to(got, expected, Tol<T>::rtol, Tol<T>::atol));
+  EXPECT_TRUE(mixattn::testing::all_close(got, expected, Tol<T>::rtol, Tol<T>::atol));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -225,13 +218,13 @@ void check_small_tiles(std::uint64_t seed) {
       Matrix<T> out(s.n, s.dv);
       Vector<T> lse(s.n);
       ref::detail::flash_forward_tiles<T, BQ, BK>(q, k, v, T(0.6), causal, out, lse);
-      EXPECT_TRUE(close_to(out, naive, Tol<T>::rtol, Tol<T>::atol));
+      EXPECT_TRUE(mixattn::testing::all_close(out, naive, Tol<T>::rtol, Tol<T>::atol));
       Matrix<T> dq(s.n, s.r), dk(s.m, s.r), dv(s.m, s.dv);
       ref::detail::flash_backward_tiles<T, BQ, BK>(q, k, v, out, go, lse, T(0.6), causal, dq, dk,
                                                    dv);
-      EXPECT_TRUE(close_to(dq, ng.q, Tol<T>::rtol, Tol<T>::atol)) << "dq";
-      EXPECT_TRUE(close_to(dk, ng.k, Tol<T>::rtol, Tol<T>::atol)) << "dk";
-      EXPECT_TRUE(close_to(dv, ng.v, Tol<T>::rtol, Tol<T>::atol)) << "dv";
+      EXPECT_TRUE(mixattn::testing::all_close(dq, ng.q, Tol<T>::rtol, Tol<T>::atol)) << "dq";
+      EXPECT_TRUE(mixattn::testing::all_close(dk, ng.k, Tol<T>::rtol, Tol<T>::atol)) << "dk";
+      EXPECT_TRUE(mixattn::testing::all_close(dv, ng.v, Tol<T>::rtol, Tol<T>::atol)) << "dv";
     }
 }
 
@@ -264,9 +257,9 @@ TYPED_TEST(Reference, FlashBackwardMatchesNaive) {
       ref::flash_forward<T>(q, k, v, opt, &fs);
       const ref::Grad<T> ng = ref::naive_backward(q, k, v, go, ns, opt);
       const ref::Grad<T> fg = ref::flash_backward(q, k, v, go, fs, opt);
-      EXPECT_TRUE(close_to(fg.q, ng.q, Tol<T>::rtol, Tol<T>::atol)) << "dq";
-      EXPECT_TRUE(close_to(fg.k, ng.k, Tol<T>::rtol, Tol<T>::atol)) << "dk";
-      EXPECT_TRUE(close_to(fg.v, ng.v, Tol<T>::rtol, Tol<T>::atol)) << "dv";
+      EXPECT_TRUE(mixattn::testing::all_close(fg.q, ng.q, Tol<T>::rtol, Tol<T>::atol)) << "dq";
+      EXPECT_TRUE(mixattn::testing::all_close(fg.k, ng.k, Tol<T>::rtol, Tol<T>::atol)) << "dk";
+      EXPECT_TRUE(mixattn::testing::all_close(fg.v, ng.v, Tol<T>::rtol, Tol<T>::atol)) << "dv";
     }
 }
 
@@ -296,9 +289,9 @@ void check_gradients(Form form, const Shape& s, bool causal, double scale, std::
   // h = 1e-6 central differences: truncation ~h^2 |f'''| ~ 1e-12, rounding ~eps |f| / h ~ 1e-10
   // for |loss| <= ~1e2; 1e-7 absolute plus 1e-6 relative is well above both, far below O(1e-2)
   // errors that any wrong term would produce.
-  EXPECT_TRUE(close_to(g.q, numeric_gradient(q, loss), 1e-6, 1e-7)) << "dq";
-  EXPECT_TRUE(close_to(g.k, numeric_gradient(k, loss), 1e-6, 1e-7)) << "dk";
-  EXPECT_TRUE(close_to(g.v, numeric_gradient(v, loss), 1e-6, 1e-7)) << "dv";
+  EXPECT_TRUE(mixattn::testing::all_close(g.q, numeric_gradient(q, loss), 1e-6, 1e-7)) << "dq";
+  EXPECT_TRUE(mixattn::testing::all_close(g.k, numeric_gradient(k, loss), 1e-6, 1e-7)) << "dk";
+  EXPECT_TRUE(mixattn::testing::all_close(g.v, numeric_gradient(v, loss), 1e-6, 1e-7)) << "dv";
 }
 
 TEST(ReferenceGradient, NaiveMatchesCentralDifferences) {
@@ -506,7 +499,7 @@ TYPED_TEST(Reference, ExtremeLogitsStayFinite) {
         }
         expected.row(i) = v.row(best).template cast<double>();
       }
-      EXPECT_TRUE(close_to(out, expected, Tol<T>::rtol, Tol<T>::atol));
+      EXPECT_TRUE(mixattn::testing::all_close(out, expected, Tol<T>::rtol, Tol<T>::atol));
       const ref::Grad<T> g = A::backward(flash, q, k, v, go, saved, opt);
       EXPECT_TRUE(g.q.allFinite());
       EXPECT_TRUE(g.k.allFinite());
