@@ -202,9 +202,9 @@ bool same_bits(const Eigen::DenseBase<A>& a, const Eigen::DenseBase<B>& b) {
 struct Expect {
   bool invalid = false;       // bad shapes or options: std::invalid_argument required
   bool check_finite = true;   // the options' check_finite
-  // Known finding, tolerated so fuzzing can look past it: with check_finite off, backward's
-  // consistency checks compare NaN with itself (gma: content fingerprints of q, k, v; ovq:
-  // beta == saved.beta) and reject the call with invalid_argument.
+  // Tolerated for ovq::backward only: with check_finite off, its consistency check compares beta
+  // with saved.beta, and a NaN beta cannot be told from a different NaN, so it is rejected with
+  // invalid_argument. (gma::backward's fingerprints treat NaN as equal to NaN.)
   bool unchecked_nan_may_reject = false;
   Flags flags;
   /// Non-finite input that the operator was asked to check: std::domain_error required.

@@ -161,7 +161,6 @@ void run_case(fz::Bytes& in) {
   // Backward: the normal call, or a wrong grad_out shape, an empty Saved, other options.
   fz::Expect bex = ex;
   bex.flags.merge(grad_flags);
-  bex.unchecked_nan_may_reject = true;
   Matrix<T> g = dout;
   gma::Saved<T> empty;
   const gma::Saved<T>* sv = &saved;

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace mixattn::detail {
@@ -168,7 +169,17 @@ inline void softmax_row(Arch, T* s, Index padded, Index K, T* out) {
     // Padding lanes hold -inf; clamp at -800 (exp gives 0 in float and double) so xsimd's exp
     // never converts an infinite exponent to an integer. NaN still propagates (max returns the
     // second operand when either is NaN).
-    const B e = xsimd::exp(xsimd::max(B(T(-800)), B::load_unaligned(s + k) - mb));
+    const B x = xsimd::max(B(T(-800)), B::load_unaligned(s + k) - mb);
+    B e;
+    if constexpr (std::is_same<T, double>::value) {
+      // xsimd's double exp converts its exponent to int64 with a scalar cast on targets without
+      // a native one (AVX-512 without DQ, AVX2); a NaN there (check_finite = false) would be an
+      // out-of-range conversion. Feed exp a 0 in NaN lanes and put the NaN back afterwards.
+      const auto nan = xsimd::isnan(x);
+      e = xsimd::select(nan, x, xsimd::exp(xsimd::select(nan, B(T(0)), x)));
+    } else {
+      e = xsimd::exp(x);  // float: the int32 conversion is a native instruction on every target
+    }
     e.store_unaligned(s + k);
     sum += e;
   }
