@@ -507,6 +507,48 @@ TYPED_TEST(Reference, ExtremeLogitsStayFinite) {
     }
 }
 
+// Subnormal q with a huge scale: the logits scale * q . k are ordinary numbers, so the results
+// must equal those of the rescaled problem q' = scale * q, scale' = 1 (then dK = dK' and
+// dQ = scale * dQ'). Associating the scale after the products, (Q K^T) scale or (dS^T Q) scale,
+// would round q . k ~ 1e-318 to a few subnormal digits first (relative error ~1e-5); both forms
+// multiply Q by the scale before any product, so they agree with the rescaled problem to rounding.
+TEST(ReferenceExtremeScale, SubnormalQueriesWithHugeScaleMatchRescaledProblem) {
+  const Index n = 9, m = 11, r = 4, dv = 3;
+  const Matrix<double> q = random_matrix<double>(n, r, 51, 1e-318);
+  const Matrix<double> k = random_matrix<double>(m, r, 52);
+  const Matrix<double> v = random_matrix<double>(m, dv, 53), go = random_matrix<double>(n, dv, 54);
+  const double scale = 1e308;
+  const Matrix<double> q1 = scale * q;  // normal numbers ~1e-10: exact enough to be the reference
+  ASSERT_GT(q1.cwiseAbs().maxCoeff(), 1e-12);
+  for (bool causal : {false, true}) {
+    ref::Options opt, opt1;
+    opt.causal = opt1.causal = causal;
+    opt.scale = scale;
+    opt1.scale = 1;
+    for (bool flash : {false, true}) {
+      SCOPED_TRACE(std::string(flash ? "flash" : "naive") + (causal ? " causal" : ""));
+      using A = Api<double>;
+      const Matrix<double> kk = causal ? Matrix<double>(k.topRows(n)) : k;  // causal: N == M
+      const Matrix<double> vv = v.topRows(kk.rows());
+      ref::Saved<double> s0, s1;
+      const Matrix<double> out = A::forward(flash, q, kk, vv, opt, &s0);
+      const Matrix<double> out1 = A::forward(flash, q1, kk, vv, opt1, &s1);
+      // double rounding of O(1) values over sums of <= 11 terms: 1e-13 leaves a margin of ~100
+      // and is 1e8 below the subnormal-rounding error this guards against. Gradients: relative
+      // to their largest entry, as single entries may cancel to near zero.
+      EXPECT_TRUE(mixattn::testing::all_close(out, out1, 1e-13, 1e-13)) << "out";
+      const ref::Grad<double> g = A::backward(flash, q, kk, vv, go, s0, opt);
+      const ref::Grad<double> g1 = A::backward(flash, q1, kk, vv, go, s1, opt1);
+      EXPECT_TRUE(mixattn::testing::all_close(g.k, g1.k, 1e-12, 1e-12 * g1.k.cwiseAbs().maxCoeff()))
+          << "dk";
+      const Matrix<double> dq1 = scale * g1.q;
+      EXPECT_TRUE(mixattn::testing::all_close(g.q, dq1, 1e-12, 1e-12 * dq1.cwiseAbs().maxCoeff()))
+          << "dq";
+      EXPECT_TRUE(mixattn::testing::all_close(g.v, g1.v, 1e-13, 1e-13)) << "dv";
+    }
+  }
+}
+
 // Logits beyond the scalar type's range cannot be represented: reported, not returned as NaN.
 TYPED_TEST(Reference, OverflowingLogitsAreReported) {
   using T = TypeParam;

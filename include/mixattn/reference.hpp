@@ -126,7 +126,7 @@ void check_output(const char* fn, const Matrix<T>& out, const Options& opt) {
 
 }  // namespace detail
 
-/// Naive softmax attention (SPEC §3): forms S = scale Q K^T (N x M), masks it (causal: j > i is
+/// Naive softmax attention (SPEC §3): forms S = (scale Q) K^T (N x M), masks it (causal: j > i is
 /// -inf), applies a max-subtracted row softmax and returns P V.
 ///   q: N x r, k: M x r, v: M x d_v (row-major, rows are tokens)  ->  N x d_v.
 /// N == 0 gives a 0 x d_v result. `saved` (optional) receives P for naive_backward.
@@ -139,9 +139,12 @@ Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   const double scale = detail::check_inputs<T>(fn, q, k, v, opt);
   const Index n = q.rows(), m = k.rows();
 
+  // S = (scale Q) K^T, associated as flash_forward does: with an extreme scale, Q K^T alone could
+  // overflow or underflow where the scaled product does not. Materialised so that Eigen does not
+  // fold the scalar back into the GEMM's alpha (applied after the products).
+  const Matrix<T> qs = static_cast<T>(scale) * q;
   Matrix<T> p(n, m);
-  p.noalias() = q * k.transpose();
-  p *= static_cast<T>(scale);
+  p.noalias() = qs * k.transpose();
   for (Index i = 0; i < n; ++i) {
     // Causal: keys j > i get probability 0, set explicitly (Eigen's vectorised exp clamps its
     // argument, so exp(-inf) would be a denormal, not 0).
@@ -165,7 +168,7 @@ Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 
 /// Backward of naive_forward, from the saved probabilities P (N x M):
 ///   dV = P^T dO,  dP = dO V^T,  dS_ij = P_ij (dP_ij - sum_l P_il dP_il),
-///   dQ = scale dS K,  dK = scale dS^T Q.
+///   dQ = scale (dS K),  dK = dS^T (scale Q)  (the association flash_backward uses).
 ///   q: N x r, k: M x r, v: M x d_v, grad_out: N x d_v; saved from naive_forward on the same
 ///   inputs and options.  ->  Grad {q: N x r, k: M x r, v: M x d_v}.
 template <class T>
@@ -190,9 +193,11 @@ Grad<T> naive_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   g.q.resize(q.rows(), q.cols());
   g.q.noalias() = ds * k;
   g.q *= static_cast<T>(scale);
+  // dK = dS^T (scale Q), associated as flash_backward does (scaling the product afterwards would
+  // let dS^T Q underflow first when q is tiny and the scale large).
+  const Matrix<T> qs = static_cast<T>(scale) * q;
   g.k.resize(k.rows(), k.cols());
-  g.k.noalias() = ds.transpose() * q;
-  g.k *= static_cast<T>(scale);
+  g.k.noalias() = ds.transpose() * qs;
   return g;
 }
 
