@@ -27,6 +27,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <random>
 #include <string>
 
@@ -148,7 +152,27 @@ void sweep(benchmark::internal::Benchmark* b, Index lo, Index hi, const Index (&
   b->Complexity()->Unit(benchmark::kMillisecond);
 }
 
+/// glibc's malloc hands freed blocks above its adaptive mmap/trim thresholds back to the kernel,
+/// so a call that allocates tens of MiB (outputs, Saved, gradients) page-faults every one of its
+/// pages again on every call: measured here, ~20% of multi-head GMA forward+backward time, and the
+/// faults serialise threads on the address-space lock. Training programs avoid this with a caching
+/// allocator; the benchmarks tell glibc to keep freed memory instead (M_MMAP_THRESHOLD 32 MiB, its
+/// maximum; M_TRIM_THRESHOLD 1 GiB), the same for every operator, floor and reference.
+/// MIXATTN_BENCH_MALLOC=default leaves glibc's defaults. Returns what was applied.
+inline std::string configure_malloc() {
+  const char* env = std::getenv("MIXATTN_BENCH_MALLOC");
+  if (env && std::strcmp(env, "default") == 0) return "default";
+#if defined(__GLIBC__)
+  if (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1)
+    return "keep freed memory (M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB)";
+  return "default (mallopt refused)";
+#else
+  return "default (not glibc)";
+#endif
+}
+
 inline int run_main(int argc, char** argv) {
+  const std::string malloc_mode = configure_malloc();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   static CountingMemoryManager memory_manager;
@@ -162,6 +186,7 @@ inline int run_main(int argc, char** argv) {
                                                    std::to_string(EIGEN_MAJOR_VERSION) + "." +
                                                    std::to_string(EIGEN_MINOR_VERSION));
   benchmark::AddCustomContext("mixattn_bench_quick", quick() ? "1" : "0");
+  benchmark::AddCustomContext("malloc", malloc_mode);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

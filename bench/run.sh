@@ -12,6 +12,9 @@
 #   MIXATTN_BENCH_FILTER     --benchmark_filter regex applied to every binary
 #   MIXATTN_BENCH_CPU        core the single-threaded binaries are pinned to (default: the last)
 #   MIXATTN_BENCH_BUILD_DIR  build directory (default build/bench)
+#   MIXATTN_BENCH_MALLOC=default  leave glibc's malloc as it is (by default the binaries, and the
+#                            PyTorch run through GLIBC_TUNABLES, keep freed memory instead of
+#                            returning it to the kernel; see bench/bench_common.hpp)
 #   MIXATTN_BENCH_MEMORY_MANAGER=0  skip Google Benchmark's extra memory-accounting run (the
 #                            default in quick mode)
 # Results: bench/results/<binary>.json, bench/results/summary.md, time_vs_n.png, memory_vs_n.png.
@@ -87,7 +90,11 @@ main() {
       DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
         python3-torch libopenblas0-pthread
     fi
-    "${pin[@]}" "$py" bench/torch_side_by_side.py --out "$results/torch_side_by_side.json"
+    # The same malloc policy as the C++ binaries (bench_common.hpp: configure_malloc).
+    tunables=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824
+    [[ ${MIXATTN_BENCH_MALLOC:-keep} == default ]] && tunables=${GLIBC_TUNABLES:-}
+    GLIBC_TUNABLES=$tunables "${pin[@]}" "$py" bench/torch_side_by_side.py \
+      --out "$results/torch_side_by_side.json"
   fi
 
   echo "== summary"

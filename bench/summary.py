@@ -364,6 +364,8 @@ def main():
                 f"{c.get('num_cpus', '?')} cpus @ {c.get('mhz_per_cpu', '?')} MHz"]
         if "eigen_simd" in c:
             bits.append(f"Eigen SIMD: {c['eigen_simd']}")
+        if "malloc" in c:
+            bits.append(f"malloc: {c['malloc']}")
         if c.get("mixattn_bench_quick") == "1":
             bits.append("quick mode")
         if "torch_version" in c:

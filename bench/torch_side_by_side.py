@@ -161,6 +161,8 @@ def main():
         "torch_threads": torch.get_num_threads(),
         "softmax_impl": "scaled_dot_product_attention" if has_sdpa else "softmax(QK^T)V",
         "mixattn_bench_quick": "1" if quick else "0",
+        "malloc": ("GLIBC_TUNABLES " + os.environ["GLIBC_TUNABLES"]
+                   if os.environ.get("GLIBC_TUNABLES") else "default"),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
