@@ -51,7 +51,7 @@ def parse_name(name):
 
 
 def load(files):
-    runs, contexts, errors = {}, [], []
+    runs, contexts, errors, candidates = {}, [], [], {}
     for path in files:
         try:
             with open(path) as f:
@@ -81,10 +81,19 @@ def load(files):
             run = Run(op, n, threads, seconds, int(b.get("iterations", 1)), b,
                       os.path.basename(path))
             key = (op, n, threads)
-            # The same operator may be measured by two binaries (causal flash in bench_reference
-            # and bench_ovq): keep the better-sampled measurement.
-            if key not in runs or run.iterations > runs[key].iterations:
-                runs[key] = run
+            candidates.setdefault(key, {}).setdefault(run.source, []).append(run)
+    # Repetitions (--benchmark_repetitions or ->Repetitions) give several runs of one name in
+    # one file: take the median repetition. The same operator may be measured by two binaries
+    # (causal flash in bench_reference and bench_ovq): keep the better-sampled measurement.
+    for key, by_file in candidates.items():
+        best = None
+        for reps in by_file.values():
+            reps.sort(key=lambda r: r.seconds)
+            median = reps[len(reps) // 2]
+            total = sum(r.iterations for r in reps)
+            if best is None or total > best[0]:
+                best = (total, median)
+        runs[key] = best[1]
     return runs, contexts, errors
 
 
