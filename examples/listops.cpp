@@ -112,7 +112,7 @@ void write_csv(const std::string& dir, const std::vector<int>& tokens, const exa
     for (Index j = 0; j < weights.cols(); ++j) a << "," << weights(static_cast<Index>(i), j);
     a << "\n";
   }
-  std::printf("wrote %s and %s (plot: python3 examples/plot_diagnostics.py %s)\n", rpath.c_str(),
+  std::printf("wrote %s and %s (plot: /usr/bin/python3 examples/plot_diagnostics.py %s)\n", rpath.c_str(),
               apath.c_str(), dir.c_str());
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Heatmaps of the CSV files example_listops writes (SPEC 1.7 diagnostics).
 
-    python3 examples/plot_diagnostics.py [DIR]      # DIR defaults to "."
+    /usr/bin/python3 examples/plot_diagnostics.py [DIR]      # DIR defaults to "."
 
 Reads DIR/listops_responsibilities.csv (one row per token: position, token, category, then the
 K responsibilities of its key) and DIR/listops_affinity.csv (the N x N attention weights GMA
