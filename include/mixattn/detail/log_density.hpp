@@ -172,9 +172,10 @@ inline void softmax_row(Arch, T* s, Index padded, Index K, T* out) {
     const B x = xsimd::max(B(T(-800)), B::load_unaligned(s + k) - mb);
     B e;
     if constexpr (std::is_same<T, double>::value) {
-      // xsimd's double exp converts its exponent to int64 with a scalar cast on targets without
-      // a native one (AVX-512 without DQ, AVX2); a NaN there (check_finite = false) would be an
-      // out-of-range conversion. Feed exp a 0 in NaN lanes and put the NaN back afterwards.
+      // xsimd 8.1's double exp converts its exponent to int64 through a scalar std::copy (its
+      // generic batch_cast does not find the AVX-512DQ vector conversion, so this happens even
+      // on Zen 4); a NaN there (check_finite = false) would be an out-of-range conversion, i.e.
+      // undefined behaviour. Feed exp a 0 in NaN lanes and put the NaN back afterwards.
       const auto nan = xsimd::isnan(x);
       e = xsimd::select(nan, x, xsimd::exp(xsimd::select(nan, B(T(0)), x)));
     } else {
