@@ -79,6 +79,17 @@ struct PackedDensity {
   std::vector<T> offset;  // padded
 };
 
+/// The kernel's coefficients of component k, dimension m: a = 1/sqrt(2 var), b = mean a, so that
+/// (x a - b)^2 = (x - mean)^2 / (2 var). One definition for pack_density and pack_density_dims:
+/// forward and backward must see the same t = x a - b, bit for bit.
+template <class T, class W>
+inline void density_coefficients(const Matrix<T>& mean, const MixtureConstants<W>& c, Index k,
+                                 Index m, T& a, T& b) {
+  const W aw = W(1) / std::sqrt(W(2)) / std::sqrt(c.var(k, m));
+  a = static_cast<T>(aw);
+  b = static_cast<T>(static_cast<W>(mean(k, m)) * aw);
+}
+
 template <class Arch, class T, class W>
 PackedDensity<T> pack_density(const Matrix<T>& mean, const MixtureConstants<W>& c) {
   PackedDensity<T> p;
@@ -91,16 +102,12 @@ PackedDensity<T> pack_density(const Matrix<T>& mean, const MixtureConstants<W>& 
   const Index kv = p.padded / width;
   p.ab.assign(static_cast<std::size_t>(r * kv * 2 * width), T(0));
   p.offset.assign(static_cast<std::size_t>(p.padded), -std::numeric_limits<T>::infinity());
-  const W inv_sqrt2 = W(1) / std::sqrt(W(2));
   for (Index k = 0; k < K; ++k) {
     p.offset[k] = static_cast<T>(c.offset(k));
     const Index v = k / width, lane = k % width;
     for (Index m = 0; m < r; ++m) {
-      const W a = inv_sqrt2 / std::sqrt(c.var(k, m));
-      const W b = static_cast<W>(mean(k, m)) * a;
       T* slot = p.ab.data() + (m * kv + v) * 2 * width;
-      slot[lane] = static_cast<T>(a);
-      slot[width + lane] = static_cast<T>(b);
+      density_coefficients(mean, c, k, m, slot[lane], slot[width + lane]);
     }
   }
   return p;
@@ -293,13 +300,10 @@ PackedDensityDims<T> pack_density_dims(const Matrix<T>& mean, const MixtureConst
   p.padded_dim = (r + width - 1) / width * width;
   p.a.assign(static_cast<std::size_t>(K * p.padded_dim), T(0));
   p.b.assign(static_cast<std::size_t>(K * p.padded_dim), T(0));
-  const W inv_sqrt2 = W(1) / std::sqrt(W(2));
   for (Index k = 0; k < K; ++k)
     for (Index m = 0; m < r; ++m) {
-      const W a = inv_sqrt2 / std::sqrt(c.var(k, m));
-      p.a[static_cast<std::size_t>(k * p.padded_dim + m)] = static_cast<T>(a);
-      p.b[static_cast<std::size_t>(k * p.padded_dim + m)] =
-          static_cast<T>(static_cast<W>(mean(k, m)) * a);
+      const std::size_t at = static_cast<std::size_t>(k * p.padded_dim + m);
+      density_coefficients(mean, c, k, m, p.a[at], p.b[at]);
     }
   return p;
 }
