@@ -44,6 +44,12 @@ namespace mixattn::fuzz {
 #define MIXATTN_FUZZ_CHECK(cond, why) \
   ((cond) ? static_cast<void>(0) : ::mixattn::fuzz::fail(why, #cond))
 
+/// Largest |entry| of a matrix or expression, in double; 0 for an empty one.
+template <class D>
+double max_abs(const Eigen::DenseBase<D>& m) {
+  return m.size() == 0 ? 0.0 : static_cast<double>(m.derived().cwiseAbs().maxCoeff());
+}
+
 /// MIXATTN_FUZZ_VERBOSE=1 in the environment prints each decoded case (to replay a crash).
 inline bool verbose() {
   static const bool on = std::getenv("MIXATTN_FUZZ_VERBOSE") != nullptr;

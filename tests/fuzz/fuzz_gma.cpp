@@ -20,10 +20,7 @@ using mixattn::Vector;
 namespace gma = mixattn::gma;
 namespace fz = mixattn::fuzz;
 
-template <class D>
-double max_abs(const Eigen::DenseBase<D>& m) {
-  return m.size() == 0 ? 0.0 : static_cast<double>(m.derived().cwiseAbs().maxCoeff());
-}
+using fz::max_abs;
 
 template <class T>
 bool same_mixture(const gma::Mixture<T>& a, const gma::Mixture<T>& b) {

@@ -25,10 +25,7 @@ using mixattn::Vector;
 namespace ovq = mixattn::ovq;
 namespace fz = mixattn::fuzz;
 
-template <class D>
-double max_abs(const Eigen::DenseBase<D>& m) {
-  return m.size() == 0 ? 0.0 : static_cast<double>(m.derived().cwiseAbs().maxCoeff());
-}
+using fz::max_abs;
 
 template <class T>
 bool same_state(const ovq::State<T>& a, const ovq::State<T>& b) {
