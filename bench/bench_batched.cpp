@@ -40,7 +40,7 @@ void run(benchmark::State& state, bool backward) {
   const Inputs in(n);
   const gma::Options opt;
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     gma::HeadsSaved<float> saved;
     Matrix<float> out = gma::forward_heads(in.mixtures, in.q, in.k, in.v, opt, threads,
                                            backward ? &saved : nullptr);
@@ -50,8 +50,7 @@ void run(benchmark::State& state, bool backward) {
           gma::backward_heads(in.mixtures, in.q, in.k, in.v, in.d_out, saved, opt, threads);
       benchmark::DoNotOptimize(g.q.data());
     }
-    benchmark::ClobberMemory();
-  }
+  });
   state.counters["worker_threads"] = benchmark::Counter(threads);
   state.counters["heads_tokens_per_s"] = benchmark::Counter(
       static_cast<double>(kHeads * n), benchmark::Counter::kIsIterationInvariantRate);

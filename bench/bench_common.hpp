@@ -5,9 +5,13 @@
 // MIXATTN_BENCH_NO_ALLOCATOR is defined. End the file with MIXATTN_BENCH_MAIN().
 //
 // What every benchmark reports (see bench/summary.py, which reads the JSON):
-//  - time per call (Google Benchmark's own);
+//  - time per call (Google Benchmark's own), measured only after one untimed call (timed_loop):
+//    the first call touches every output page and fills the caches, and a reading that includes
+//    it says nothing about the operator; warm_up_calls = 1 tells the summary the point is warm;
 //  - FLOPS: the operator's arithmetic as a rate (Counter kIsIterationInvariantRate), counted as
-//    the GEMM-shaped work of its floor so that "ratio to floor" is a pure time ratio;
+//    the GEMM-shaped work of its floor so that "ratio to floor" is a pure time ratio, and
+//    flop_per_call, the same count per call, from which the summary computes the fraction of the
+//    measured peak (bench_peak.cpp);
 //  - peak_heap_bytes: the high-water mark of extra heap during the timed calls, over what was
 //    live when the loop started (inputs and setup excluded, outputs and Saved included);
 //  - N (the sweep variable) as a plain counter, and SetComplexityN(N) for the ->Complexity() fit;
@@ -85,6 +89,22 @@ class CountingMemoryManager final : public benchmark::MemoryManager {
   std::int64_t baseline_ = 0, allocs0_ = 0, total0_ = 0;
 };
 
+// ---- the timed loop ----------------------------------------------------------------------------
+
+/// Runs `body` once untimed, then once per benchmark iteration, and marks the point warm.
+/// Keep every allocation of a call local to `body` (see PeakHeap): the peak heap is measured over
+/// the timed calls only, from what was live after the warm-up call.
+template <class Body>
+void timed_loop(benchmark::State& state, PeakHeap& heap, Body&& body) {
+  body();
+  heap.reset();
+  for (auto _ : state) {
+    body();
+    benchmark::ClobberMemory();
+  }
+  state.counters["warm_up_calls"] = benchmark::Counter(1);
+}
+
 // ---- inputs ------------------------------------------------------------------------------------
 
 /// rows x cols with i.i.d. N(0, scale^2) entries from a seeded generator (reproducible runs).
@@ -104,6 +124,7 @@ Matrix<T> random_matrix(Index rows, Index cols, std::uint64_t seed, double scale
 inline void set_flops(benchmark::State& state, double flops_per_call) {
   state.counters["FLOPS"] =
       benchmark::Counter(flops_per_call, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["flop_per_call"] = benchmark::Counter(flops_per_call);
 }
 
 /// Per-call bytes the operator must read and write at least once (inputs + outputs), reported as

@@ -50,11 +50,10 @@ void gma_responsibilities(benchmark::State& state) {
   const Index n = state.range(0);
   const Inputs in(n);
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     Matrix<float> g = gma::responsibilities(in.mix, in.q);
     benchmark::DoNotOptimize(g.data());
-    benchmark::ClobberMemory();
-  }
+  });
   mb::set_flops(state, mb::GmaFloor::responsibilities_flops(n, kK, kR));
   mb::set_bytes(state, static_cast<double>(n) * (kR + kK) * sizeof(float));
   mb::finish(state, n, heap);
@@ -66,11 +65,10 @@ void run_forward(benchmark::State& state, bool causal) {
   gma::Options opt;
   opt.causal = causal;
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     Matrix<float> out = gma::forward(in.mix, in.q, in.k, in.v, opt);
     benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-  }
+  });
   mb::set_flops(state, mb::GmaFloor::forward_flops(n, kK, kR, kDv, kChunk, causal));
   mb::set_bytes(state, io_bytes(n, false));
   mb::finish(state, n, heap);
@@ -82,14 +80,13 @@ void run_forward_backward(benchmark::State& state, bool causal) {
   gma::Options opt;
   opt.causal = causal;
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     gma::Saved<float> saved;
     Matrix<float> out = gma::forward(in.mix, in.q, in.k, in.v, opt, &saved);
     benchmark::DoNotOptimize(out.data());
     gma::Grad<float> g = gma::backward(in.mix, in.q, in.k, in.v, in.d_out, saved, opt);
     benchmark::DoNotOptimize(g.q.data());
-    benchmark::ClobberMemory();
-  }
+  });
   mb::set_flops(state, mb::GmaFloor::forward_flops(n, kK, kR, kDv, kChunk, causal) +
                            mb::GmaFloor::backward_flops(n, kK, kR, kDv, kChunk, causal));
   mb::set_bytes(state, io_bytes(n, true));
@@ -102,7 +99,7 @@ void run_floor(benchmark::State& state, What what, bool causal) {
   const Index n = state.range(0);
   mb::GmaFloor floor(n, kK, kR, kDv, kChunk);
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     floor.reset_flops();
     switch (what) {
       case What::responsibilities:
@@ -116,8 +113,7 @@ void run_floor(benchmark::State& state, What what, bool causal) {
         break;
     }
     benchmark::DoNotOptimize(floor.sink());
-    benchmark::ClobberMemory();
-  }
+  });
   double expected = mb::GmaFloor::responsibilities_flops(n, kK, kR);
   if (what != What::responsibilities)
     expected = mb::GmaFloor::forward_flops(n, kK, kR, kDv, kChunk, causal);

@@ -173,12 +173,11 @@ void ovq_forward(benchmark::State& state) {
   const Inputs in(t, false);
   const ovq::Options opt = options();
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     ovq::State<float> st = ovq::State<float>::empty(kR, kDv);
     Matrix<float> out = ovq::forward(in.q, in.k, in.v, 1.0f, opt, st);
     benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-  }
+  });
   mb::finish(state, t, heap);  // read the peak before the untimed call below
   // What a training forward would keep (Saved) and the dictionary size reached, from one untimed
   // call with Saved, so the timed calls above are the plain forward. Google Benchmark calls this
@@ -203,7 +202,7 @@ void ovq_fwd_bwd(benchmark::State& state) {
   const ovq::Options opt = options();
   double saved_bytes = 0;
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     ovq::State<float> st = ovq::State<float>::empty(kR, kDv);
     ovq::Saved<float> saved;
     Matrix<float> out = ovq::forward(in.q, in.k, in.v, 1.0f, opt, st, &saved);
@@ -211,8 +210,7 @@ void ovq_fwd_bwd(benchmark::State& state) {
     ovq::Grad<float> g = ovq::backward(in.q, in.k, in.v, 1.0f, in.d_out, saved, opt);
     benchmark::DoNotOptimize(g.q.data());
     saved_bytes = static_cast<double>(saved.bytes());
-    benchmark::ClobberMemory();
-  }
+  });
   state.counters["saved_bytes"] = benchmark::Counter(saved_bytes);
   mb::set_flops(state, floor_flops(t, true));
   mb::set_bytes(state, io_bytes(t, true));
@@ -225,11 +223,10 @@ void run_floor(benchmark::State& state, bool backward) {
   const Inputs in(t, backward);
   OvqFloor floor(t);
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     floor.run(in, backward);
     benchmark::DoNotOptimize(floor.sink());
-    benchmark::ClobberMemory();
-  }
+  });
   if (std::abs(floor.flops() - floor_flops(t, backward)) > 1e-9 * floor.flops())
     state.SkipWithError("OvqFloor closed-form FLOP count disagrees with the issued GEMMs");
   mb::set_flops(state, floor.flops());
@@ -251,11 +248,10 @@ void flash_forward_causal(benchmark::State& state) {
   ref::Options opt;
   opt.causal = true;
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     Matrix<float> out = ref::flash_forward<float>(in.q, in.k, in.v, opt);
     benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-  }
+  });
   mb::set_flops(state, mb::SoftmaxFloor::forward_flops(t, kR, kDv, true));
   mb::set_bytes(state, io_bytes(t, false));
   mb::set_tokens(state, t);
@@ -266,12 +262,12 @@ void forward_sweep(benchmark::internal::Benchmark* b) {
   mb::sweep(b, 1024, kMaxForward, kQuickSet);
 }
 // ovq_forward's time per token is compared across T (target: within ±25% from 16384 to 262144).
-// One call at the largest T takes ~2 s, so the default 0.5 s budget times a single call and the
-// comparison sees this shared machine's noise (two full runs differed by 16% at T = 16384);
-// 3 s per size times several calls at every T.
+// One call at the largest T takes ~2 s, so the default budget times a single call per
+// repetition and the comparison sees this shared machine's noise (two full runs differed by 16%
+// at T = 16384); 1 s per repetition (bench/run.sh runs three) times several calls at every T.
 void ovq_forward_sweep(benchmark::internal::Benchmark* b) {
   forward_sweep(b);
-  if (!mb::quick()) b->MinTime(3.0);
+  if (!mb::quick()) b->MinTime(1.0);
 }
 void backward_sweep(benchmark::internal::Benchmark* b) {
   mb::sweep(b, 1024, kMaxBackward, kQuickSet);

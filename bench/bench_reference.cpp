@@ -48,12 +48,11 @@ void run_forward(benchmark::State& state, bool causal) {
   ref::Options opt;
   opt.causal = causal;
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     Matrix<float> out = impl == Impl::naive ? ref::naive_forward<float>(in.q, in.k, in.v, opt)
                                             : ref::flash_forward<float>(in.q, in.k, in.v, opt);
     benchmark::DoNotOptimize(out.data());
-    benchmark::ClobberMemory();
-  }
+  });
   mb::set_flops(state, mb::SoftmaxFloor::forward_flops(n, kR, kDv, causal));
   mb::set_bytes(state, io_bytes(n, false));
   mb::finish(state, n, heap);
@@ -66,7 +65,7 @@ void run_forward_backward(benchmark::State& state, bool causal) {
   ref::Options opt;
   opt.causal = causal;
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     ref::Saved<float> saved;
     if (impl == Impl::naive) {
       Matrix<float> out = ref::naive_forward<float>(in.q, in.k, in.v, opt, &saved);
@@ -79,8 +78,7 @@ void run_forward_backward(benchmark::State& state, bool causal) {
       ref::Grad<float> g = ref::flash_backward<float>(in.q, in.k, in.v, in.d_out, saved, opt);
       benchmark::DoNotOptimize(g.q.data());
     }
-    benchmark::ClobberMemory();
-  }
+  });
   mb::set_flops(state, mb::SoftmaxFloor::forward_flops(n, kR, kDv, causal) +
                            mb::SoftmaxFloor::backward_flops(n, kR, kDv, causal));
   mb::set_bytes(state, io_bytes(n, true));
@@ -92,14 +90,13 @@ void run_floor(benchmark::State& state, bool causal, bool backward) {
   const Inputs in(n);
   mb::SoftmaxFloor floor(n, kR, kDv);
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {
     if (backward)
       floor.forward_backward(in.q, in.k, in.v, in.d_out, causal);
     else
       floor.forward(in.q, in.k, in.v, causal);
     benchmark::DoNotOptimize(floor.out().data());
-    benchmark::ClobberMemory();
-  }
+  });
   double flops = mb::SoftmaxFloor::forward_flops(n, kR, kDv, causal);
   if (backward) flops += mb::SoftmaxFloor::backward_flops(n, kR, kDv, causal);
   mb::set_flops(state, flops);

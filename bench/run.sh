@@ -8,8 +8,12 @@
 #
 # On a fresh Debian 12 machine run it as root (or with sudo available): it installs the build
 # dependencies through cmake/install-deps.sh. Other knobs:
-#   MIXATTN_BENCH_MIN_TIME   Google Benchmark --benchmark_min_time in seconds (default 0.5, quick 0.1)
-#   MIXATTN_BENCH_FILTER     --benchmark_filter regex applied to every binary
+#   MIXATTN_BENCH_MIN_TIME   Google Benchmark --benchmark_min_time in seconds, per repetition
+#                            (default 0.2, quick 0.05)
+#   MIXATTN_BENCH_REPETITIONS  repetitions of every point (default 3; the summary gives no verdict
+#                            from a point with fewer than 3 repetitions and fewer than 3 iterations)
+#   MIXATTN_BENCH_FILTER     --benchmark_filter regex applied to every binary (the summary then
+#                            accepts absent benchmarks)
 #   MIXATTN_BENCH_CPU        core the single-threaded binaries are pinned to (default: the last)
 #   MIXATTN_BENCH_BUILD_DIR  build directory (default build/bench)
 #   MIXATTN_BENCH_MALLOC=default  leave glibc's malloc as it is (by default the binaries, and the
@@ -18,6 +22,8 @@
 #   MIXATTN_BENCH_MEMORY_MANAGER=0  skip Google Benchmark's extra memory-accounting run (the
 #                            default in quick mode)
 # Results: bench/results/<binary>.json, bench/results/summary.md, time_vs_n.png, memory_vs_n.png.
+# Exit status: non-zero if a binary did not build, or if bench/summary.py refuses the results (a
+# measurement beyond its physical bound, or a missing benchmark).
 set -euo pipefail
 
 # The whole script is one function, read in full before it runs: editing this file while a run is
@@ -29,7 +35,8 @@ main() {
   results=bench/results
   quick=${MIXATTN_BENCH_QUICK:-0}
   [[ $quick == 0 ]] && quick=
-  min_time=${MIXATTN_BENCH_MIN_TIME:-$([[ -n $quick ]] && echo 0.1 || echo 0.5)}
+  min_time=${MIXATTN_BENCH_MIN_TIME:-$([[ -n $quick ]] && echo 0.05 || echo 0.2)}
+  repetitions=${MIXATTN_BENCH_REPETITIONS:-3}
   py=/usr/bin/python3
   start=$(date +%s)
 
@@ -73,10 +80,13 @@ main() {
   [[ -n $quick ]] && export MIXATTN_BENCH_MEMORY_MANAGER=${MIXATTN_BENCH_MEMORY_MANAGER:-0}
 
   for t in "${built[@]}"; do
-    echo "== $t (min_time ${min_time}s${quick:+, quick})"
+    echo "== $t (min_time ${min_time}s × $repetitions repetitions${quick:+, quick})"
     runner=("${pin[@]}")
     [[ $t == bench_batched ]] && runner=()
+    # Every repetition is in the JSON (the summary takes median and spread); the console shows
+    # only the aggregates.
     "${runner[@]}" "$build/bench/$t" --benchmark_min_time="$min_time" \
+      --benchmark_repetitions="$repetitions" --benchmark_display_aggregates_only=true \
       --benchmark_out="$results/$t.json" --benchmark_out_format=json \
       ${MIXATTN_BENCH_FILTER:+--benchmark_filter="$MIXATTN_BENCH_FILTER"} \
       --benchmark_counters_tabular=false
@@ -98,11 +108,19 @@ main() {
   fi
 
   echo "== summary"
-  "$py" bench/summary.py --out "$results"
+  summary_args=(--out "$results")
+  for t in "${failed[@]}"; do summary_args+=(--not-built "$t"); done
+  [[ -n ${MIXATTN_BENCH_FILTER:-} ]] && summary_args+=(--partial)
+  status=0
+  "$py" bench/summary.py "${summary_args[@]}" || status=$?
   echo "== done in $(($(date +%s) - start)) s"
   if ((${#failed[@]})); then
     echo "bench/run.sh: these benchmarks did not build: ${failed[*]}" >&2
     exit 1
+  fi
+  if ((status)); then
+    echo "bench/run.sh: bench/summary.py refused the results (see above)" >&2
+    exit "$status"
   fi
 }
 

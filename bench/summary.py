@@ -1,17 +1,35 @@
 #!/usr/bin/env python3
-"""Summarise mixattn's Google Benchmark JSON results.
+"""Summarise mixattn's Google Benchmark JSON results, and refuse numbers that cannot be trusted.
 
-    python3 bench/summary.py [--out DIR] [FILE.json ...]
+    python3 bench/summary.py [--out DIR] [--no-plots] [--not-built BINARY ...] [--partial]
+                             [FILE.json ...]
 
-Reads the JSON files (default: every *.json in bench/results/, including the PyTorch
-side-by-side file written in the same format), prints a table (operator, N, time, ratio to its
-GEMM floor, speed-up over FlashAttention at the same N, peak extra heap) and the target check
-list, and writes DIR/summary.md plus, when matplotlib is available, DIR/time_vs_n.png and
-DIR/memory_vs_n.png (log-log, one line per operator).
+Reads the JSON files (default: every *.json in DIR, including the PyTorch side-by-side file written
+in the same format), prints a table and the target list, and writes DIR/summary.md plus, when
+matplotlib is available, DIR/time_vs_n.png and DIR/memory_vs_n.png (bench/summary_plots.py).
+
+Rules (README, "Benchmarks"):
+  - a timed point enters a ratio only if it is warm (the benchmark made one untimed call first:
+    counter warm_up_calls) and has at least 3 repetitions or 3 iterations; otherwise every row that
+    needs it reads "too few samples" and gives no verdict;
+  - every value is checked against its physical bound (a speed-up on p threads above p, a
+    fraction of the measured FMA peak above 1, which covers a time below the FLOP count at peak):
+    such a row reads "impossible: measurement error" and the summary fails;
+  - a target whose benchmark is missing fails the summary, unless the binary that makes it did not
+    build (--not-built: bench/run.sh reports that itself), the run was filtered (--partial), or the
+    row is optional (the PyTorch side-by-side);
+  - rows show the median over repetitions and the spread [min–max] beside it.
+Exit status: 0 when every row could be judged or was refused for too few samples, 1 otherwise.
 
 Times are CPU time of the benchmark thread (the machine may be shared; CPU time does not count
-time stolen by other processes), except for benchmarks that ask for wall-clock time
-(name ending in /real_time: the multi-threaded ones).
+time stolen by other processes), except for benchmarks that ask for wall-clock time (name ending
+in /real_time: the multi-threaded ones).
+
+Adding a target row: append a Target to TARGETS (see the examples there). Its `value` receives a
+Measurements object `m` and returns a Quantity: m.time(op, n, threads), m.cpu_time(...),
+m.counter(op, name, n, threads), m.rate(op, n) (FLOP/s), m.fraction_of_peak(op, n), m.peak_flops(),
+m.heap(op, n), combined with + - * / and numbers. A missing point raises Missing, which the
+summary turns into the rules above.
 """
 
 import argparse
@@ -19,22 +37,133 @@ import glob
 import json
 import math
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 TARGET_N = 4096
+MIN_SAMPLES = 3  # repetitions or iterations a timed point needs before it enters a ratio
+
+
+# ---- quantities: a median with its spread and whether it may be judged -------------------------
+
+class Quantity:
+    """A measured value: median, spread [lo, hi], and whether its samples suffice (ok; if not,
+    `why` says what is lacking). Arithmetic propagates all three; the spread of a ratio is the
+    extreme ratios of the operands' spreads."""
+
+    def __init__(self, med, lo=None, hi=None, ok=True, why="", text=None):
+        self.med = med
+        self.lo = med if lo is None else lo
+        self.hi = med if hi is None else hi
+        self.ok, self.why, self.text = ok, why, text
+
+    @staticmethod
+    def of(x):
+        return x if isinstance(x, Quantity) else Quantity(float(x))
+
+    def _join(self, other, med, lo, hi):
+        whys = [w for w in (self.why, other.why) if w]
+        return Quantity(med, min(lo, hi), max(lo, hi), self.ok and other.ok,
+                        "; ".join(dict.fromkeys(whys)))
+
+    def __truediv__(self, other):
+        o = Quantity.of(other)
+        return self._join(o, self.med / o.med, self.lo / o.hi, self.hi / o.lo)
+
+    def __rtruediv__(self, other):
+        return Quantity.of(other) / self
+
+    def __mul__(self, other):
+        o = Quantity.of(other)
+        return self._join(o, self.med * o.med, self.lo * o.lo, self.hi * o.hi)
+
+    __rmul__ = __mul__
+
+    def __add__(self, other):
+        o = Quantity.of(other)
+        return self._join(o, self.med + o.med, self.lo + o.lo, self.hi + o.hi)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        o = Quantity.of(other)
+        return self._join(o, self.med - o.med, self.lo - o.hi, self.hi - o.lo)
+
+
+def all_of(quantities, med, lo=None, hi=None, text=None):
+    """A Quantity derived from several others: ok only if all are."""
+    bad = [q for q in quantities if not q.ok]
+    why = "; ".join(dict.fromkeys(q.why for q in bad if q.why))
+    return Quantity(med, lo, hi, not bad, why, text)
+
+
+class Missing(Exception):
+    """A point a row needs is not in the results."""
+
+    def __init__(self, op, n, threads=1, what="time"):
+        super().__init__(f"{op} N={n}" + (f" threads={threads}" if threads != 1 else "") +
+                         ("" if what == "time" else f" ({what})"))
+        self.op, self.n, self.threads = op, n, threads
 
 
 # ---- loading -------------------------------------------------------------------------------------
 
-class Run:
-    """One benchmark run: operator name, N, threads, seconds per call, counters."""
+class Point:
+    """One benchmark point (operator, N, threads) from one file: all its repetitions."""
 
-    def __init__(self, op, n, threads, seconds, iterations, counters, source):
-        self.op, self.n, self.threads = op, n, threads
-        self.seconds, self.iterations = seconds, iterations
-        self.counters, self.source = counters, source
+    def __init__(self, op, n, threads, source, wall):
+        self.op, self.n, self.threads, self.source, self.wall = op, n, threads, source, wall
+        self.reps = []  # [(seconds, cpu_seconds, iterations, counters)]
+
+    def add(self, seconds, cpu_seconds, iterations, counters):
+        self.reps.append((seconds, cpu_seconds, iterations, counters))
+
+    @property
+    def iterations(self):
+        return min(r[2] for r in self.reps)
+
+    @property
+    def warm(self):
+        return all(r[3].get("warm_up_calls", 0) >= 1 for r in self.reps)
+
+    def sampling(self):
+        """(ok, why): warm, and >= MIN_SAMPLES repetitions or iterations per repetition."""
+        if not self.warm:
+            return False, f"{self.label()}: cold (no untimed call first)"
+        if len(self.reps) < MIN_SAMPLES and self.iterations < MIN_SAMPLES:
+            return False, (f"{self.label()}: {len(self.reps)} repetition(s) × "
+                           f"{self.iterations} iteration(s)")
+        return True, ""
+
+    def label(self):
+        return f"{self.op}/{self.n}" + (f" on {self.threads} threads" if self.threads != 1 else "")
+
+    def quantity(self, values):
+        ok, why = self.sampling()
+        return Quantity(statistics.median(values), min(values), max(values), ok, why)
+
+    def seconds(self):
+        return self.quantity([r[0] for r in self.reps])
+
+    def cpu_seconds(self):
+        return self.quantity([r[1] for r in self.reps])
+
+    def counter(self, name):
+        values = [r[3][name] for r in self.reps if name in r[3]]
+        return self.quantity(values) if values else None
+
+    def flop_per_call(self):
+        c = self.reps[0][3]
+        if "flop_per_call" in c:
+            return float(c["flop_per_call"])
+        if "FLOPS" in c:  # files written before flop_per_call: FLOPS is the per-call count / time
+            return float(c["FLOPS"]) * self.reps[0][0]
+        return None
+
+    def samples_text(self):
+        return f"{len(self.reps)}×{self.iterations}"
 
 
 def parse_name(name):
@@ -51,56 +180,329 @@ def parse_name(name):
 
 
 def load(files):
-    runs, contexts, errors, candidates = {}, [], [], {}
+    """-> (points {(op, n, threads): Point}, contexts [(file, context)], errors [str])."""
+    contexts, errors, candidates = [], [], {}
     for path in files:
         try:
             with open(path) as f:
                 data = json.load(f)
         except (OSError, ValueError) as e:
-            print(f"summary: skipping {path}: {e}", file=sys.stderr)
+            errors.append(f"{path}: unreadable ({e})")
             continue
-        contexts.append((os.path.basename(path), data.get("context", {})))
+        source = os.path.basename(path)
+        contexts.append((source, data.get("context", {})))
         for b in data.get("benchmarks", []):
             if b.get("run_type", "iteration") != "iteration":
-                continue  # BigO / RMS / mean aggregates
+                continue  # mean / median / stddev aggregates: the repetitions themselves are used
             name = b.get("name", "")
             if b.get("error_occurred"):
                 errors.append(f"{name}: {b.get('error_message', 'error')}")
                 continue
             op, named, positional = parse_name(name)
-            n = b.get("N", named.get("N", positional[0] if positional else None))
-            if n is None:
-                continue
+            n = b.get("N", named.get("N", positional[0] if positional else 0))
             n = int(float(n))
             # "threads" is Google Benchmark's own field; the library's worker threads are the
             # worker_threads counter (or the threads: argument of the name).
             threads = int(float(b.get("worker_threads", named.get("threads", 1))))
             unit = UNIT_SECONDS[b.get("time_unit", "ns")]
             wall = name.endswith("/real_time")
-            seconds = (b["real_time"] if wall else b["cpu_time"]) * unit
-            run = Run(op, n, threads, seconds, int(b.get("iterations", 1)), b,
-                      os.path.basename(path))
             key = (op, n, threads)
-            candidates.setdefault(key, {}).setdefault(run.source, []).append(run)
-    # Repetitions (--benchmark_repetitions or ->Repetitions) give several runs of one name in
-    # one file: take the median repetition. The same operator may be measured by two binaries
-    # (causal flash in bench_reference and bench_ovq): keep the better-sampled measurement.
-    for key, by_file in candidates.items():
-        best = None
-        for reps in by_file.values():
-            reps.sort(key=lambda r: r.seconds)
-            median = reps[len(reps) // 2]
-            total = sum(r.iterations for r in reps)
-            if best is None or total > best[0]:
-                best = (total, median)
-        runs[key] = best[1]
-    return runs, contexts, errors
+            by_file = candidates.setdefault(key, {})
+            point = by_file.setdefault(source, Point(op, n, threads, source, wall))
+            point.add((b["real_time"] if wall else b["cpu_time"]) * unit, b["cpu_time"] * unit,
+                      int(b.get("iterations", 1)), b)
+    # The same operator may be measured by two binaries (causal flash in bench_reference and
+    # bench_ovq): keep the better-sampled measurement.
+    points = {key: max(by_file.values(),
+                       key=lambda p: (p.sampling()[0], sum(r[2] for r in p.reps)))
+              for key, by_file in candidates.items()}
+    return points, contexts, errors
 
 
-# ---- relations between operators -----------------------------------------------------------------
+# ---- what the rows read from ---------------------------------------------------------------------
+
+PEAK_OP = "peak_fma_float"
+EXP_OP = "peak_exp_float"
+
+
+class Measurements:
+    """The accessor a Target's value function receives. Every method raises Missing when the
+    point is absent."""
+
+    def __init__(self, points, contexts):
+        self.points, self.contexts = points, contexts
+
+    def point(self, op, n=TARGET_N, threads=1):
+        p = self.points.get((op, n, threads))
+        if p is None:
+            raise Missing(op, n, threads)
+        return p
+
+    def has(self, op, n=TARGET_N, threads=1):
+        return (op, n, threads) in self.points
+
+    def ns(self, op, threads=1):
+        return sorted(n for (o, n, t) in self.points if o == op and t == threads)
+
+    def time(self, op, n=TARGET_N, threads=1):
+        """Seconds per call (wall clock for /real_time benchmarks, else CPU)."""
+        return self.point(op, n, threads).seconds()
+
+    def cpu_time(self, op, n=TARGET_N, threads=1):
+        """CPU seconds of the benchmark thread per call: what one thread costs, immune to time
+        stolen by other processes (for a one-thread point the honest numerator of a speed-up)."""
+        return self.point(op, n, threads).cpu_seconds()
+
+    def counter(self, op, name, n=TARGET_N, threads=1):
+        q = self.point(op, n, threads).counter(name)
+        if q is None:
+            raise Missing(op, n, threads, f"counter {name}")
+        return q
+
+    def heap(self, op, n=TARGET_N, threads=1):
+        """Peak extra heap per call in bytes; exact, so any one repetition is enough."""
+        q = self.counter(op, "peak_heap_bytes", n, threads)
+        return Quantity(q.med, q.lo, q.hi)
+
+    def flop_per_call(self, op, n=TARGET_N, threads=1):
+        f = self.point(op, n, threads).flop_per_call()
+        if f is None:
+            raise Missing(op, n, threads, "FLOP count")
+        return f
+
+    def rate(self, op, n=TARGET_N, threads=1):
+        """FLOP/s."""
+        return self.flop_per_call(op, n, threads) / self.time(op, n, threads)
+
+    def peak_flops(self):
+        return self.rate(PEAK_OP, 0)
+
+    def fraction_of_peak(self, op, n=TARGET_N, threads=1):
+        return self.rate(op, n, threads) / self.peak_flops()
+
+    def num_cpus(self):
+        return max((int(c.get("num_cpus", 0)) for _, c in self.contexts), default=0) or None
+
+
+# ---- targets: the declarative table --------------------------------------------------------------
+
+class Target:
+    """One verdict row.
+
+    name      what is measured (the row's first column)
+    value     function(Measurements) -> Quantity (raise Missing via m.* when data is absent)
+    goal      ("<=", x), (">=", x) or ("within", lo, hi): judged on the median
+    bound     (lo, hi) physical limits of the value (either may be None), or a function
+              (Measurements) -> (lo, hi); outside them the row is "impossible: measurement error"
+    fmt       "ratio" (1.23×), "fraction" (0.61), "percent" (61%), or a function(x) -> str
+    optional  None, or why the row may be absent without failing (e.g. an opt-in run)
+    goal_text how to state the goal, when the default ("≥ 1.7×") does not read well
+    """
+
+    def __init__(self, name, value, goal, bound=(0, None), fmt="ratio", optional=None,
+                 goal_text=None):
+        self.name, self.value, self.goal, self.bound = name, value, goal, bound
+        self.fmt, self.optional, self._goal_text = fmt, optional, goal_text
+
+    def format(self, x):
+        if callable(self.fmt):
+            return self.fmt(x)
+        if self.fmt == "fraction":
+            return f"{x:.2f}"
+        if self.fmt == "percent":
+            return f"{x:.0%}"
+        return f"{x:.2f}×" if abs(x) < 100 else f"{x:.0f}×"
+
+    def goal_text(self):
+        if self._goal_text:
+            return self._goal_text
+        g = self.goal
+        limit = (lambda x: f"{x:g}×") if self.fmt == "ratio" else self.format
+        if g[0] == "within":
+            return f"within [{limit(g[1])}, {limit(g[2])}]"
+        return f"{'≤' if g[0] == '<=' else '≥'} {limit(g[1])}"
+
+    def met(self, x):
+        g = self.goal
+        if g[0] == "within":
+            return g[1] <= x <= g[2]
+        return x <= g[1] if g[0] == "<=" else x >= g[1]
+
+
+N = TARGET_N
+T_OVQ = 65536
+
+
+def thread_bound(threads):
+    """A speed-up on `threads` threads cannot exceed the threads, nor the machine's cores."""
+    return lambda m: (0, min(threads, m.num_cpus() or threads))
+
+
+def crossover(m):
+    """Smallest N from which GMA bidirectional forward beats flash at every measured larger N."""
+    ns = [n for n in m.ns("gma_forward_bidir") if m.has("flash_forward_bidir", n)]
+    if not ns:
+        raise Missing("flash_forward_bidir", "any")
+    pairs = [(m.time("gma_forward_bidir", n), m.time("flash_forward_bidir", n)) for n in ns]
+    faster = [g.med < f.med for g, f in pairs]
+    cross = next((ns[i] for i in range(len(ns)) if all(faster[i:])), math.inf)
+    text = (f"from N = {cross}" if cross != math.inf else "never") + f" (measured N ≥ {ns[0]})"
+    return all_of([q for pair in pairs for q in pair], cross, text=text)
+
+
+def per_token_drift(m):
+    """Worst relative deviation of OVQ forward time per token over T = 16384 … 262144."""
+    ns = [n for n in m.ns("ovq_forward") if 16384 <= n <= 262144]
+    for need in (16384, 262144):
+        if need not in ns:
+            raise Missing("ovq_forward", need)
+    per = {n: m.time("ovq_forward", n) / n for n in ns}
+    ref = per[16384]
+    worst = max(ns, key=lambda n: abs(per[n].med / ref.med - 1))
+    dev = per[worst].med / ref.med - 1
+    text = f"{ref.med * 1e6:.2f} µs/token at 16384; worst {dev:+.0%} at T = {worst}"
+    return all_of(list(per.values()), dev, text=text)
+
+
+def heap_growth(op):
+    def value(m):
+        a, b = m.heap(op, 16384), m.heap(op, 65536)
+        q = b / a
+        q.text = f"{q.med:.2f}× ({fmt_bytes(a.med)} → {fmt_bytes(b.med)})"
+        return q
+    return value
+
+
+TORCH = "PyTorch side-by-side runs only with MIXATTN_BENCH_TORCH=1"
+
+TARGETS = [
+    Target(f"GMA bidir forward / its GEMM floor (N={N})",
+           lambda m: m.time("gma_forward_bidir") / m.time("floor_gma_forward_bidir"),
+           ("<=", 1.5)),
+    Target(f"flash_forward / GMA bidir forward (N={N})",
+           lambda m: m.time("flash_forward_bidir") / m.time("gma_forward_bidir"), (">=", 12)),
+    Target(f"GMA bidir fwd+bwd / its GEMM floor (N={N})",
+           lambda m: m.time("gma_fwd_bwd_bidir") / m.time("floor_gma_fwd_bwd_bidir"),
+           ("<=", 1.5)),
+    Target(f"GMA causal forward / GMA bidir forward (N={N})",
+           lambda m: m.time("gma_forward_causal") / m.time("gma_forward_bidir"), ("<=", 2.5)),
+    Target("GMA bidir forward faster than flash_forward", crossover, ("<=", 512),
+           bound=(None, None), fmt=lambda x: f"N = {x:g}", goal_text="from N ≤ 512"),
+    Target(f"responsibilities / one (N×2r)·(2r×K) GEMM (N={N})",
+           lambda m: m.time("gma_responsibilities") / m.time("floor_gma_responsibilities"),
+           ("<=", 1.5)),
+    Target(f"flash_forward fraction of the GEMM rate (N={N})",
+           lambda m: m.time("floor_softmax_forward_bidir") / m.time("flash_forward_bidir"),
+           (">=", 0.5), fmt="percent"),
+    Target(f"causal flash_forward / OVQ forward (T={T_OVQ})",
+           lambda m: m.time("flash_forward_causal", T_OVQ) / m.time("ovq_forward", T_OVQ),
+           (">=", 10)),
+    Target("OVQ forward time per token, T = 16384 … 262144, vs T = 16384", per_token_drift,
+           ("within", -0.25, 0.25), bound=(None, None), fmt=lambda x: f"{x:+.0%}",
+           goal_text="within ±25%"),
+    *[Target(f"peak extra heap growth of {op}, N = 16384 → 65536", heap_growth(op),
+             ("<=", 4.5)) for op in ("gma_fwd_bwd_bidir", "gma_fwd_bwd_causal", "ovq_forward")],
+    # Fraction of the measured FMA peak (bench_peak): the operator's FLOP count (stated in
+    # bench/, the GEMM work of its floor) over its time, over the FLOP/s of register-only FMAs.
+    *[Target(f"{label}, fraction of FMA peak ({'T' if op.startswith('ovq') else 'N'}={n})",
+             (lambda op, n: lambda m: m.fraction_of_peak(op, n))(op, n), (">=", goal),
+             bound=(0, 1), fmt="fraction")
+      for label, op, n, goal in (
+          ("GMA bidir forward", "gma_forward_bidir", N, 0.80),
+          ("GMA bidir fwd+bwd", "gma_fwd_bwd_bidir", N, 0.70),
+          ("GMA causal forward", "gma_forward_causal", N, 0.65),
+          ("flash_forward (bidir)", "flash_forward_bidir", N, 0.65),
+          ("OVQ forward", "ovq_forward", T_OVQ, 0.60))],
+    Target(f"PyTorch eager GMA forward / mixattn (N={N})",
+           lambda m: m.time("torch_gma_forward_bidir") / m.time("gma_forward_bidir"), (">=", 25),
+           optional=TORCH),
+    Target(f"PyTorch eager GMA fwd+bwd / mixattn (N={N})",
+           lambda m: m.time("torch_gma_fwd_bwd_bidir") / m.time("gma_fwd_bwd_bidir"), (">=", 40),
+           optional=TORCH),
+    # Speed-up on 2 threads: one thread's CPU time over two threads' wall-clock time. On a busy
+    # machine the one-thread CPU time does not grow and the two-thread wall time can only grow, so
+    # load can lower the ratio but never lift it above 2.
+    *[Target(f"batched GMA {kind}, B·H = 8, 2 threads vs 1 (N={N})",
+             (lambda op: lambda m: m.cpu_time(op, N, 1) / m.time(op, N, 2))(
+                 f"gma_heads_{kind}_bidir"),
+             (">=", 1.7), bound=thread_bound(2))
+      for kind in ("forward", "fwd_bwd")],
+]
+
+# Which binary writes which operator (first matching prefix), to tell "did not build" from
+# "missing". Extend when adding a benchmark binary.
+PRODUCERS = [
+    ("gma_heads_", ["bench_batched"]),
+    ("gma_", ["bench_gma"]), ("floor_gma_", ["bench_gma"]),
+    ("ovq_", ["bench_ovq"]), ("floor_ovq_", ["bench_ovq"]),
+    ("flash_forward_causal", ["bench_reference", "bench_ovq"]),
+    ("naive_", ["bench_reference"]), ("flash_", ["bench_reference"]),
+    ("floor_softmax_", ["bench_reference"]),
+    ("peak_", ["bench_peak"]),
+    ("decode_", ["bench_decode"]),
+    ("torch_", ["torch_side_by_side"]),
+]
+
+
+def producers(op):
+    return next((b for prefix, b in PRODUCERS if op.startswith(prefix)), [])
+
+
+# ---- judging -------------------------------------------------------------------------------------
+
+class Row:
+    """A judged target: measured text, goal text, verdict, and whether it fails the summary."""
+
+    def __init__(self, name, measured, goal, verdict, fails=False, note=""):
+        self.name, self.measured, self.goal = name, measured, goal
+        self.verdict, self.fails, self.note = verdict, fails, note
+
+
+def spread_text(q, fmt):
+    if q.lo == q.hi:
+        return ""
+    return f" [{fmt(q.lo)} – {fmt(q.hi)}]"
+
+
+def judge(target, m, not_built, partial):
+    try:
+        q = target.value(m)
+    except Missing as e:
+        built_missing = [b for b in producers(e.op) if b in not_built]
+        if built_missing:
+            return Row(target.name, "not measured", target.goal_text(),
+                       f"not measured ({', '.join(built_missing)} did not build)")
+        if target.optional:
+            return Row(target.name, "not measured", target.goal_text(),
+                       f"not measured ({target.optional})")
+        if partial:
+            return Row(target.name, "not measured", target.goal_text(),
+                       "not measured (filtered run)")
+        return Row(target.name, "missing", target.goal_text(), f"MISSING: {e}", fails=True)
+    measured = q.text or (target.format(q.med) + spread_text(q, target.format))
+    bound = target.bound(m) if callable(target.bound) else target.bound
+    lo, hi = bound
+    if (lo is not None and q.med < lo) or (hi is not None and q.med > hi):
+        limit = f"above {target.format(hi)}" if hi is not None and q.med > hi else \
+            f"below {target.format(lo)}"
+        return Row(target.name, measured, target.goal_text(),
+                   "impossible: measurement error", fails=True,
+                   note=f"{target.format(q.med)} is {limit}, the physical bound")
+    if not q.ok:
+        return Row(target.name, measured, target.goal_text(), "too few samples", note=q.why)
+    return Row(target.name, measured, target.goal_text(),
+               "met" if target.met(q.med) else "NOT MET")
+
+
+def judge_all(points, contexts, not_built=(), partial=False, targets=None):
+    m = Measurements(points, contexts)
+    return [judge(t, m, set(not_built), partial) for t in (targets or TARGETS)]
+
+
+# ---- the per-point table -------------------------------------------------------------------------
 
 def floor_of(op):
-    if op.startswith("floor_") or op.startswith("torch_"):
+    if op.startswith(("floor_", "torch_", "peak_")):
         return None
     if op.startswith("naive_") or op.startswith("flash_"):
         return "floor_softmax_" + op.split("_", 1)[1]
@@ -108,18 +510,12 @@ def floor_of(op):
 
 
 def flash_of(op):
-    if op.startswith(("flash_", "floor_", "gma_heads")) or op == "gma_responsibilities":
+    if op.startswith(("flash_", "floor_", "gma_heads", "peak_")) or op == "gma_responsibilities":
         return None
     kind = "fwd_bwd" if "fwd_bwd" in op else "forward"
     mode = "bidir" if "bidir" in op else "causal"  # OVQ is causal
     return f"flash_{kind}_{mode}"
 
-
-def get(runs, op, n, threads=1):
-    return runs.get((op, n, threads))
-
-
-# ---- formatting ------------------------------------------------------------------------------------
 
 def fmt_time(s):
     if s is None:
@@ -141,35 +537,66 @@ def fmt_bytes(b):
 
 
 def fmt_ratio(x):
-    return "—" if x is None else f"{x:.2f}×" if x < 100 else f"{x:.0f}×"
+    return f"{x:.2f}×" if x < 100 else f"{x:.0f}×"
 
 
-def table_rows(runs, ns_filter=None):
-    rows = []
-    ops = sorted({op for (op, _, _) in runs if not op.startswith("floor_")})
-    for op in ops:
-        for (o, n, threads), r in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-            if o != op or (ns_filter and n not in ns_filter):
-                continue
-            fl = get(runs, floor_of(op), n) if floor_of(op) else None
-            fa = get(runs, flash_of(op), n) if flash_of(op) else None
-            name = op if threads == 1 else f"{op} ({threads} threads)"
-            rows.append([
-                name, str(n), fmt_time(r.seconds),
-                fmt_ratio(r.seconds / fl.seconds) if fl else "—",
-                fmt_ratio(fa.seconds / r.seconds) if fa else "—",
-                fmt_bytes(r.counters.get("peak_heap_bytes")),
-            ])
-    return rows
+HEADER = ["operator", "N", "time/call", "[min – max]", "reps×iters", "t / t_floor",
+          "fraction of peak", "speed-up vs flash", "peak extra heap", "note"]
 
 
-HEADER = ["operator", "N", "time/call", "t / t_floor", "speed-up vs flash", "peak extra heap"]
+def point_row(m, p):
+    """One table row; returns (cells, fails: impossible measurement)."""
+    t = p.seconds()
+    note, fails = [] if t.ok else ["too few samples"], False
+
+    def ratio(f, fmt=fmt_ratio):
+        try:
+            q = f()
+        except (Missing, ZeroDivisionError):
+            return "—", None
+        return (fmt(q.med) if q.ok else "(too few samples)"), q
+
+    rel = floor_of(p.op)
+    floor_txt, _ = ratio(lambda: t / m.time(rel, p.n)) if rel and p.threads == 1 else ("—", None)
+    fl = flash_of(p.op)
+    flash_txt, _ = ratio(lambda: m.time(fl, p.n) / t) if fl and p.threads == 1 else ("—", None)
+    peak_txt, peak_q = "—", None
+    if p.op != PEAK_OP and p.flop_per_call() is not None:
+        peak_txt, peak_q = ratio(lambda: m.fraction_of_peak(p.op, p.n, p.threads),
+                                 lambda x: f"{x:.2f}")
+        # A rate above the measured peak times the threads is not a measurement of work done.
+        if peak_q is not None and peak_q.med > p.threads:
+            fails = True
+            note.append(f"impossible: {peak_q.med:.2f}× the FMA peak")
+    heap = p.counter("peak_heap_bytes")
+    name = p.op if p.threads == 1 else f"{p.op} ({p.threads} threads)"
+    cells = [name, str(p.n) if p.n else "—", fmt_time(t.med),
+             "" if t.lo == t.hi else f"{fmt_time(t.lo)} – {fmt_time(t.hi)}",
+             p.samples_text(), floor_txt, peak_txt, flash_txt,
+             fmt_bytes(heap.med if heap else None), ", ".join(note)]
+    return cells, fails
 
 
-def text_table(rows):
+def table_rows(points, contexts, ns_filter=None):
+    m = Measurements(points, contexts)
+    rows, failures = [], []
+    for key in sorted(points):
+        p = points[key]
+        cells, fails = point_row(m, p)
+        if fails:  # floors too: no GEMM may run above the peak either
+            failures.append(f"{p.label()}: {cells[-1]}")
+        if p.op.startswith("floor_"):
+            continue  # a floor is the t / t_floor column of its operator's row
+        if ns_filter and p.n not in ns_filter and not p.op.startswith("peak_"):
+            continue
+        rows.append(cells)
+    return rows, failures
+
+
+def text_table(header, rows):
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(HEADER)]
-    line = "  ".join(h.ljust(w) for h, w in zip(HEADER, widths))
+              for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
     out = [line, "-" * len(line)]
     prev = None
     for r in rows:
@@ -178,7 +605,7 @@ def text_table(rows):
             out.append("")
         prev = group
         out.append("  ".join(c.rjust(w) if i else c.ljust(w)
-                             for i, (c, w) in enumerate(zip(r, widths))))
+                             for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     return "\n".join(out)
 
 
@@ -188,186 +615,43 @@ def md_table(header, rows):
     return "\n".join(out)
 
 
-# ---- targets -----------------------------------------------------------------------------------------
+# ---- the README's operator table -----------------------------------------------------------------
 
-def targets(runs):
-    """[(description, measured text, target text, met: True/False/None)]."""
-    out = []
-
-    def t(op, n=TARGET_N, threads=1):
-        r = get(runs, op, n, threads)
-        return r.seconds if r else None
-
-    def ratio_check(desc, num, den, limit, at_most, target_txt, fmt="{:.2f}×"):
-        if num is None or den is None:
-            out.append((desc, "not measured", target_txt, None))
-            return
-        x = num / den
-        out.append((desc, fmt.format(x), target_txt, x <= limit if at_most else x >= limit))
-
-    N = TARGET_N
-    ratio_check(f"GMA bidir forward / its GEMM floor (N={N})",
-                t("gma_forward_bidir"), t("floor_gma_forward_bidir"), 1.5, True, "≤ 1.5×")
-    ratio_check(f"flash_forward / GMA bidir forward (N={N})",
-                t("flash_forward_bidir"), t("gma_forward_bidir"), 12, False, "≥ 12×")
-    ratio_check(f"GMA bidir fwd+bwd / its GEMM floor (N={N})",
-                t("gma_fwd_bwd_bidir"), t("floor_gma_fwd_bwd_bidir"), 1.5, True, "≤ 1.5×")
-    ratio_check(f"GMA causal forward / GMA bidir forward (N={N})",
-                t("gma_forward_causal"), t("gma_forward_bidir"), 2.5, True, "≤ 2.5×")
-
-    # Crossover: smallest N from which GMA forward beats flash at every measured larger N.
-    ns = sorted(n for (op, n, th) in runs if op == "gma_forward_bidir" and th == 1
-                and get(runs, "flash_forward_bidir", n))
-    if ns:
-        faster = [t("gma_forward_bidir", n) < t("flash_forward_bidir", n) for n in ns]
-        cross = None
-        for i in range(len(ns)):
-            if all(faster[i:]):
-                cross = ns[i]
-                break
-        measured = (f"from N = {cross}" if cross is not None else "never") + \
-            f" (measured N ≥ {ns[0]})"
-        out.append(("GMA bidir forward faster than flash_forward", measured, "from N ≤ 512",
-                    cross is not None and cross <= 512))
-    else:
-        out.append(("GMA bidir forward faster than flash_forward", "not measured",
-                    "from N ≤ 512", None))
-
-    ratio_check(f"responsibilities / one (N×2r)·(2r×K) GEMM (N={N})",
-                t("gma_responsibilities"), t("floor_gma_responsibilities"), 1.5, True, "≤ 1.5×")
-    ratio_check(f"flash_forward fraction of the GEMM rate (N={N})",
-                t("floor_softmax_forward_bidir"), t("flash_forward_bidir"), 0.5, False, "≥ 50%",
-                fmt="{:.0%}")
-    T = 65536
-    ratio_check(f"causal flash_forward / OVQ forward (T={T})",
-                t("flash_forward_causal", T), t("ovq_forward", T), 10, False, "≥ 10×")
-
-    per_token = {n: get(runs, "ovq_forward", n).seconds / n
-                 for (op, n, th) in runs if op == "ovq_forward" and 16384 <= n <= 262144}
-    if 16384 in per_token and 262144 in per_token:
-        ref = per_token[16384]
-        worst_n = max(per_token, key=lambda n: abs(per_token[n] / ref - 1))
-        dev = per_token[worst_n] / ref - 1
-        out.append(("OVQ forward time per token, T = 16384 … 262144, vs T = 16384",
-                    f"{ref * 1e6:.2f} µs/token at 16384; worst {dev:+.0%} at T = {worst_n}",
-                    "within ±25%", abs(dev) <= 0.25))
-    else:
-        out.append(("OVQ forward time per token, T = 16384 … 262144", "not measured",
-                    "within ±25%", None))
-
-    for op in ("gma_fwd_bwd_bidir", "gma_fwd_bwd_causal", "ovq_forward"):
-        a, b = get(runs, op, 16384), get(runs, op, 65536)
-        desc = f"peak extra heap growth of {op}, N = 16384 → 65536"
-        if a and b and a.counters.get("peak_heap_bytes") and b.counters.get("peak_heap_bytes"):
-            x = b.counters["peak_heap_bytes"] / a.counters["peak_heap_bytes"]
-            out.append((desc, f"{x:.2f}× ({fmt_bytes(a.counters['peak_heap_bytes'])} → "
-                              f"{fmt_bytes(b.counters['peak_heap_bytes'])})", "≤ 4.5×", x <= 4.5))
-        else:
-            out.append((desc, "not measured", "≤ 4.5×", None))
-
-    ratio_check(f"PyTorch eager GMA forward / mixattn (N={N})",
-                t("torch_gma_forward_bidir"), t("gma_forward_bidir"), 25, False, "≥ 25×")
-    ratio_check(f"PyTorch eager GMA fwd+bwd / mixattn (N={N})",
-                t("torch_gma_fwd_bwd_bidir"), t("gma_fwd_bwd_bidir"), 40, False, "≥ 40×")
-
-    for kind in ("forward", "fwd_bwd"):
-        op = f"gma_heads_{kind}_bidir"
-        ratio_check(f"batched GMA {kind}, B·H = 8, 2 threads vs 1 (N={N}, wall clock)",
-                    t(op, N, 1), t(op, N, 2), 1.7, False, "≥ 1.7×")
-    return out
+HEADLINE = [  # (label, operator, N)
+    ("GMA bidirectional forward", "gma_forward_bidir", N),
+    ("GMA bidirectional forward+backward", "gma_fwd_bwd_bidir", N),
+    ("GMA causal forward", "gma_forward_causal", N),
+    ("GMA causal forward+backward", "gma_fwd_bwd_causal", N),
+    ("flash forward (bidirectional)", "flash_forward_bidir", N),
+    ("flash forward+backward (bidirectional)", "flash_fwd_bwd_bidir", N),
+    ("OVQ forward, T = 65 536", "ovq_forward", T_OVQ),
+    ("OVQ forward+backward, T = 65 536", "ovq_fwd_bwd", T_OVQ),
+]
+HEADLINE_HEADER = ["operator (N = 4096 unless said)", "time [min – max]", "ratio to GEMM floor",
+                   "fraction of FMA peak", "speed-up vs flash", "peak extra heap"]
 
 
-def check_rows(checks):
-    verdict = {True: "met", False: "NOT MET", None: "n/a"}
-    return [[d, m, tg, verdict[ok]] for d, m, tg, ok in checks]
+def headline_rows(points, contexts):
+    rows = []
+    for label, op, n in HEADLINE:
+        p = points.get((op, n, 1))
+        if p is None:
+            rows.append([label, "not measured", "—", "—", "—", "—"])
+            continue
+        cells, _ = point_row(Measurements(points, contexts), p)
+        time = cells[2] + (f" [{cells[3]}]" if cells[3] else "")
+        rows.append([label, time, cells[5], cells[6], cells[7], cells[8]])
+    return rows
 
 
-# ---- plots ---------------------------------------------------------------------------------------------
+# ---- main ----------------------------------------------------------------------------------------
 
-def plot(runs, out_dir):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("summary: matplotlib not available, skipping plots", file=sys.stderr)
-        return []
-    ops = sorted({op for (op, n, th) in runs if th == 1 and not op.startswith("gma_heads")})
-    # One colour per operator; a floor is drawn dashed in the colour of the operator it bounds.
-    palette = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
-    main_ops = [op for op in ops if not op.startswith("floor_")]
-    colour = {op: palette[i % len(palette)] for i, op in enumerate(main_ops)}
-    for op in main_ops:
-        fl = floor_of(op)
-        if fl and fl not in colour:
-            colour[fl] = colour[op]
-    written = []
-    for fname, key, ylabel, title in (
-            ("time_vs_n.png", None, "time per call [s]", "Time per call vs N (float, 1 thread)"),
-            ("memory_vs_n.png", "peak_heap_bytes", "peak extra heap [bytes]",
-             "Peak extra heap per call vs N")):
-        fig, ax = plt.subplots(figsize=(11, 8))
-        for op in ops:
-            if key is not None and op.startswith("floor_"):
-                continue  # a floor's heap is Eigen's GEMM blocking buffer, not a property
-            pts = sorted((n, r.seconds if key is None else r.counters.get(key))
-                         for (o, n, th), r in runs.items() if o == op and th == 1)
-            pts = [(n, y) for n, y in pts if y]
-            if not pts:
-                continue
-            style = dict(linestyle="--", linewidth=1, alpha=0.7) if op.startswith("floor_") \
-                else dict(linestyle="-", linewidth=1.8, marker="o", markersize=3)
-            style["color"] = colour.get(op, "gray")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=op, **style)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2, loc="upper left")
-        fig.tight_layout()
-        path = os.path.join(out_dir, fname)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    return written
+def is_quick(contexts):
+    return any(c.get("mixattn_bench_quick") == "1" for _, c in contexts)
 
 
-# ---- main ------------------------------------------------------------------------------------------------
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="*", help="Google Benchmark JSON files")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"),
-                    help="directory for summary.md and the plots (default: bench/results)")
-    ap.add_argument("--no-plots", action="store_true")
-    args = ap.parse_args()
-    files = args.files or sorted(glob.glob(os.path.join(args.out, "*.json")))
-    if not files:
-        print("summary: no JSON files (run bash bench/run.sh first)", file=sys.stderr)
-        return 1
-    runs, contexts, errors = load(files)
-    if not runs:
-        print("summary: no benchmark runs in " + ", ".join(files), file=sys.stderr)
-        return 1
-    os.makedirs(args.out, exist_ok=True)
-
-    console_ns = {4 ** k for k in range(20)}  # every other power of two on the console
-    print(text_table(table_rows(runs, console_ns)))
-    print("\n(console shows N = 4^k; every N is in summary.md)\n")
-    checks = targets(runs)
-    crow = check_rows(checks)
-    w = max(len(r[0]) for r in crow)
-    print("Targets (float, 1 thread, N = 4096, K = 64, r = d_v = 64 unless stated):")
-    for d, m, tg, v in crow:
-        print(f"  [{v:^7}] {d.ljust(w)}  measured {m};  target {tg}")
-    if errors:
-        print("\nBenchmarks that reported errors:\n  " + "\n  ".join(errors))
-
-    plots = [] if args.no_plots else plot(runs, args.out)
-
-    ctx_lines = []
+def context_lines(contexts):
+    lines = []
     for fname, c in contexts:
         bits = [c.get("date", ""), c.get("host_name", ""),
                 f"{c.get('num_cpus', '?')} cpus @ {c.get('mhz_per_cpu', '?')} MHz"]
@@ -379,16 +663,95 @@ def main():
             bits.append("quick mode")
         if "torch_version" in c:
             bits.append(f"torch {c['torch_version']}, BLAS: {c.get('torch_blas', '?')}")
-        ctx_lines.append(f"- `{fname}`: " + ", ".join(b for b in bits if b))
-    md = ["# mixattn benchmark summary", "",
-          "Float, one thread unless stated; time is CPU time per call (wall clock for the "
-          "multi-threaded rows). `t / t_floor`: time over the time of the Eigen GEMMs of the "
-          "same shapes; `speed-up vs flash`: FlashAttention-style softmax attention time over "
-          "this operator's time at the same N (same mode: bidirectional or causal, forward or "
-          "forward+backward). Peak extra heap: high-water mark of heap allocated during one "
-          "call, outputs included.", "", "## Runs", *ctx_lines, "",
-          "## Targets", md_table(["target", "measured", "goal", "verdict"], crow), "",
-          "## All results", md_table(HEADER, table_rows(runs)), ""]
+        lines.append(f"- `{fname}`: " + ", ".join(b for b in bits if b))
+    return lines
+
+
+def peak_lines(points):
+    out = []
+    p = points.get((PEAK_OP, 0, 1))
+    if p:
+        q = p.flop_per_call() / p.seconds()
+        label = p.reps[0][3].get("label", "")
+        out.append(f"- FMA peak (one thread, float, {label}): {q.med / 1e9:.1f} GFLOP/s"
+                   f" [{q.lo / 1e9:.1f} – {q.hi / 1e9:.1f}]")
+    e = points.get((EXP_OP, 0, 1))
+    if e and e.counter("exp_per_call"):
+        q = e.counter("exp_per_call").med / e.seconds()
+        out.append(f"- exp throughput (xsimd::exp, float): {q.med / 1e9:.2f} G exp/s"
+                   f" [{q.lo / 1e9:.2f} – {q.hi / 1e9:.2f}]")
+    return out
+
+
+RULES_MD = (
+    "Float, one thread unless stated; time is the median over repetitions of CPU time per call "
+    "(wall clock for the multi-threaded rows), with [min – max] over the repetitions beside it. "
+    "Every point is timed after one untimed call. A point with fewer than 3 repetitions and "
+    "fewer than 3 iterations, or without the untimed call, gives no ratio (\"too few samples\"). "
+    "`t / t_floor`: time over the time of the Eigen GEMMs of the same shapes; `fraction of peak`: "
+    "the operator's FLOP count (its floor's GEMM work) per second over the FLOP/s of "
+    "register-only FMA chains (bench_peak); `speed-up vs flash`: FlashAttention-style softmax "
+    "attention time over this operator's time at the same N (same mode). A value beyond its "
+    "physical bound (speed-up above the thread count, fraction of peak above 1) is reported as "
+    "a measurement error and fails the summary. Peak extra heap: high-water mark of heap "
+    "allocated during one call, outputs included.")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="*", help="Google Benchmark JSON files")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"),
+                    help="directory for summary.md and the plots (default: bench/results)")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--not-built", action="append", default=[], metavar="BINARY",
+                    help="a benchmark binary that did not build (its rows are not measured)")
+    ap.add_argument("--partial", action="store_true",
+                    help="the run was filtered: absent benchmarks are not an error")
+    args = ap.parse_args(argv)
+    files = args.files or sorted(glob.glob(os.path.join(args.out, "*.json")))
+    if not files:
+        print("summary: no JSON files (run bash bench/run.sh first)", file=sys.stderr)
+        return 1
+    points, contexts, errors = load(files)
+    if not points:
+        print("summary: no benchmark runs in " + ", ".join(files), file=sys.stderr)
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    quick = is_quick(contexts)
+    title = "mixattn benchmark summary" + (
+        " — QUICK MODE (MIXATTN_BENCH_QUICK=1: fewer sizes, shorter runs)" if quick else "")
+
+    print(title + "\n")
+    console_ns = {4 ** k for k in range(20)}  # every other power of two on the console
+    rows, point_failures = table_rows(points, contexts, console_ns)
+    print(text_table(HEADER, rows))
+    print("\n(console shows N = 4^k; every N is in summary.md)\n")
+    checks = judge_all(points, contexts, args.not_built, args.partial)
+    w = max(len(r.name) for r in checks)
+    print("Targets (float, 1 thread, N = 4096, K = 64, r = d_v = 64 unless stated):")
+    for r in checks:
+        note = f" ({r.note})" if r.note else ""
+        print(f"  {r.name.ljust(w)}  {r.measured}  (goal {r.goal})  → {r.verdict}{note}")
+    for line in peak_lines(points):
+        print(line)
+    if errors:
+        print("\nBenchmarks that reported errors:\n  " + "\n  ".join(errors))
+
+    plots = []
+    if not args.no_plots:
+        sys.path.insert(0, HERE)
+        import summary_plots
+        plots = summary_plots.plot_all(points, args.out, quick)
+
+    all_rows, all_failures = table_rows(points, contexts)
+    target_rows = [[r.name, r.measured, r.goal, r.verdict + (f" ({r.note})" if r.note else "")]
+                   for r in checks]
+    md = [f"# {title}", "", RULES_MD, "", "## Runs", *context_lines(contexts), "",
+          "## Machine limits (bench_peak)", *(peak_lines(points) or ["- not measured"]), "",
+          "## Targets", md_table(["target", "measured [min – max]", "goal", "verdict"],
+                                 target_rows), "",
+          "## README table", md_table(HEADLINE_HEADER, headline_rows(points, contexts)), "",
+          "## All results", md_table(HEADER, all_rows), ""]
     if errors:
         md += ["## Errors", *[f"- {e}" for e in errors], ""]
     for p in plots:
@@ -397,6 +760,13 @@ def main():
     with open(md_path, "w") as f:
         f.write("\n".join(md))
     print(f"\nwrote {md_path}" + "".join(f", {p}" for p in plots))
+
+    failures = [f"{r.name}: {r.verdict}" + (f" ({r.note})" if r.note else "")
+                for r in checks if r.fails] + all_failures + errors
+    if failures:
+        print("\nsummary: FAILED — these numbers cannot be trusted or are missing:\n  " +
+              "\n  ".join(failures), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""bench/summary.py refuses what it cannot support.
+
+    python3 tests/bench_summary/test_summary.py path/to/bench/summary.py
+
+results.json is a synthetic, well-sampled run (every point warm, 3 repetitions, ratios in their
+physical bounds; the times are the README's 2026-11-29 figures). Each test below breaks one thing
+in a copy of it and runs summary.py as bench/run.sh does, checking the exit status and the rows.
+"""
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SUMMARY = None  # set from argv
+
+FWD_1T = "gma_heads_forward_bidir/N:4096/threads:1/real_time"
+FWD_2T = "gma_heads_forward_bidir/N:4096/threads:2/real_time"
+FWD_ROW = "batched GMA forward, B·H = 8, 2 threads vs 1 (N=4096)"
+PEAK_ROW = "GMA bidir forward, fraction of FMA peak (N=4096)"
+
+
+def base():
+    with open(os.path.join(HERE, "results.json")) as f:
+        return json.load(f)
+
+
+def entries(doc, name):
+    found = [b for b in doc["benchmarks"] if b["name"] == name]
+    assert found, name
+    return found
+
+
+def make_cold_single_iteration(doc, name):
+    """What Google Benchmark writes for a slow point in a short run without warm-up: one
+    repetition of one iteration, no untimed call before it."""
+    first = entries(doc, name)[0]
+    doc["benchmarks"] = [b for b in doc["benchmarks"] if b["name"] != name]
+    first = dict(first, iterations=1, repetitions=1, repetition_index=0)
+    del first["warm_up_calls"]
+    doc["benchmarks"].append(first)
+
+
+def scale_times(doc, name, factor, cpu=True, real=True):
+    for b in entries(doc, name):
+        if real:
+            b["real_time"] *= factor
+        if cpu:
+            b["cpu_time"] *= factor
+
+
+def run(doc, *extra):
+    with tempfile.TemporaryDirectory() as out:
+        path = os.path.join(out, "bench_synthetic.json")
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        p = subprocess.run([sys.executable, SUMMARY, "--no-plots", "--out", out, *extra, path],
+                           capture_output=True, text=True)
+        with open(os.path.join(out, "summary.md")) as f:
+            md = f.read()
+    return p.returncode, p.stdout + p.stderr, md
+
+
+def verdict(md, row):
+    """The verdict cell of a target row in summary.md."""
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == row:
+            return cells[3]
+    raise AssertionError(f"no row {row!r} in summary.md")
+
+
+class SummaryRules(unittest.TestCase):
+    def test_sane_run_passes_with_verdicts(self):
+        rc, out, md = run(base())
+        self.assertEqual(rc, 0, out)
+        # 2.70 ms / 3.29 ms = 0.82 <= 1.5; 22.0 ms / 12.6 ms = 1.75 >= 1.7 (and <= 2 threads).
+        self.assertEqual(verdict(md, "GMA bidir forward / its GEMM floor (N=4096)"), "met")
+        self.assertEqual(verdict(md, FWD_ROW), "met")
+        # 201 MFLOP / 2.70 ms = 74 GFLOP/s against a 16.8 MFLOP / 78 µs = 215 GFLOP/s peak: 0.35.
+        self.assertEqual(verdict(md, PEAK_ROW), "NOT MET")
+        self.assertIn("0.35", md)
+        results = md.split("## Runs")[1]  # past the rules, which name every verdict
+        self.assertNotIn("too few samples", results)
+        self.assertNotIn("impossible", results)
+        self.assertNotIn("QUICK MODE", md)
+        # The spread beside the median: 2.70 ms × (0.98, 1.03).
+        self.assertIn("2.7 ms [2.65 ms – 2.78 ms]", md)
+
+    def test_cold_single_iteration_point_gives_no_verdict(self):
+        doc = base()
+        make_cold_single_iteration(doc, FWD_1T)
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)  # no verdict is not a failure
+        self.assertTrue(verdict(md, FWD_ROW).startswith("too few samples"), md)
+        self.assertIn("cold", verdict(md, FWD_ROW))
+        # Rows that do not use the point keep their verdicts.
+        self.assertEqual(verdict(md, "GMA bidir forward / its GEMM floor (N=4096)"), "met")
+
+    def test_warm_single_iteration_point_gives_no_verdict(self):
+        doc = base()
+        make_cold_single_iteration(doc, FWD_1T)
+        entries(doc, FWD_1T)[0]["warm_up_calls"] = 1.0
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("1 repetition(s) × 1 iteration(s)", verdict(md, FWD_ROW))
+
+    def test_speedup_above_thread_count_fails(self):
+        doc = base()
+        # One thread 8× slower than two: 22 ms × 8 / 12.6 ms = 14×, above 2 threads.
+        scale_times(doc, FWD_1T, 8.0)
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertTrue(verdict(md, FWD_ROW).startswith("impossible: measurement error"))
+        self.assertIn("FAILED", out)
+
+    def test_issue_scenario_cold_and_above_bound_fails(self):
+        # The quick run that certified 7.94× on two cores: a cold single-iteration 1-thread point
+        # of 100 ms against a warm 12.6 ms 2-thread point.
+        doc = base()
+        make_cold_single_iteration(doc, FWD_1T)
+        factor = 100.0 / 22.0
+        scale_times(doc, FWD_1T, factor)
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertNotIn("| met", [line for line in md.splitlines() if FWD_ROW in line][0])
+
+    def test_wall_clock_load_cannot_lift_speedup(self):
+        # A loaded machine stretches the 1-thread wall clock (not its CPU time): the speed-up is
+        # computed from CPU time, so it stays 1.75×.
+        doc = base()
+        scale_times(doc, FWD_1T, 3.0, cpu=False)
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(verdict(md, FWD_ROW), "met")
+
+    def test_rate_above_fma_peak_fails(self):
+        doc = base()
+        # 201 MFLOP in 0.27 ms is 744 GFLOP/s, 3.5× the 215 GFLOP/s peak.
+        scale_times(doc, "gma_forward_bidir/4096", 0.1)
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertTrue(verdict(md, PEAK_ROW).startswith("impossible: measurement error"))
+
+    def test_floor_above_fma_peak_fails(self):
+        doc = base()
+        scale_times(doc, "floor_gma_forward_bidir/4096", 0.05)
+        rc, out, _ = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("floor_gma_forward_bidir/4096", out)
+
+    def test_missing_benchmark_fails_loudly(self):
+        doc = base()
+        doc["benchmarks"] = [b for b in doc["benchmarks"]
+                             if not b["name"].startswith("flash_forward_bidir/4096")]
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("MISSING: flash_forward_bidir N=4096", md)
+        self.assertNotIn("n/a", md)
+
+    def test_missing_peak_fails_loudly(self):
+        doc = base()
+        doc["benchmarks"] = [b for b in doc["benchmarks"] if b["name"] != "peak_fma_float"]
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("MISSING: peak_fma_float", verdict(md, PEAK_ROW))
+
+    def test_binary_that_did_not_build_is_reported_not_failed(self):
+        doc = base()
+        doc["benchmarks"] = [b for b in doc["benchmarks"] if not b["name"].startswith("peak_")]
+        rc, out, md = run(doc, "--not-built", "bench_peak")
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(verdict(md, PEAK_ROW), "not measured (bench_peak did not build)")
+
+    def test_quick_mode_says_so_and_keeps_the_rules(self):
+        doc = base()
+        doc["context"]["mixattn_bench_quick"] = "1"
+        make_cold_single_iteration(doc, FWD_1T)
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertTrue(re.match(r"# mixattn benchmark summary — QUICK MODE", md), md[:200])
+        self.assertTrue(verdict(md, FWD_ROW).startswith("too few samples"))
+
+
+if __name__ == "__main__":
+    SUMMARY = sys.argv.pop(1)
+    unittest.main(verbosity=2)
