@@ -152,7 +152,7 @@ def end_labels(ax, labels, log_y, fontsize=8):
     to_disp = ax.transData.transform
     to_data = ax.transData.inverted().transform
     placed = sorted(((to_disp((x, y))[1], x, y, text, colour) for x, y, text, colour in labels))
-    gap = fontsize * 1.35 * ax.figure.dpi / 72.0
+    gap = fontsize * 1.5 * ax.figure.dpi / 72.0
     ys = [p[0] for p in placed]
     for i in range(1, len(ys)):
         ys[i] = max(ys[i], ys[i - 1] + gap)
@@ -279,7 +279,7 @@ def time_figure(plt, ticker, points, quick):
     rows = 2 + (len(extra) + 1) // 2 - (1 if extra else 0)
     height = 5.2 * rows + 0.9
     fig = plt.figure(figsize=(14, height))
-    grid = fig.add_gridspec(rows, 2, hspace=0.32, wspace=0.22, top=1 - 1.0 / height,
+    grid = fig.add_gridspec(rows, 2, hspace=0.32, wspace=0.22, top=1 - 1.25 / height,
                             bottom=0.5 / height)
     time_panel(2, "Forward: time per call vs N")(fig.add_subplot(grid[0, 0]), points, ticker)
     time_panel(4, "Forward + backward: time per call vs N")(fig.add_subplot(grid[0, 1]), points,
