@@ -116,11 +116,11 @@ def log_y_axis(ax, ticker, formatter, base=10):
 def draw_series(ax, pts, colour, floor=False):
     xs = [n for n, _ in pts]
     if floor:
-        ax.plot(xs, [q.med for _, q in pts], color=colour, linestyle=(0, (4, 3)), linewidth=1.0,
-                alpha=0.9, zorder=2)
+        ax.plot(xs, [q.med for _, q in pts], color=colour, linestyle=(0, (4, 3)), linewidth=0.9,
+                alpha=0.75, zorder=2)
         return
     ax.fill_between(xs, [q.lo for _, q in pts], [q.hi for _, q in pts], color=colour,
-                    alpha=0.18, linewidth=0, zorder=1)
+                    alpha=0.14, linewidth=0, zorder=1)
     ax.plot(xs, [q.med for _, q in pts], color=colour, linewidth=2.0, zorder=3)
     for n, q in pts:
         ax.plot([n], [q.med], marker="o", markersize=3.5, color=colour, zorder=4,
@@ -128,9 +128,11 @@ def draw_series(ax, pts, colour, floor=False):
 
 
 def guides(ax, log_y):
-    """Grey O(N) and O(N²) slopes from the lower left of the data, labelled at their ends."""
+    """Grey O(N) and O(N²) slopes from the lower left of the data; returns their end labels
+    for end_labels, which keeps them clear of the operators' labels."""
     if not log_y:
-        return
+        return []
+    labels = []
     (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
     xs0 = x0 * 1.3
     xs1 = x1 / 4.0  # the right edge of the data
@@ -140,9 +142,10 @@ def guides(ax, log_y):
         xe = xs1 if yb <= y1 else xs0 * (y1 / ya) ** (1.0 / power)
         ye = min(yb, y1)
         ax.plot([xs0, xe], [ya, ye], color=GUIDE, linewidth=0.9, linestyle=(0, (1, 2)), zorder=0)
-        ax.text(xe, ye, " " + label, color=GUIDE, fontsize=8, ha="left", va="center")
+        labels.append((xe, ye, label, GUIDE))
     ax.set_xlim(x0, x1)
     ax.set_ylim(y0, y1)
+    return labels
 
 
 def end_labels(ax, labels, log_y, fontsize=8):
@@ -167,7 +170,7 @@ def end_labels(ax, labels, log_y, fontsize=8):
         xd = to_disp((x, y))[0] + 6
         xl, yl = to_data((xd, yd))
         ax.annotate(text, xy=(x, y), xytext=(xl, yl), color=colour, fontsize=fontsize,
-                    va="center", ha="left", fontweight="bold",
+                    va="center", ha="left", fontweight="normal" if colour == GUIDE else "bold",
                     arrowprops=dict(arrowstyle="-", color=colour, linewidth=0.5, alpha=0.6)
                     if abs(yd - to_disp((x, y))[1]) > gap / 2 else None)
 
@@ -204,8 +207,7 @@ def operator_panel(ax, points, ticker, which, value, log_y, y_formatter, floors=
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    guides(ax, log_y)
-    end_labels(ax, labels, log_y)
+    end_labels(ax, labels + guides(ax, log_y), log_y)
     return True
 
 
@@ -257,8 +259,7 @@ def decode_panel(ax, points, ticker):
     log_y_axis(ax, ticker, fmt_seconds)
     ax.set_ylim(min(ys) / 2.0, max(ys) * 2.0)
     ax.grid(True, which="major", color="#e6e6e6", linewidth=0.6)
-    guides(ax, True)
-    end_labels(ax, labels, True)
+    end_labels(ax, labels + guides(ax, True), True)
     ax.set_title("Decoding: latency per token vs position", loc="left", fontsize=11)
     ax.set_xlabel("position in the sequence [tokens]")
     ax.set_ylabel("time per token [log scale]")
