@@ -127,9 +127,9 @@ def draw_series(ax, pts, colour, floor=False):
                 markerfacecolor=colour if q.ok else "white")
 
 
-def guides(ax, log_y):
-    """Grey O(N) and O(N²) slopes from the lower left of the data; returns their end labels
-    for end_labels, which keeps them clear of the operators' labels."""
+def guides(ax, log_y, slopes=((1, "∝ N"), (2, "∝ N²"))):
+    """Grey slopes (O(N) and O(N²) by default) from the lower left of the data; returns their
+    end labels for end_labels, which keeps them clear of the operators' labels."""
     if not log_y:
         return []
     labels = []
@@ -137,7 +137,7 @@ def guides(ax, log_y):
     xs0 = x0 * 1.3
     xs1 = x1 / 4.0  # the right edge of the data
     ya = y0 * 2.0
-    for power, label in ((1, "∝ N"), (2, "∝ N²")):
+    for power, label in slopes:
         yb = ya * (xs1 / xs0) ** power
         xe = xs1 if yb <= y1 else xs0 * (y1 / ya) ** (1.0 / power)
         ye = min(yb, y1)
@@ -159,11 +159,10 @@ def end_labels(ax, labels, log_y, fontsize=8):
     ys = [p[0] for p in placed]
     for i in range(1, len(ys)):
         ys[i] = max(ys[i], ys[i - 1] + gap)
-    # Pull the stack back down if it rose above the axes.
+    # Pull the stack back down, only as far as needed, if it rose above the axes.
     top = ax.transAxes.transform((0, 1))[1] - gap / 2
     if ys and ys[-1] > top:
-        shift = ys[-1] - top
-        ys = [y - shift for y in ys]
+        ys[-1] = top
         for i in range(len(ys) - 2, -1, -1):
             ys[i] = min(ys[i], ys[i + 1] - gap)
     for (_, x, y, text, colour), yd in zip(placed, ys):
@@ -239,18 +238,34 @@ def peak_panel(ax, points, ticker):
     return True
 
 
+DECODE_FILE = "bench_decode.json"
+# The per-token latency of a decode point: the first of these counters it has, else its time
+# per call (a call that decodes one token).
+DECODE_COUNTERS = ("s_per_token", "mean_s", "latency_mean_s")
+
+
+def is_decode(point):
+    return point.source == DECODE_FILE or point.op.startswith("decode_")
+
+
+def decode_latency(p):
+    return next((p.counter(c) for c in DECODE_COUNTERS if p.counter(c)), None) or p.seconds()
+
+
 def decode_panel(ax, points, ticker):
-    """Per-token decode latency vs position, one line per decode_* benchmark (N = position),
-    from the s_per_token counter when present, else the time per call."""
-    ops = sorted({op for (op, _, _) in points if op.startswith("decode_")})
+    """Per-token decode latency vs position: one line per benchmark of bench_decode.json (or
+    named decode_*), its N being the position in the sequence."""
+    ops = sorted({p.op for p in points.values() if is_decode(p)})
     labels, all_ns, ys = [], [], []
     for i, op in enumerate(ops):
-        pts = series(points, op, lambda p: p.counter("s_per_token") or p.seconds())
+        pts = series(points, op, decode_latency)
         if not pts:
             continue
         colour = next((c for key, c in DECODE_COLOURS if key in op), f"C{i}")
         draw_series(ax, pts, colour)
-        labels.append((pts[-1][0], pts[-1][1].med, op[len("decode_"):], colour))
+        words = (op[len("decode_"):] if op.startswith("decode_") else op).split("_")
+        label = " ".join(w.upper() if w in ("gma", "ovq") else w for w in words)
+        labels.append((pts[-1][0], pts[-1][1].med, label, colour))
         all_ns += [n for n, _ in pts]
         ys += [q.lo for _, q in pts] + [q.hi for _, q in pts]
     if not all_ns:
@@ -259,7 +274,11 @@ def decode_panel(ax, points, ticker):
     log_y_axis(ax, ticker, fmt_seconds)
     ax.set_ylim(min(ys) / 2.0, max(ys) * 2.0)
     ax.grid(True, which="major", color="#e6e6e6", linewidth=0.6)
-    end_labels(ax, labels + guides(ax, True), True)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    # A linear-time decoder costs the same per token at every position; softmax grows with N.
+    end_labels(ax, labels + guides(ax, True, ((0, "constant"), (1, "∝ N"))), True)
     ax.set_title("Decoding: latency per token vs position", loc="left", fontsize=11)
     ax.set_xlabel("position in the sequence [tokens]")
     ax.set_ylabel("time per token [log scale]")
@@ -267,7 +286,7 @@ def decode_panel(ax, points, ticker):
 
 
 def has_decode(points):
-    return any(op.startswith("decode_") for (op, _, _) in points)
+    return any(is_decode(p) for p in points.values())
 
 
 EXTRA_PANELS = [(has_decode, decode_panel)]  # (available(points), draw(ax, points, ticker))
