@@ -31,7 +31,18 @@ Adding a target row: append a Target to TARGETS (see the examples there). Its `v
 Measurements object `m` and returns a Quantity: m.time(op, n, threads), m.cpu_time(...),
 m.counter(op, name, n, threads), m.rate(op, n) (FLOP/s), m.fraction_of_peak(op, n), m.peak_flops(),
 m.heap(op, n), combined with + - * / and numbers. A missing point raises Missing, which the
-summary turns into the rules above.
+summary turns into the rules above; a point's sampling state travels with the Quantity, so a row
+built from a cold point gives no verdict without further code. For example:
+
+    Target("GMA causal decode: p99 latency per token at position 65536",
+           lambda m: m.counter("decode_gma_causal", "p99_s", 65536),
+           ("<=", 20e-6), fmt=lambda x: f"{x * 1e6:.1f} µs")
+    Target(f"8-head GMA fwd+bwd, glibc's default malloc / kept memory (N={N})",
+           lambda m: m.time("gma_heads_fwd_bwd_bidir_default_malloc")
+                     / m.time("gma_heads_fwd_bwd_bidir"), ("<=", 1.1))
+
+A new benchmark binary also gets a line in PRODUCERS (which binary writes which operator), so a
+build failure is told apart from a missing benchmark.
 """
 
 import argparse
