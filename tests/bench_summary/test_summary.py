@@ -182,12 +182,37 @@ class SummaryRules(unittest.TestCase):
         self.assertEqual(rc, 1, out)
         self.assertIn("MISSING: peak_fma_float", verdict(md, PEAK_ROW))
 
+    def test_filtered_run_accepts_absent_benchmarks(self):
+        doc = base()
+        doc["benchmarks"] = [b for b in doc["benchmarks"] if not b["name"].startswith("ovq_")]
+        rc, out, md = run(doc, "--partial")
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(verdict(md, "causal flash_forward / OVQ forward (T=65536)"),
+                         "not measured (filtered run)")
+
     def test_binary_that_did_not_build_is_reported_not_failed(self):
         doc = base()
         doc["benchmarks"] = [b for b in doc["benchmarks"] if not b["name"].startswith("peak_")]
         rc, out, md = run(doc, "--not-built", "bench_peak")
         self.assertEqual(rc, 0, out)
         self.assertEqual(verdict(md, PEAK_ROW), "not measured (bench_peak did not build)")
+
+    def test_pytorch_rows_need_a_real_blas(self):
+        doc = base()
+        fwd = entries(doc, "gma_forward_bidir/4096")
+        for b in fwd:  # PyTorch eager 58× slower than mixattn, as measured with OpenBLAS
+            doc["benchmarks"].append(dict(b, name="torch_gma_forward_bidir/4096",
+                                          cpu_time=b["cpu_time"] * 58, real_time=b["real_time"] * 58))
+        row = "PyTorch eager GMA forward / mixattn (N=4096)"
+        doc["context"]["torch_blas"] = "generic (/usr/lib/x86_64-linux-gnu/blas/libblas.so.3.11.0)"
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertTrue(verdict(md, row).startswith("reference BLAS"), md)
+        doc["context"]["torch_blas"] = ("generic (/usr/lib/x86_64-linux-gnu/openblas-pthread/"
+                                        "libblas.so.3)")
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(verdict(md, row), "met")
 
     def test_quick_mode_says_so_and_keeps_the_rules(self):
         doc = base()
