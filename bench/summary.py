@@ -596,7 +596,7 @@ def fmt_ratio(x):
 
 
 HEADER = ["operator", "N", "time/call", "[min – max]", "reps×iters", "t / t_floor",
-          "fraction of peak", "speed-up vs flash", "peak extra heap", "note"]
+          "fraction of peak (GFLOP/s)", "speed-up vs flash", "peak extra heap", "note"]
 
 
 def point_row(m, p):
@@ -623,6 +623,8 @@ def point_row(m, p):
         if peak_q is not None and peak_q.med > p.threads:
             fails = True
             note.append(f"impossible: {peak_q.med:.2f}× the FMA peak")
+        rate = p.flop_per_call() / t.med / 1e9
+        peak_txt = (f"{peak_txt} ({rate:.3g})" if peak_txt != "—" else f"({rate:.3g})")
     heap = p.counter("peak_heap_bytes")
     name = p.op if p.threads == 1 else f"{p.op} ({p.threads} threads)"
     cells = [name, str(p.n) if p.n else "—", fmt_time(t.med),
@@ -683,7 +685,7 @@ HEADLINE = [  # (label, operator, N)
     ("OVQ forward+backward, T = 65 536", "ovq_fwd_bwd", T_OVQ),
 ]
 HEADLINE_HEADER = ["operator (N = 4096 unless said)", "time [min – max]", "ratio to GEMM floor",
-                   "fraction of FMA peak", "speed-up vs flash", "peak extra heap"]
+                   "fraction of FMA peak (GFLOP/s)", "speed-up vs flash", "peak extra heap"]
 
 
 def headline_rows(points, contexts):
