@@ -534,6 +534,9 @@ def judge(target, m, not_built, partial):
             return Row(target.name, "not measured", target.goal_text(),
                        "not measured (filtered run)")
         return Row(target.name, "missing", target.goal_text(), f"MISSING: {e}", fails=True)
+    except ZeroDivisionError:
+        return Row(target.name, "a zero time or count", target.goal_text(),
+                   "impossible: measurement error", fails=True)
     measured = q.text or (target.format(q.med) + spread_text(q, target.format))
     bound = target.bound(m) if callable(target.bound) else target.bound
     lo, hi = bound
