@@ -8,7 +8,6 @@ physical bounds; the times are the README's 2026-11-29 figures). Each test below
 in a copy of it and runs summary.py as bench/run.sh does, checking the exit status and the rows.
 """
 
-import copy
 import json
 import os
 import re
