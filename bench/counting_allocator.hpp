@@ -21,6 +21,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#if defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+// clang's <mm_malloc.h> (pulled in by every x86 intrinsics header) redeclares posix_memalign
+// without glibc's noexcept; seen after the definition below that is an error, seen before it
+// (a system header's declaration) it is accepted.
+#include <mm_malloc.h>
+#endif
 
 extern "C" {
 void* __libc_malloc(std::size_t);
