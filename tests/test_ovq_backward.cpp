@@ -178,6 +178,22 @@ TEST(OvqBackward, FiniteDifferencesOtherRules) {
   check_gradients(p, false);
 }
 
+// Existing-only assignment (the public reference's rule): a first block whose non-seeds all
+// join row 0, then blocks whose seeds attract no other token; from empty and from a partial
+// pending block, both gradient modes.
+TEST(OvqBackward, FiniteDifferencesExistingOnlyAssignment) {
+  ovq::Options opt = small_options();
+  opt.seeding = ovq::Seeding::one_shot;
+  opt.assignment = ovq::Assignment::existing_only;
+  const Problem fresh = make_problem(opt, 0, 19, 7000);
+  check_gradients(fresh, true);
+  check_gradients(fresh, false);
+  const Problem cont = make_problem(opt, 10, 17, 7100);
+  ASSERT_EQ(cont.start.pending_keys.rows(), 2);
+  check_gradients(cont, true);
+  check_gradients(cont, false);
+}
+
 // Many blocks (so several checkpoint groups are replayed) with a long dictionary history.
 TEST(OvqBackward, FiniteDifferencesManyBlocks) {
   ovq::Options opt = small_options();

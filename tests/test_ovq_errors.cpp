@@ -110,6 +110,11 @@ TEST(OvqErrors, BadOptions) {
   }
   {
     Fixture f;
+    f.opt.assignment = static_cast<ovq::Assignment>(7);  // e.g. an unchecked integer from a binding
+    expect_forward_throws<IA>(f, {"options.assignment is 7"});
+  }
+  {
+    Fixture f;
     f.opt.max_centroids = 2;
     expect_forward_throws<IA>(f, {"more than options.max_centroids = 2"});
   }

@@ -45,12 +45,25 @@ enum class Seeding {
   one_shot            // all picks scored against the old dictionary only
 };
 
+/// Which centroids a block's non-seed tokens may join (SPEC 2.3 step 3).
+///   all_centroids (default): the nearest of all centroids after seeding, the block's new ones
+///     included.
+///   existing_only: the nearest centroid that existed before the block; a block that starts
+///     from an empty dictionary sends every non-seed token to the first centroid it opened
+///     (row 0, seeded by the block's first token). With Seeding::one_shot this is the rule of
+///     the public KVM-paper implementation (`ovq_attention` in recursal/KVM-paper,
+///     model/ovq_mixer.py, hard update, no centroid normalisation, no delta rule): same
+///     outputs, states and gradients (grad_through_dictionary = true) up to rounding, for
+///     block >= 2 and max_centroids >= 2 (SPEC 2.3 lists the remaining differences).
+enum class Assignment { all_centroids, existing_only };
+
 struct Options {
   Index block = 256;           // C, tokens per block (>= 1)
   Index max_centroids = 1024;  // N_max (>= 1)
   Growth growth = Growth::plateau;
   double growth_alpha = 0;  // plateau alpha (>= 0); 0 means alpha = N_max
   Seeding seeding = Seeding::greedy_dispersion;
+  Assignment assignment = Assignment::all_centroids;
   bool count_bias = true;               // + log c[n] on dictionary logits
   bool grad_through_dictionary = true;  // SPEC 2.4: gradients through the running means
   double norm_eps = 1e-5;               // x_hat = x / (||x|| + norm_eps), > 0
@@ -139,6 +152,10 @@ inline void check_options(const Options& opt, const char* fn) {
           opt.growth_alpha, ", must be finite and >= 0");
   require(opt.norm_eps > 0 && std::isfinite(opt.norm_eps), fn, "options.norm_eps is ", opt.norm_eps,
           ", must be finite and > 0");
+  require(opt.assignment == Assignment::all_centroids ||
+              opt.assignment == Assignment::existing_only,
+          fn, "options.assignment is ", static_cast<int>(opt.assignment),
+          ", must be Assignment::all_centroids or Assignment::existing_only");
 }
 
 /// Every part of the state must agree before anything is read from it.
@@ -297,6 +314,7 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   const double alpha =
       opt.growth_alpha > 0 ? opt.growth_alpha : static_cast<double>(opt.max_centroids);
   const bool greedy = opt.seeding == Seeding::greedy_dispersion;
+  const bool existing_only = opt.assignment == Assignment::existing_only;
   const Index t_start = state.tokens_seen - blocks.p0;  // tokens absorbed before the call
 
   Saved<T> rec;
@@ -350,7 +368,7 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
     const Index nu = detail::new_centroids(t, c, dict.size, opt.max_centroids, plateau, alpha);
     std::int32_t* assign =
         saved != nullptr ? rec.assignment.data() + blocks.begin(u) : assign_scratch.data();
-    quant.plan(dict, kb, nu, greedy, assign, seeds.data());
+    quant.plan(dict, kb, nu, greedy, existing_only, assign, seeds.data());
     update.apply(dict, kb, vb, assign, nu);
     for (const Index row_n : update.touched()) logc[row_n] = std::log(dict.counts[row_n]);
     if (saved != nullptr) {

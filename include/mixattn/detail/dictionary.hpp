@@ -119,9 +119,10 @@ class BlockQuantizer {
 
   /// kb: C x r unit-norm block keys; dict: the dictionary before this block; nu <= C new
   /// centroids. Writes assign[j] (the centroid row of block token j; seeds get their own new
-  /// row n0 + pick) and seeds[p] (block index of the p-th pick, p < nu).
+  /// row n0 + pick) and seeds[p] (block index of the p-th pick, p < nu). existing_only: other
+  /// tokens join their nearest old row, or row 0 (the first pick) when there is none.
   void plan(const Dictionary<T>& dict, const Eigen::Ref<const Matrix<T>>& kb, Index nu, bool greedy,
-            std::int32_t* assign, std::int32_t* seeds) {
+            bool existing_only, std::int32_t* assign, std::int32_t* seeds) {
     const Index c = kb.rows(), n0 = dict.size;
     MIXATTN_ASSERT(nu <= c && c <= best_.size());
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
@@ -185,12 +186,16 @@ class BlockQuantizer {
         seeds[p] = static_cast<std::int32_t>(pick);
         pick_of_[pick] = p;
       }
-      for (Index p = 0; p < nu; ++p) seed_keys_.row(p) = kb.row(seeds[p]);
-      seed_dots_.topLeftCorner(c, nu).noalias() = kb * seed_keys_.topRows(nu).transpose();
+      if (!existing_only) {
+        for (Index p = 0; p < nu; ++p) seed_keys_.row(p) = kb.row(seeds[p]);
+        seed_dots_.topLeftCorner(c, nu).noalias() = kb * seed_keys_.topRows(nu).transpose();
+      }
     }
 
-    // Assignment: argmax over old rows then the new seeds in row order; strict > keeps the
-    // lowest row on ties. Seeds count as assigned to their own centroid.
+    // Assignment: argmax over old rows then (unless existing_only) the new seeds in row order;
+    // strict > keeps the lowest row on ties. Seeds count as assigned to their own centroid.
+    // arg_ already holds the nearest old row, and row 0 = n0 + first pick without old rows.
+    const Index candidates = existing_only ? 0 : nu;
     for (Index j = 0; j < c; ++j) {
       if (pick_of_[j] >= 0) {
         assign[j] = static_cast<std::int32_t>(n0 + pick_of_[j]);
@@ -198,7 +203,7 @@ class BlockQuantizer {
       }
       T best = best_[j];
       Index arg = arg_[j];
-      for (Index p = 0; p < nu; ++p)
+      for (Index p = 0; p < candidates; ++p)
         if (seed_dots_(j, p) > best) best = seed_dots_(j, p), arg = n0 + p;
       assign[j] = static_cast<std::int32_t>(arg);
     }
