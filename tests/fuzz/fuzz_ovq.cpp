@@ -1,13 +1,15 @@
 // libFuzzer target: Online Vector-Quantized attention (SPEC §2), forward and backward, streamed
 // over up to four calls that carry one State. Decodes options (block, max_centroids, growth,
-// alpha, seeding, count bias, gradient mode, norm_eps, check_finite; bad ones included), beta, the
-// pieces' lengths and contents (NaN/Inf/huge/tiny/zero/identical rows), and sometimes corrupts
-// the state or a piece's shape. Every call is held to the oracle in fuzz_common.hpp, and:
+// alpha, seeding, assignment rule, count bias, gradient mode, norm_eps, check_finite; bad ones
+// included), beta, the pieces' lengths and contents (NaN/Inf/huge/tiny/zero/identical rows),
+// and sometimes corrupts the state or a piece's shape. Every call is held to the oracle in
+// fuzz_common.hpp, and:
 //   - a call that throws leaves the State (and the Saved it was given) bitwise unchanged;
 //   - a call that returns leaves a consistent State (centroids <= max_centroids, counts >= 1,
 //     pending rows = tokens_seen mod block, centroid keys inside the unit ball);
 //   - for moderate double inputs, the streamed outputs and final state match one call over the
-//     concatenated sequence (SPEC 2.5).
+//     concatenated sequence (SPEC 2.5);
+//   - with existing-only assignment, no token joins a centroid its own block opened.
 #include <mixattn/ovq.hpp>
 
 #include "fuzz_common.hpp"
@@ -63,6 +65,27 @@ void check_state_invariants(const ovq::State<T>& s, const ovq::Options& opt, Ind
   }
 }
 
+/// Existing-only assignment (SPEC 2.3 step 3), read off the record: a block's seeds open its new
+/// rows, and every other token joined a row that existed before the block, or row 0 when the
+/// block started from an empty dictionary.
+template <class T>
+void check_existing_only(const ovq::Saved<T>& saved) {
+  Index rows = saved.start.keys.rows(), first_seed = 0;
+  for (std::size_t u = 0; u < saved.new_centroids.size(); ++u) {
+    const Index nu = saved.new_centroids[u], b0 = static_cast<Index>(u) * saved.block;
+    for (Index j = b0; j < b0 + saved.block; ++j) {
+      Index pick = -1;
+      for (Index p = 0; p < nu; ++p)
+        if (saved.seeds[static_cast<std::size_t>(first_seed + p)] == j) pick = p;
+      const Index a = saved.assignment[static_cast<std::size_t>(j)];
+      MIXATTN_FUZZ_CHECK(pick >= 0 ? a == rows + pick : (rows > 0 ? a < rows : a == 0),
+                         "existing-only: a token joined a centroid its block opened");
+    }
+    rows += nu;
+    first_seed += nu;
+  }
+}
+
 template <class T>
 void run_case(fz::Bytes& in) {
   const bool is_float = std::is_same<T, float>::value;
@@ -78,7 +101,11 @@ void run_case(fz::Bytes& in) {
                                           std::numeric_limits<double>::infinity()};
   opt.growth_alpha = in.pick(alpha_menu);
   opt.seeding = in.flag() ? ovq::Seeding::greedy_dispersion : ovq::Seeding::one_shot;
-  opt.count_bias = in.u8() % 4 != 0;
+  const std::uint8_t bias_byte = in.u8();
+  opt.count_bias = bias_byte % 4 != 0;
+  // Bit 3 of the same byte picks the assignment rule: the seed corpus keeps its other options.
+  opt.assignment =
+      (bias_byte & 8) != 0 ? ovq::Assignment::existing_only : ovq::Assignment::all_centroids;
   opt.grad_through_dictionary = in.u8() % 4 != 0;
   static constexpr double norm_menu[] = {1e-5, 1e-5, 1e-5, 1, 1e-30, 0, -1,
                                          std::numeric_limits<double>::quiet_NaN()};
@@ -106,6 +133,7 @@ void run_case(fz::Bytes& in) {
               << " plateau=" << (opt.growth == ovq::Growth::plateau)
               << " alpha=" << opt.growth_alpha
               << " greedy=" << (opt.seeding == ovq::Seeding::greedy_dispersion)
+              << " existing_only=" << (opt.assignment == ovq::Assignment::existing_only)
               << " count_bias=" << opt.count_bias << " through=" << opt.grad_through_dictionary
               << " norm_eps=" << opt.norm_eps << " check_finite=" << opt.check_finite
               << " beta=" << beta << " calls=" << calls << "\n";
@@ -190,6 +218,7 @@ void run_case(fz::Bytes& in) {
       MIXATTN_FUZZ_CHECK(same_saved(saved, saved_before), "a throwing call changed saved");
       continue;
     }
+    if (opt.assignment == ovq::Assignment::existing_only) check_existing_only(saved);
     if (st != &state) continue;  // a corrupted copy that was accepted (non-finite, unchecked)
     // A throwing call changes nothing; a returning one with hostile content ends the comparison.
     if (!cex.must_be_finite()) stream_clean = false;
