@@ -83,7 +83,7 @@ TYPED_TEST(OvqDictionary, GrowthFollowsSchedule) {
 // Greedy: k0 (first token), then k1 (k1, k2 tie at k . k0 = -0.9988: lowest index), then k3
 // (k2 is now close to k1: 0.995 > 0.05). Token 2 joins k1's centroid.
 // One-shot: k0, then ascending by similarity to k0 alone: k1, k2 (tie: index order). Token 3
-// joins k1's centroid (0.05 vs 0 and -0.05).
+// joins k1's centroid (0.05 vs 0 and -0.05), or row 0 under existing-only assignment.
 TYPED_TEST(OvqDictionary, SeedingRulesOnHandBuiltBlock) {
   using T = TypeParam;
   Matrix<T> k(4, 2);
@@ -117,6 +117,19 @@ TYPED_TEST(OvqDictionary, SeedingRulesOnHandBuiltBlock) {
     EXPECT_EQ(saved.assignment, (std::vector<std::int32_t>{0, 1, 2, 1}));
     EXPECT_TRUE(close(st.keys.row(1), 0.5 * (kh.row(1) + kh.row(3)), Tol<T>::rtol, Tol<T>::atol));
     EXPECT_TRUE(close(st.keys.row(2), kh.row(2), Tol<T>::rtol, Tol<T>::atol));
+  }
+  {
+    // Existing-only assignment, same seeds: with no old row, token 3 joins row 0 (token 0's).
+    opt.assignment = ovq::Assignment::existing_only;
+    ovq::State<T> st = ovq::State<T>::empty(2, 3);
+    ovq::Saved<T> saved;
+    ovq::forward<T>(k, k, v, T(1), opt, st, &saved);
+    EXPECT_EQ(saved.seeds, (std::vector<std::int64_t>{0, 1, 2}));
+    EXPECT_EQ(saved.assignment, (std::vector<std::int32_t>{0, 1, 2, 0}));
+    EXPECT_EQ(st.counts, (Vector<T>(3) << T(2), T(1), T(1)).finished());
+    EXPECT_TRUE(close(st.keys.row(0), 0.5 * (kh.row(0) + kh.row(3)), Tol<T>::rtol, Tol<T>::atol));
+    EXPECT_TRUE(close(st.values.row(0), 0.5 * (v.row(0) + v.row(3)), Tol<T>::rtol, Tol<T>::atol));
+    EXPECT_TRUE(close(st.keys.row(1), kh.row(1), Tol<T>::rtol, Tol<T>::atol));
   }
 }
 

@@ -7,7 +7,8 @@
 //   - otherwise: the nu tokens whose best similarity to the old rows is lowest open rows n0..
 //     in ascending order, every other token joins its most similar old row (first on ties);
 //   - the hard update D[n] += (k_j - D_old[n]) / c_new[n] for each j -> n, new rows from zero.
-// Hand-built blocks pin down ties; random sequences cover a first block, a block that fills the
+// A hand-built block pins down ties (the first-block rule on a hand-built block is in
+// test_ovq_dictionary.cpp); random sequences cover a first block, a block that fills the
 // dictionary and streaming in uneven pieces; the gradient of the model (central differences)
 // must equal ovq::backward with gradients through the dictionary.
 #include <mixattn/ovq.hpp>
@@ -168,40 +169,6 @@ template <class T>
 class OvqReferenceRules : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(OvqReferenceRules, Scalars);
-
-// Empty dictionary, linear schedule, C = 4, N_max = 3:
-//   k0 = (1, 0), k1 = (-1, 0.05), k2 = (-1, -0.05), k3 = (0, 1).
-// Seeds: k0, then by similarity to k0: k1 and k2 tie at -0.9988 (lower index first). k3 is
-// nearest to k1 (0.05) but joins row 0; the default rule sends it to row 1.
-TYPED_TEST(OvqReferenceRules, FirstBlockSendsOthersToRowZero) {
-  using T = TypeParam;
-  Matrix<T> k(4, 2);
-  k << T(1), T(0), T(-1), T(0.05), T(-1), T(-0.05), T(0), T(1);
-  const Matrix<T> v = random_matrix<T>(4, 3, 11);
-  ovq::Options opt;
-  opt.block = 4;
-  opt.max_centroids = 3;
-  opt.growth = ovq::Growth::linear;
-  opt = reference_options(opt);
-  ovq::State<T> st = ovq::State<T>::empty(2, 3);
-  ovq::Saved<T> saved;
-  ovq::forward<T>(k, k, v, T(1), opt, st, &saved);
-  EXPECT_EQ(saved.seeds, (std::vector<std::int64_t>{0, 1, 2}));
-  EXPECT_EQ(saved.assignment, (std::vector<std::int32_t>{0, 1, 2, 0}));
-  ASSERT_EQ(st.counts.size(), 3);
-  EXPECT_EQ(st.counts[0], T(2));
-  EXPECT_EQ(st.counts[1], T(1));
-  EXPECT_EQ(st.counts[2], T(1));
-  const Matrix<double> kh = mt::unit_rows(k.template cast<double>(), opt.norm_eps);
-  EXPECT_TRUE(close(st.keys.row(0), 0.5 * (kh.row(0) + kh.row(3)), Tol<T>::rtol, Tol<T>::atol));
-  EXPECT_TRUE(close(st.values.row(0), 0.5 * (v.row(0) + v.row(3)).template cast<double>(),
-                    Tol<T>::rtol, Tol<T>::atol));
-
-  opt.assignment = ovq::Assignment::all_centroids;  // the default rule on the same block
-  ovq::State<T> other = ovq::State<T>::empty(2, 3);
-  ovq::forward<T>(k, k, v, T(1), opt, other, &saved);
-  EXPECT_EQ(saved.assignment, (std::vector<std::int32_t>{0, 1, 2, 1}));
-}
 
 // Old rows (1, 0) of count 5 and (0, 1) of count 2; linear schedule, N_max = 3: one new row.
 //   k0 = (-1, 0): best old 0 (row 1); nearest of all is the seed k1 (0.8).
