@@ -18,7 +18,6 @@ Exits 0 with a message when torch is not installed.
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import sys
@@ -31,8 +30,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 K, R, DV = 64, 64, 64
-EPS = 1e-6
-VAR_FLOOR = 1e-4
 
 
 def main():
@@ -51,8 +48,6 @@ def main():
         print("torch_side_by_side: PyTorch is not installed for " + sys.executable +
               "; skipping (MIXATTN_BENCH_TORCH=1 bash bench/run.sh installs python3-torch)")
         return 0
-    import torch.nn.functional as F
-
     torch.set_num_threads(1)
     config = torch.__config__.show()
     print(config)
@@ -71,37 +66,8 @@ def main():
     blas = f"{blas_info} ({', '.join(libs) if libs else 'no BLAS library mapped'})"
     print(f"torch {torch.__version__}, BLAS: {blas}, threads: {torch.get_num_threads()}")
 
-    has_sdpa = hasattr(F, "scaled_dot_product_attention")
-
-    def gamma(x, mean, var_raw, prior_logit):
-        # SPEC 1.2, written the way the paper's reference code does: broadcast N x K x r.
-        var = F.softplus(var_raw) + VAR_FLOOR
-        diff = x[:, None, :] - mean[None, :, :]
-        s = (torch.log_softmax(prior_logit, 0) - 0.5 * torch.log(var).sum(-1)
-             - 0.5 * (diff * diff / var).sum(-1))
-        return torch.softmax(s, -1)
-
-    def gma(q, k, v, mix, causal):
-        gq, gk = gamma(q, *mix), gamma(k, *mix)
-        if not causal:
-            num = gq @ (gk.t() @ v)
-            den = gq @ gk.sum(0) + EPS
-        else:
-            state = torch.cumsum(gk[:, :, None] * v[:, None, :], 0)  # N x K x d_v
-            num = torch.einsum("nk,nkd->nd", gq, state)
-            den = (gq * torch.cumsum(gk, 0)).sum(-1) + EPS
-        return num / den[:, None]
-
-    def softmax_attention(q, k, v, _mix, causal):
-        if has_sdpa:
-            return F.scaled_dot_product_attention(q[None], k[None], v[None],
-                                                  is_causal=causal)[0]
-        s = (q @ k.t()) * (1.0 / math.sqrt(q.shape[1]))
-        if causal:
-            n = q.shape[0]
-            mask = torch.ones(n, n, dtype=torch.bool).triu(1)
-            s = s.masked_fill(mask, float("-inf"))
-        return torch.softmax(s, -1) @ v
+    sys.path.insert(0, here)
+    from torch_eager import HAS_SDPA as has_sdpa, gma, softmax_attention
 
     def time_case(fn):
         fn()  # warm-up (allocator, first-call dispatch)

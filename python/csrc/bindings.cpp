@@ -1,0 +1,325 @@
+// python/csrc/bindings.cpp — the extension module mixattn._C: argument checks, tensor
+// allocation and dtype dispatch in front of the kernels (kernels.hpp). The autograd wiring is
+// in Python (mixattn/functional.py, torch.autograd.Function); these functions see contiguous
+// CPU tensors of one floating type and return plain tensors.
+//
+// Errors: bad shapes, dtypes or devices raise ValueError naming the Python function and the
+// argument (std::invalid_argument); the library's own checks (non-finite inputs: ValueError
+// from std::domain_error) pass through.
+#include "kernels.hpp"
+
+#include <torch/extension.h>
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace mixattn_torch {
+namespace {
+
+/// What a forward hands to Python for its backward: the kernels' record and which operator and
+/// scalar type made it (a record is only ever read back as the type it was made as).
+struct SavedBox {
+  std::string kind;
+  SavedPtr record;
+};
+
+[[noreturn]] void fail(const std::string& fn, const std::string& what) {
+  throw std::invalid_argument(fn + ": " + what);
+}
+
+std::string shape_of(const torch::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+/// A dense CPU float32/float64 tensor of `dim` dimensions, of the same dtype as `like`, made
+/// contiguous (a no-op when it already is).
+torch::Tensor checked(const torch::Tensor& t, const std::string& fn, const char* name,
+                      int64_t dim, const torch::Tensor& like) {
+  if (!t.defined()) fail(fn, std::string(name) + " is undefined");
+  if (t.device().type() != torch::kCPU || t.layout() != torch::kStrided)
+    fail(fn, std::string(name) + " must be a dense CPU tensor");
+  if (t.scalar_type() != torch::kFloat && t.scalar_type() != torch::kDouble)
+    fail(fn, std::string(name) + " must be float32 or float64, got " +
+                 std::string(c10::toString(t.scalar_type())));
+  if (t.scalar_type() != like.scalar_type())
+    fail(fn, std::string(name) + " is " + std::string(c10::toString(t.scalar_type())) +
+                 " but q is " + std::string(c10::toString(like.scalar_type())));
+  if (t.dim() != dim)
+    fail(fn, std::string(name) + " must have " + std::to_string(dim) + " dimensions, got shape " +
+                 shape_of(t));
+  return t.contiguous();
+}
+
+void expect_size(const std::string& fn, const torch::Tensor& t, const char* name, int64_t axis,
+                 int64_t want, const char* meaning) {
+  if (t.size(axis) != want)
+    fail(fn, std::string(name) + " has shape " + shape_of(t) + " but dimension " +
+                 std::to_string(axis) + " must be " + std::to_string(want) + " (" + meaning + ")");
+}
+
+/// q (B, H, N, r), k (B, H, M, r), v (B, H, M, d_v) checked against each other.
+Shape attention_shape(const std::string& fn, torch::Tensor& q, torch::Tensor& k,
+                      torch::Tensor& v) {
+  q = checked(q, fn, "q", 4, q);
+  k = checked(k, fn, "k", 4, q);
+  v = checked(v, fn, "v", 4, q);
+  Shape s;
+  s.batch = q.size(0);
+  s.heads = q.size(1);
+  s.queries = q.size(2);
+  s.key_dim = q.size(3);
+  s.keys = k.size(2);
+  s.value_dim = v.size(3);
+  expect_size(fn, k, "k", 0, s.batch, "batch of q");
+  expect_size(fn, k, "k", 1, s.heads, "heads of q");
+  expect_size(fn, k, "k", 3, s.key_dim, "key dim of q");
+  expect_size(fn, v, "v", 0, s.batch, "batch of q");
+  expect_size(fn, v, "v", 1, s.heads, "heads of q");
+  expect_size(fn, v, "v", 2, s.keys, "tokens of k");
+  return s;
+}
+
+SavedBox box(const std::string& kind, const torch::Tensor& like, SavedPtr record) {
+  return SavedBox{kind + "/" + std::string(c10::toString(like.scalar_type())), std::move(record)};
+}
+
+const SavedPtr& unbox(const SavedBox& saved, const std::string& kind, const torch::Tensor& like,
+                      const std::string& fn) {
+  const std::string want = kind + "/" + std::string(c10::toString(like.scalar_type()));
+  if (saved.kind != want || !saved.record)
+    fail(fn, "saved was made by " + (saved.kind.empty() ? std::string("nothing") : saved.kind) +
+                 ", not by " + want);
+  return saved.record;
+}
+
+/// f(T{}) for the scalar type of `t` (checked() admitted only float32 and float64).
+template <class F>
+decltype(auto) dispatch(const torch::Tensor& t, F&& f) {
+  if (t.scalar_type() == torch::kFloat) return f(float{});
+  return f(double{});
+}
+
+// --- GMA ---------------------------------------------------------------------------------------
+
+struct GmaArgs {
+  Shape shape;
+  GmaConfig config;
+  torch::Tensor q, k, v, mean, var_raw, prior_logit;
+};
+
+GmaArgs gma_args(const std::string& fn, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                 torch::Tensor mean, torch::Tensor var_raw, torch::Tensor prior_logit,
+                 bool causal, double eps, double var_floor, bool check_finite) {
+  GmaArgs a;
+  a.shape = attention_shape(fn, q, k, v);
+  a.mean = checked(mean, fn, "mean", 3, q);
+  a.var_raw = checked(var_raw, fn, "var_raw", 3, q);
+  a.prior_logit = checked(prior_logit, fn, "prior_logit", 2, q);
+  a.config.components = a.mean.size(1);
+  expect_size(fn, a.mean, "mean", 0, a.shape.heads, "heads of q");
+  expect_size(fn, a.mean, "mean", 2, a.shape.key_dim, "key dim of q");
+  if (a.var_raw.sizes() != a.mean.sizes())
+    fail(fn, "var_raw has shape " + shape_of(a.var_raw) + " but mean has " + shape_of(a.mean));
+  expect_size(fn, a.prior_logit, "prior_logit", 0, a.shape.heads, "heads of q");
+  expect_size(fn, a.prior_logit, "prior_logit", 1, a.config.components, "components of mean");
+  if (causal && a.shape.queries != a.shape.keys)
+    fail(fn, "causal needs as many queries as keys, but q has shape " + shape_of(q) +
+                 " and k has " + shape_of(k));
+  a.config.causal = causal;
+  a.config.eps = eps;
+  a.config.var_floor = var_floor;
+  a.config.check_finite = check_finite;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  return a;
+}
+
+template <class T>
+GmaInputs<T> gma_inputs(const GmaArgs& a) {
+  return {a.q.data_ptr<T>(),    a.k.data_ptr<T>(),       a.v.data_ptr<T>(),
+          a.mean.data_ptr<T>(), a.var_raw.data_ptr<T>(), a.prior_logit.data_ptr<T>()};
+}
+
+std::tuple<torch::Tensor, SavedBox> gma_forward_py(torch::Tensor q, torch::Tensor k,
+                                                   torch::Tensor v, torch::Tensor mean,
+                                                   torch::Tensor var_raw,
+                                                   torch::Tensor prior_logit, bool causal,
+                                                   double eps, double var_floor,
+                                                   bool check_finite) {
+  const GmaArgs a = gma_args("mixattn.gma_attention", q, k, v, mean, var_raw, prior_logit, causal,
+                             eps, var_floor, check_finite);
+  const Shape& s = a.shape;
+  torch::Tensor out = torch::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
+  SavedPtr rec = dispatch(a.q, [&](auto t) {
+    using T = decltype(t);
+    return gma_forward<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>());
+  });
+  return {out, box("gma", a.q, std::move(rec))};
+}
+
+std::vector<torch::Tensor> gma_backward_py(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                           torch::Tensor mean, torch::Tensor var_raw,
+                                           torch::Tensor prior_logit, torch::Tensor grad_out,
+                                           const SavedBox& saved, bool causal, double eps,
+                                           double var_floor, bool check_finite) {
+  const std::string fn = "mixattn.gma_attention (backward)";
+  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor,
+                             check_finite);
+  const Shape& s = a.shape;
+  grad_out = checked(grad_out, fn, "grad_out", 4, a.q);
+  if (grad_out.sizes() != torch::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
+    fail(fn, "grad_out has shape " + shape_of(grad_out) + ", not the output's");
+  const SavedPtr& rec = unbox(saved, "gma", a.q, fn);
+  auto dq = torch::empty_like(a.q), dk = torch::empty_like(a.k), dv = torch::empty_like(a.v);
+  auto dmean = torch::empty_like(a.mean), dvar = torch::empty_like(a.var_raw);
+  auto dprior = torch::empty_like(a.prior_logit);
+  dispatch(a.q, [&](auto t) {
+    using T = decltype(t);
+    gma_backward<T>(s, a.config, gma_inputs<T>(a), grad_out.data_ptr<T>(), rec, dq.data_ptr<T>(),
+                    dk.data_ptr<T>(), dv.data_ptr<T>(), dmean.data_ptr<T>(), dvar.data_ptr<T>(),
+                    dprior.data_ptr<T>());
+  });
+  return {dq, dk, dv, dmean, dvar, dprior};
+}
+
+// --- OVQ ---------------------------------------------------------------------------------------
+
+OvqConfig ovq_config(int64_t block, int64_t max_centroids, const std::string& growth,
+                     double growth_alpha, const std::string& seeding, bool count_bias,
+                     bool grad_through_dictionary, double norm_eps, bool check_finite) {
+  const std::string fn = "mixattn.ovq_attention";
+  OvqConfig c;
+  c.block = block;
+  c.max_centroids = max_centroids;
+  if (growth != "plateau" && growth != "linear")
+    fail(fn, "growth is '" + growth + "'; it must be 'plateau' or 'linear'");
+  c.linear_growth = growth == "linear";
+  c.growth_alpha = growth_alpha;
+  if (seeding != "greedy_dispersion" && seeding != "one_shot")
+    fail(fn, "seeding is '" + seeding + "'; it must be 'greedy_dispersion' or 'one_shot'");
+  c.one_shot_seeding = seeding == "one_shot";
+  c.count_bias = count_bias;
+  c.grad_through_dictionary = grad_through_dictionary;
+  c.norm_eps = norm_eps;
+  c.check_finite = check_finite;
+  return c;
+}
+
+Shape ovq_shape(const std::string& fn, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v,
+                torch::Tensor& beta) {
+  const Shape s = attention_shape(fn, q, k, v);
+  if (s.keys != s.queries)
+    fail(fn, "OVQ is causal self-attention: k has shape " + shape_of(k) +
+                 " but q has " + shape_of(q) + " (as many tokens needed)");
+  beta = checked(beta, fn, "beta", 1, q);
+  expect_size(fn, beta, "beta", 0, s.heads, "heads of q");
+  return s;
+}
+
+std::tuple<torch::Tensor, SavedBox> ovq_forward_py(torch::Tensor q, torch::Tensor k,
+                                                   torch::Tensor v, torch::Tensor beta,
+                                                   const OvqConfig& c) {
+  const Shape s = ovq_shape("mixattn.ovq_attention", q, k, v, beta);
+  torch::Tensor out = torch::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  SavedPtr rec = dispatch(q, [&](auto t) {
+    using T = decltype(t);
+    return ovq_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                          beta.data_ptr<T>(), out.data_ptr<T>());
+  });
+  return {out, box("ovq", q, std::move(rec))};
+}
+
+std::vector<torch::Tensor> ovq_backward_py(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                           torch::Tensor beta, torch::Tensor grad_out,
+                                           const SavedBox& saved, const OvqConfig& c) {
+  const std::string fn = "mixattn.ovq_attention (backward)";
+  const Shape s = ovq_shape(fn, q, k, v, beta);
+  grad_out = checked(grad_out, fn, "grad_out", 4, q);
+  if (grad_out.sizes() != torch::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
+    fail(fn, "grad_out has shape " + shape_of(grad_out) + ", not the output's");
+  const SavedPtr& rec = unbox(saved, "ovq", q, fn);
+  auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
+  auto dbeta = torch::empty_like(beta);
+  dispatch(q, [&](auto t) {
+    using T = decltype(t);
+    ovq_backward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), beta.data_ptr<T>(),
+                    grad_out.data_ptr<T>(), rec, dq.data_ptr<T>(), dk.data_ptr<T>(),
+                    dv.data_ptr<T>(), dbeta.data_ptr<T>());
+  });
+  return {dq, dk, dv, dbeta};
+}
+
+// --- flash -------------------------------------------------------------------------------------
+
+Shape flash_shape(const std::string& fn, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v,
+                  bool causal) {
+  const Shape s = attention_shape(fn, q, k, v);
+  if (causal && s.queries != s.keys)
+    fail(fn, "causal needs as many queries as keys, but q has shape " + shape_of(q) +
+                 " and k has " + shape_of(k));
+  return s;
+}
+
+std::tuple<torch::Tensor, SavedBox> flash_forward_py(torch::Tensor q, torch::Tensor k,
+                                                     torch::Tensor v, bool causal, double scale,
+                                                     bool check_finite) {
+  const Shape s = flash_shape("mixattn.flash_attention", q, k, v, causal);
+  const FlashConfig c{causal, scale, check_finite};
+  torch::Tensor out = torch::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  SavedPtr rec = dispatch(q, [&](auto t) {
+    using T = decltype(t);
+    return flash_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                            out.data_ptr<T>());
+  });
+  return {out, box("flash", q, std::move(rec))};
+}
+
+std::vector<torch::Tensor> flash_backward_py(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                             torch::Tensor grad_out, const SavedBox& saved,
+                                             bool causal, double scale, bool check_finite) {
+  const std::string fn = "mixattn.flash_attention (backward)";
+  const Shape s = flash_shape(fn, q, k, v, causal);
+  grad_out = checked(grad_out, fn, "grad_out", 4, q);
+  if (grad_out.sizes() != torch::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
+    fail(fn, "grad_out has shape " + shape_of(grad_out) + ", not the output's");
+  const SavedPtr& rec = unbox(saved, "flash", q, fn);
+  const FlashConfig c{causal, scale, check_finite};
+  auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
+  dispatch(q, [&](auto t) {
+    using T = decltype(t);
+    flash_backward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                      grad_out.data_ptr<T>(), rec, dq.data_ptr<T>(), dk.data_ptr<T>(),
+                      dv.data_ptr<T>());
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace mixattn_torch
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace mt = mixattn_torch;
+  namespace py = pybind11;
+  m.doc() = "mixattn's kernels on PyTorch tensors; use the mixattn package, not this module";
+  py::class_<mt::SavedBox>(m, "Saved", "What a forward keeps for its backward (opaque).")
+      .def_property_readonly("kind", [](const mt::SavedBox& b) { return b.kind; });
+  py::class_<mt::OvqConfig>(m, "OvqConfig")
+      .def(py::init(&mt::ovq_config), py::arg("block"), py::arg("max_centroids"),
+           py::arg("growth"), py::arg("growth_alpha"), py::arg("seeding"), py::arg("count_bias"),
+           py::arg("grad_through_dictionary"), py::arg("norm_eps"), py::arg("check_finite"));
+  // The kernels release the GIL: other Python threads (DDP's reducer, data loaders) run meanwhile.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("gma_forward", &mt::gma_forward_py, nogil);
+  m.def("gma_backward", &mt::gma_backward_py, nogil);
+  m.def("ovq_forward", &mt::ovq_forward_py, nogil);
+  m.def("ovq_backward", &mt::ovq_backward_py, nogil);
+  m.def("flash_forward", &mt::flash_forward_py, nogil);
+  m.def("flash_backward", &mt::flash_backward_py, nogil);
+}

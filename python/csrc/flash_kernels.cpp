@@ -1,0 +1,59 @@
+// python/csrc/flash_kernels.cpp — tiled softmax attention (SPEC 3, reference::flash_*) over
+// (batch, head) pairs.
+#include "pairs.hpp"
+
+#include <mixattn/reference.hpp>
+
+namespace mixattn_torch {
+namespace {
+
+mixattn::reference::Options options_of(const FlashConfig& c) {
+  mixattn::reference::Options opt;
+  opt.causal = c.causal;
+  opt.scale = c.scale;
+  opt.check_finite = c.check_finite;
+  return opt;
+}
+
+}  // namespace
+
+template <class T>
+SavedPtr flash_forward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
+                       T* out) {
+  auto rec = make_records<mixattn::reference::Saved<T>>(s);
+  const mixattn::reference::Options opt = options_of(c);
+  const Index N = s.queries, M = s.keys, r = s.key_dim, dv = s.value_dim;
+  for_each_pair(s, [&](Index pair) {
+    slice(out, pair, N, dv) = mixattn::reference::flash_forward<T>(
+        slice(q, pair, N, r), slice(k, pair, M, r), slice(v, pair, M, dv), opt,
+        &rec->pairs[static_cast<std::size_t>(pair)]);
+  });
+  return rec;
+}
+
+template <class T>
+void flash_backward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
+                    const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv) {
+  const auto& rec = records_for<mixattn::reference::Saved<T>>(
+      saved, s, "mixattn.flash_attention (backward)");
+  const mixattn::reference::Options opt = options_of(c);
+  const Index N = s.queries, M = s.keys, r = s.key_dim, d = s.value_dim;
+  for_each_pair(s, [&](Index pair) {
+    mixattn::reference::Grad<T> g = mixattn::reference::flash_backward<T>(
+        slice(q, pair, N, r), slice(k, pair, M, r), slice(v, pair, M, d),
+        slice(grad_out, pair, N, d), rec.pairs[static_cast<std::size_t>(pair)], opt);
+    slice(dq, pair, N, r) = g.q;
+    slice(dk, pair, M, r) = g.k;
+    slice(dv, pair, M, d) = g.v;
+  });
+}
+
+#define MIXATTN_TORCH_FLASH(T)                                                                     \
+  template SavedPtr flash_forward<T>(const Shape&, const FlashConfig&, const T*, const T*,        \
+                                     const T*, T*);                                                \
+  template void flash_backward<T>(const Shape&, const FlashConfig&, const T*, const T*, const T*, \
+                                  const T*, const SavedPtr&, T*, T*, T*);
+MIXATTN_TORCH_FLASH(float)
+MIXATTN_TORCH_FLASH(double)
+
+}  // namespace mixattn_torch

@@ -1,0 +1,98 @@
+// python/csrc/gma_kernels.cpp — GMA (SPEC 1) over (batch, head) pairs: one mixture per head,
+// shared by the batch; the mixture gradients of a head are summed over the batch in order.
+#include "pairs.hpp"
+
+#include <mixattn/gma.hpp>
+
+namespace mixattn_torch {
+namespace {
+
+template <class T>
+using Mixtures = std::vector<mixattn::gma::Mixture<T>>;
+template <class T>
+using GmaRecords = PairRecords<mixattn::gma::Saved<T>, Mixtures<T>>;
+
+template <class T>
+Mixtures<T> mixtures_of(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in) {
+  const Index K = c.components, r = s.key_dim;
+  Mixtures<T> mix(static_cast<std::size_t>(s.heads));
+  for (Index h = 0; h < s.heads; ++h) {
+    auto& m = mix[static_cast<std::size_t>(h)];
+    m.mean = slice(in.mean, h, K, r);
+    m.var_raw = slice(in.var_raw, h, K, r);
+    m.prior_logit = Eigen::Map<const mixattn::Vector<T>>(in.prior_logit + h * K, K);
+    m.var_floor = static_cast<T>(c.var_floor);
+  }
+  return mix;
+}
+
+mixattn::gma::Options options_of(const GmaConfig& c) {
+  mixattn::gma::Options opt;
+  opt.causal = c.causal;
+  opt.eps = c.eps;
+  opt.check_finite = c.check_finite;
+  return opt;
+}
+
+}  // namespace
+
+template <class T>
+SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out) {
+  auto rec = make_records<mixattn::gma::Saved<T>, Mixtures<T>>(s);
+  rec->shared = mixtures_of(s, c, in);
+  const mixattn::gma::Options opt = options_of(c);
+  const Index N = s.queries, M = s.keys, r = s.key_dim, dv = s.value_dim;
+  for_each_pair(s, [&](Index pair) {
+    const auto& mix = rec->shared[static_cast<std::size_t>(pair % s.heads)];
+    slice(out, pair, N, dv) =
+        mixattn::gma::forward(mix, slice(in.q, pair, N, r), slice(in.k, pair, M, r),
+                              slice(in.v, pair, M, dv), opt,
+                              &rec->pairs[static_cast<std::size_t>(pair)]);
+  });
+  return rec;
+}
+
+template <class T>
+void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, const T* grad_out,
+                  const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean, T* dvar_raw,
+                  T* dprior_logit) {
+  const auto& rec = records_for<mixattn::gma::Saved<T>, Mixtures<T>>(
+      saved, s, "mixattn.gma_attention (backward)");
+  const mixattn::gma::Options opt = options_of(c);
+  const Index N = s.queries, M = s.keys, r = s.key_dim, d = s.value_dim, K = c.components;
+  std::vector<mixattn::gma::MixtureGrad<T>> mixture_grads(
+      static_cast<std::size_t>(s.batch * s.heads));
+  for_each_pair(s, [&](Index pair) {
+    const auto& mix = rec.shared[static_cast<std::size_t>(pair % s.heads)];
+    mixattn::gma::Grad<T> g = mixattn::gma::backward(
+        mix, slice(in.q, pair, N, r), slice(in.k, pair, M, r), slice(in.v, pair, M, d),
+        slice(grad_out, pair, N, d), rec.pairs[static_cast<std::size_t>(pair)], opt);
+    slice(dq, pair, N, r) = g.q;
+    slice(dk, pair, M, r) = g.k;
+    slice(dv, pair, M, d) = g.v;
+    mixture_grads[static_cast<std::size_t>(pair)] = std::move(g.mixture);
+  });
+  // Sum over the batch in batch order: the same bits for any number of threads.
+  for (Index h = 0; h < s.heads; ++h) {
+    Map<T> mean = slice(dmean, h, K, r), var_raw = slice(dvar_raw, h, K, r);
+    Eigen::Map<mixattn::Vector<T>> prior(dprior_logit + h * K, K);
+    mean.setZero();
+    var_raw.setZero();
+    prior.setZero();
+    for (Index b = 0; b < s.batch; ++b) {
+      const auto& g = mixture_grads[static_cast<std::size_t>(b * s.heads + h)];
+      mean += g.mean;
+      var_raw += g.var_raw;
+      prior += g.prior_logit;
+    }
+  }
+}
+
+#define MIXATTN_TORCH_GMA(T)                                                                   \
+  template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*);   \
+  template void gma_backward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, const T*, \
+                                const SavedPtr&, T*, T*, T*, T*, T*, T*);
+MIXATTN_TORCH_GMA(float)
+MIXATTN_TORCH_GMA(double)
+
+}  // namespace mixattn_torch

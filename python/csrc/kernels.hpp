@@ -1,0 +1,91 @@
+// python/csrc/kernels.hpp — the extension's kernels over (batch, head) pairs, free of torch and
+// pybind11 headers so that each kernel translation unit compiles on its own (and in parallel).
+//
+// Every tensor is contiguous in PyTorch's (batch, heads, tokens, dim) layout; the (b, h) slice
+// of one is a row-major tokens x dim block, which the library reads through Eigen maps without a
+// copy. The (b, h) pairs run on PyTorch's intra-op pool (at::parallel_for); each library call
+// inside is single-threaded (EIGEN_DONT_PARALLELIZE).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+namespace mixattn_torch {
+
+using Index = std::int64_t;
+
+/// Sizes of one call: q (B, H, N, r), k (B, H, M, r), v (B, H, M, d_v).
+struct Shape {
+  Index batch = 0, heads = 0, queries = 0, keys = 0, key_dim = 0, value_dim = 0;
+};
+
+/// What a forward keeps for its backward (the library's Saved records, one per (b, h)), owned
+/// behind a type-erased pointer so that the binding code needs none of the library's headers.
+using SavedPtr = std::shared_ptr<void>;
+
+// --- Gaussian Mixture Attention (SPEC 1) -----------------------------------------------------
+struct GmaConfig {
+  Index components = 0;  // K
+  bool causal = false;
+  double eps = 1e-6;
+  double var_floor = 1e-4;
+  bool check_finite = true;
+};
+
+/// mean, var_raw: (H, K, r); prior_logit: (H, K).
+template <class T>
+struct GmaInputs {
+  const T *q, *k, *v, *mean, *var_raw, *prior_logit;
+};
+
+/// Writes out (B, H, N, d_v); returns the record gma_backward needs.
+template <class T>
+SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out);
+
+/// Gradients of sum(grad_out . out): dq, dk, dv like q, k, v; dmean, dvar_raw (H, K, r) and
+/// dprior_logit (H, K) summed over the batch (in batch order, whatever the thread count).
+template <class T>
+void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, const T* grad_out,
+                  const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean, T* dvar_raw,
+                  T* dprior_logit);
+
+// --- Online Vector-Quantized attention (SPEC 2) ----------------------------------------------
+struct OvqConfig {
+  Index block = 256;
+  Index max_centroids = 1024;
+  bool linear_growth = false;     // ovq::Growth::linear instead of plateau
+  double growth_alpha = 0;
+  bool one_shot_seeding = false;  // ovq::Seeding::one_shot instead of greedy_dispersion
+  bool count_bias = true;
+  bool grad_through_dictionary = true;
+  double norm_eps = 1e-5;
+  bool check_finite = true;
+};
+
+/// q, k (B, H, T, r), v (B, H, T, d_v), beta (H). Every (b, h) starts from an empty state.
+template <class T>
+SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
+                     const T* beta, T* out);
+
+/// dbeta: (H), summed over the batch.
+template <class T>
+void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
+                  const T* beta, const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
+                  T* dbeta);
+
+// --- Softmax attention, tiled (SPEC 3) -------------------------------------------------------
+struct FlashConfig {
+  bool causal = false;
+  double scale = 0;  // 0: 1/sqrt(r)
+  bool check_finite = true;
+};
+
+template <class T>
+SavedPtr flash_forward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
+                       T* out);
+
+template <class T>
+void flash_backward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
+                    const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv);
+
+}  // namespace mixattn_torch

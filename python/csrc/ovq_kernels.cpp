@@ -1,0 +1,75 @@
+// python/csrc/ovq_kernels.cpp — OVQ (SPEC 2) over (batch, head) pairs: every pair processes its
+// sequence from an empty state with its head's beta; dbeta of a head is summed over the batch.
+#include "pairs.hpp"
+
+#include <mixattn/ovq.hpp>
+
+namespace mixattn_torch {
+namespace {
+
+mixattn::ovq::Options options_of(const OvqConfig& c) {
+  mixattn::ovq::Options opt;
+  opt.block = c.block;
+  opt.max_centroids = c.max_centroids;
+  opt.growth = c.linear_growth ? mixattn::ovq::Growth::linear : mixattn::ovq::Growth::plateau;
+  opt.growth_alpha = c.growth_alpha;
+  opt.seeding = c.one_shot_seeding ? mixattn::ovq::Seeding::one_shot
+                                   : mixattn::ovq::Seeding::greedy_dispersion;
+  opt.count_bias = c.count_bias;
+  opt.grad_through_dictionary = c.grad_through_dictionary;
+  opt.norm_eps = c.norm_eps;
+  opt.check_finite = c.check_finite;
+  return opt;
+}
+
+}  // namespace
+
+template <class T>
+SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
+                     const T* beta, T* out) {
+  auto rec = make_records<mixattn::ovq::Saved<T>>(s);
+  const mixattn::ovq::Options opt = options_of(c);
+  const Index n = s.queries, r = s.key_dim, dv = s.value_dim;
+  for_each_pair(s, [&](Index pair) {
+    auto state = mixattn::ovq::State<T>::empty(r, dv);
+    slice(out, pair, n, dv) = mixattn::ovq::forward<T>(
+        slice(q, pair, n, r), slice(k, pair, n, r), slice(v, pair, n, dv), beta[pair % s.heads],
+        opt, state, &rec->pairs[static_cast<std::size_t>(pair)]);
+  });
+  return rec;
+}
+
+template <class T>
+void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
+                  const T* beta, const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
+                  T* dbeta) {
+  const auto& rec =
+      records_for<mixattn::ovq::Saved<T>>(saved, s, "mixattn.ovq_attention (backward)");
+  const mixattn::ovq::Options opt = options_of(c);
+  const Index n = s.queries, r = s.key_dim, d = s.value_dim;
+  std::vector<T> beta_grads(static_cast<std::size_t>(s.batch * s.heads));
+  for_each_pair(s, [&](Index pair) {
+    mixattn::ovq::Grad<T> g = mixattn::ovq::backward<T>(
+        slice(q, pair, n, r), slice(k, pair, n, r), slice(v, pair, n, d), beta[pair % s.heads],
+        slice(grad_out, pair, n, d), rec.pairs[static_cast<std::size_t>(pair)], opt);
+    slice(dq, pair, n, r) = g.q;
+    slice(dk, pair, n, r) = g.k;
+    slice(dv, pair, n, d) = g.v;
+    beta_grads[static_cast<std::size_t>(pair)] = g.beta;
+  });
+  for (Index h = 0; h < s.heads; ++h) {  // batch order: the same bits for any thread count
+    T sum = 0;
+    for (Index b = 0; b < s.batch; ++b) sum += beta_grads[static_cast<std::size_t>(b * s.heads + h)];
+    dbeta[h] = sum;
+  }
+}
+
+#define MIXATTN_TORCH_OVQ(T)                                                                      \
+  template SavedPtr ovq_forward<T>(const Shape&, const OvqConfig&, const T*, const T*, const T*, \
+                                   const T*, T*);                                                 \
+  template void ovq_backward<T>(const Shape&, const OvqConfig&, const T*, const T*, const T*,     \
+                                const T*, const T*, const SavedPtr&, T*, T*, T*, T*);
+MIXATTN_TORCH_OVQ(float)
+MIXATTN_TORCH_OVQ(double)
+
+}  // namespace mixattn_torch

@@ -1,0 +1,75 @@
+// python/csrc/pairs.hpp — shared by the kernel translation units: views of one (batch, head)
+// slice and the loop over (batch, head) pairs on PyTorch's intra-op thread pool.
+#pragma once
+
+#include "kernels.hpp"
+
+#include <mixattn/core.hpp>
+
+#include <ATen/Parallel.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <stdexcept>
+#include <vector>
+
+namespace mixattn_torch {
+
+template <class T>
+using ConstMap = Eigen::Map<const mixattn::Matrix<T>>;
+template <class T>
+using Map = Eigen::Map<mixattn::Matrix<T>>;
+
+/// Slice `pair` (= b * H + h) of a contiguous (B, H, rows, cols) tensor, rows x cols row-major.
+template <class T>
+ConstMap<T> slice(const T* base, Index pair, Index rows, Index cols) {
+  return ConstMap<T>(base + pair * rows * cols, rows, cols);
+}
+template <class T>
+Map<T> slice(T* base, Index pair, Index rows, Index cols) {
+  return Map<T>(base + pair * rows * cols, rows, cols);
+}
+
+/// fn(pair) for every (b, h) pair, split over torch.get_num_threads() threads (an exception is
+/// rethrown on the calling thread after all have finished).
+template <class Fn>
+void for_each_pair(const Shape& s, const Fn& fn) {
+  at::parallel_for(0, s.batch * s.heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) fn(static_cast<Index>(pair));
+  });
+}
+
+/// What one forward call keeps: the library's record per pair (pair = b * H + h), anything the
+/// pairs share (GMA: the heads' mixtures), and the shape it was made for.
+template <class Pair, class Shared = std::nullptr_t>
+struct PairRecords {
+  Shape shape;
+  std::vector<Pair> pairs;
+  Shared shared{};
+};
+
+template <class Pair, class Shared = std::nullptr_t>
+std::shared_ptr<PairRecords<Pair, Shared>> make_records(const Shape& s) {
+  auto records = std::make_shared<PairRecords<Pair, Shared>>();
+  records->shape = s;
+  records->pairs.resize(static_cast<std::size_t>(s.batch * s.heads));
+  return records;
+}
+
+/// The records a backward was handed (the binding checked they come from this operator and
+/// scalar type), checked to be for the same shape.
+template <class Pair, class Shared = std::nullptr_t>
+const PairRecords<Pair, Shared>& records_for(const SavedPtr& saved, const Shape& s,
+                                             const char* fn) {
+  const auto* r = static_cast<const PairRecords<Pair, Shared>*>(saved.get());
+  const bool same = r && r->shape.batch == s.batch && r->shape.heads == s.heads &&
+                    r->shape.queries == s.queries && r->shape.keys == s.keys &&
+                    r->shape.key_dim == s.key_dim && r->shape.value_dim == s.value_dim;
+  if (!same)
+    throw std::invalid_argument(std::string(fn) +
+                                ": saved was not made by the forward of these shapes");
+  return *r;
+}
+
+}  // namespace mixattn_torch

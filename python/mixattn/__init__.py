@@ -1,0 +1,17 @@
+"""mixattn for PyTorch (CPU): Gaussian Mixture Attention, Online Vector-Quantized attention and
+tiled softmax attention, forward and hand-derived backward, from mixattn's C++ kernels.
+
+    import mixattn
+    out = mixattn.gma_attention(q, k, v, mean, var_raw, prior_logit, causal=True)
+    layer = mixattn.GaussianMixtureAttention(d_model=256, heads=4, components=64, causal=True)
+
+Tensors are (batch, heads, tokens, dim), float32 or float64, on the CPU. See
+mixattn.functional and mixattn.modules for the details.
+"""
+
+from .functional import flash_attention, gma_attention, ovq_attention
+from .modules import GaussianMixtureAttention, OnlineVQAttention
+
+__version__ = "0.1.0"
+__all__ = ["gma_attention", "ovq_attention", "flash_attention", "GaussianMixtureAttention",
+           "OnlineVQAttention"]

@@ -1,0 +1,45 @@
+"""Builds mixattn's PyTorch CPU extension against the installed PyTorch.
+
+    python -m venv --system-site-packages DIR        # so Debian's python3-torch is visible
+    DIR/bin/python -m pip install --no-build-isolation ./python
+
+The C++ library is header-only and lives next to this folder (../include); it is compiled into
+the extension, not installed. Compiler flags: -O3, OpenMP (PyTorch's intra-op pool runs the
+(batch, head) pairs), Eigen single-threaded inside each pair, and an instruction-set flag:
+-march=native by default, since the extension is built on the machine that runs it. Set
+MIXATTN_TORCH_ARCH to another flag (e.g. "-march=x86-64-v3") to build for other machines, or to
+"" for the compiler's baseline. MAX_JOBS bounds parallel compilation (PyTorch's ninja build).
+"""
+
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+here = os.path.dirname(os.path.abspath(__file__))
+library_include = os.path.join(os.path.dirname(here), "include")
+if not os.path.isfile(os.path.join(library_include, "mixattn", "gma.hpp")):
+    raise RuntimeError(f"mixattn's headers are not at {library_include}: build this package "
+                       "from a checkout of the repository (pip install ./python)")
+
+arch = os.environ.get("MIXATTN_TORCH_ARCH", "-march=native").split()
+cxx_flags = ["-std=c++17", "-O3", "-g0", "-fopenmp", "-DEIGEN_DONT_PARALLELIZE"] + arch
+
+setup(
+    name="mixattn",
+    version="0.1.0",
+    description="Gaussian Mixture and Online VQ attention for PyTorch on CPU (mixattn's kernels)",
+    packages=["mixattn"],
+    ext_modules=[
+        CppExtension(
+            name="mixattn._C",
+            sources=[os.path.join("csrc", f) for f in
+                     ("bindings.cpp", "gma_kernels.cpp", "ovq_kernels.cpp", "flash_kernels.cpp")],
+            include_dirs=[library_include, "/usr/include/eigen3"],
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=["-fopenmp"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+    python_requires=">=3.8",
+)
