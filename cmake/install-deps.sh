@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages mixattn's build, tests and benchmarks need (as root).
-# Usage: cmake/install-deps.sh [test|bench]   — "bench" adds plotting (python3-matplotlib).
+# Usage: cmake/install-deps.sh [test|bench]   — "bench" adds plotting (python3-matplotlib) and
+# OpenBLAS for PyTorch's eager baselines (libopenblas0-pthread).
+# Both include what the PyTorch extension (python/) needs: PyTorch with its headers, pybind11,
+# Python headers, venv, and what pip uses to build it offline with --no-build-isolation
+# (setuptools, wheel; pip itself comes with python3-venv), pytest, and ninja for a parallel build.
 set -euo pipefail
 what=${1:-test}
 pkgs=(build-essential cmake libeigen3-dev libxsimd-dev googletest libgtest-dev libbenchmark-dev
-      clang libclang-rt-14-dev python3)
+      clang libclang-rt-14-dev python3
+      python3-torch libtorch-dev pybind11-dev python3-dev python3-venv python3-setuptools
+      python3-wheel python3-pytest ninja-build)
 if [[ $what == bench ]]; then
-  pkgs+=(python3-matplotlib)
+  pkgs+=(python3-matplotlib libopenblas0-pthread)
 fi
 missing=()
 for p in "${pkgs[@]}"; do

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The test command. On a fresh Debian 12 machine (as root) it installs what it needs, then:
 #   1. builds the tests and examples optimised for this CPU and runs ctest (the benchmarks are
-#      built by the main command, bench/run.sh);
+#      built by the main command, bench/run.sh); then builds the PyTorch extension into a
+#      virtual environment and runs its pytest suite (tests/python.sh; skipped without PyTorch);
 #   2. builds and runs the whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
 #      and the threaded tests under ThreadSanitizer (tests/sanitize.sh);
 #   3. builds the libFuzzer targets and runs each for a bounded time (tests/fuzz/run.sh).
 # Environment: MIXATTN_JOBS (default nproc), MIXATTN_FUZZ_SECONDS (default 60 per target),
-# MIXATTN_SKIP_SANITIZERS=1 / MIXATTN_SKIP_FUZZ=1 to run only step 1.
+# MIXATTN_SKIP_SANITIZERS=1 / MIXATTN_SKIP_FUZZ=1 to run only step 1, MIXATTN_SKIP_PYTHON=1 to
+# leave out the extension.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -22,6 +24,9 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWI
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 900
 echo "== main suite: $((SECONDS - start)) s"
+if [[ ${MIXATTN_SKIP_PYTHON:-0} != 1 ]]; then
+  bash tests/python.sh
+fi
 
 if [[ ${MIXATTN_SKIP_SANITIZERS:-0} != 1 ]]; then
   bash tests/sanitize.sh

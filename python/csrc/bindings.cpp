@@ -8,7 +8,10 @@
 // from std::domain_error) pass through.
 #include "kernels.hpp"
 
-#include <torch/extension.h>
+// torch/python.h (pybind11 with the tensor type casters) and ATen instead of torch/extension.h,
+// which adds the whole C++ frontend (nn, optim, data) and doubles this file's compile time.
+#include <ATen/ATen.h>
+#include <torch/python.h>
 
 #include <sstream>
 #include <stdexcept>
@@ -31,7 +34,7 @@ struct SavedBox {
   throw std::invalid_argument(fn + ": " + what);
 }
 
-std::string shape_of(const torch::Tensor& t) {
+std::string shape_of(const at::Tensor& t) {
   std::ostringstream os;
   os << t.sizes();
   return os.str();
@@ -39,12 +42,12 @@ std::string shape_of(const torch::Tensor& t) {
 
 /// A dense CPU float32/float64 tensor of `dim` dimensions, of the same dtype as `like`, made
 /// contiguous (a no-op when it already is).
-torch::Tensor checked(const torch::Tensor& t, const std::string& fn, const char* name,
-                      int64_t dim, const torch::Tensor& like) {
+at::Tensor checked(const at::Tensor& t, const std::string& fn, const char* name,
+                      int64_t dim, const at::Tensor& like) {
   if (!t.defined()) fail(fn, std::string(name) + " is undefined");
-  if (t.device().type() != torch::kCPU || t.layout() != torch::kStrided)
+  if (t.device().type() != at::kCPU || t.layout() != at::kStrided)
     fail(fn, std::string(name) + " must be a dense CPU tensor");
-  if (t.scalar_type() != torch::kFloat && t.scalar_type() != torch::kDouble)
+  if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble)
     fail(fn, std::string(name) + " must be float32 or float64, got " +
                  std::string(c10::toString(t.scalar_type())));
   if (t.scalar_type() != like.scalar_type())
@@ -56,7 +59,7 @@ torch::Tensor checked(const torch::Tensor& t, const std::string& fn, const char*
   return t.contiguous();
 }
 
-void expect_size(const std::string& fn, const torch::Tensor& t, const char* name, int64_t axis,
+void expect_size(const std::string& fn, const at::Tensor& t, const char* name, int64_t axis,
                  int64_t want, const char* meaning) {
   if (t.size(axis) != want)
     fail(fn, std::string(name) + " has shape " + shape_of(t) + " but dimension " +
@@ -64,8 +67,8 @@ void expect_size(const std::string& fn, const torch::Tensor& t, const char* name
 }
 
 /// q (B, H, N, r), k (B, H, M, r), v (B, H, M, d_v) checked against each other.
-Shape attention_shape(const std::string& fn, torch::Tensor& q, torch::Tensor& k,
-                      torch::Tensor& v) {
+Shape attention_shape(const std::string& fn, at::Tensor& q, at::Tensor& k,
+                      at::Tensor& v) {
   q = checked(q, fn, "q", 4, q);
   k = checked(k, fn, "k", 4, q);
   v = checked(v, fn, "v", 4, q);
@@ -85,11 +88,11 @@ Shape attention_shape(const std::string& fn, torch::Tensor& q, torch::Tensor& k,
   return s;
 }
 
-SavedBox box(const std::string& kind, const torch::Tensor& like, SavedPtr record) {
+SavedBox box(const std::string& kind, const at::Tensor& like, SavedPtr record) {
   return SavedBox{kind + "/" + std::string(c10::toString(like.scalar_type())), std::move(record)};
 }
 
-const SavedPtr& unbox(const SavedBox& saved, const std::string& kind, const torch::Tensor& like,
+const SavedPtr& unbox(const SavedBox& saved, const std::string& kind, const at::Tensor& like,
                       const std::string& fn) {
   const std::string want = kind + "/" + std::string(c10::toString(like.scalar_type()));
   if (saved.kind != want || !saved.record)
@@ -100,8 +103,8 @@ const SavedPtr& unbox(const SavedBox& saved, const std::string& kind, const torc
 
 /// f(T{}) for the scalar type of `t` (checked() admitted only float32 and float64).
 template <class F>
-decltype(auto) dispatch(const torch::Tensor& t, F&& f) {
-  if (t.scalar_type() == torch::kFloat) return f(float{});
+decltype(auto) dispatch(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) return f(float{});
   return f(double{});
 }
 
@@ -110,11 +113,11 @@ decltype(auto) dispatch(const torch::Tensor& t, F&& f) {
 struct GmaArgs {
   Shape shape;
   GmaConfig config;
-  torch::Tensor q, k, v, mean, var_raw, prior_logit;
+  at::Tensor q, k, v, mean, var_raw, prior_logit;
 };
 
-GmaArgs gma_args(const std::string& fn, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                 torch::Tensor mean, torch::Tensor var_raw, torch::Tensor prior_logit,
+GmaArgs gma_args(const std::string& fn, at::Tensor q, at::Tensor k, at::Tensor v,
+                 at::Tensor mean, at::Tensor var_raw, at::Tensor prior_logit,
                  bool causal, double eps, double var_floor, bool check_finite) {
   GmaArgs a;
   a.shape = attention_shape(fn, q, k, v);
@@ -147,16 +150,16 @@ GmaInputs<T> gma_inputs(const GmaArgs& a) {
           a.mean.data_ptr<T>(), a.var_raw.data_ptr<T>(), a.prior_logit.data_ptr<T>()};
 }
 
-std::tuple<torch::Tensor, SavedBox> gma_forward_py(torch::Tensor q, torch::Tensor k,
-                                                   torch::Tensor v, torch::Tensor mean,
-                                                   torch::Tensor var_raw,
-                                                   torch::Tensor prior_logit, bool causal,
+std::tuple<at::Tensor, SavedBox> gma_forward_py(at::Tensor q, at::Tensor k,
+                                                   at::Tensor v, at::Tensor mean,
+                                                   at::Tensor var_raw,
+                                                   at::Tensor prior_logit, bool causal,
                                                    double eps, double var_floor,
                                                    bool check_finite) {
   const GmaArgs a = gma_args("mixattn.gma_attention", q, k, v, mean, var_raw, prior_logit, causal,
                              eps, var_floor, check_finite);
   const Shape& s = a.shape;
-  torch::Tensor out = torch::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
+  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
   SavedPtr rec = dispatch(a.q, [&](auto t) {
     using T = decltype(t);
     return gma_forward<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>());
@@ -164,9 +167,9 @@ std::tuple<torch::Tensor, SavedBox> gma_forward_py(torch::Tensor q, torch::Tenso
   return {out, box("gma", a.q, std::move(rec))};
 }
 
-std::vector<torch::Tensor> gma_backward_py(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                           torch::Tensor mean, torch::Tensor var_raw,
-                                           torch::Tensor prior_logit, torch::Tensor grad_out,
+std::vector<at::Tensor> gma_backward_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                           at::Tensor mean, at::Tensor var_raw,
+                                           at::Tensor prior_logit, at::Tensor grad_out,
                                            const SavedBox& saved, bool causal, double eps,
                                            double var_floor, bool check_finite) {
   const std::string fn = "mixattn.gma_attention (backward)";
@@ -174,12 +177,12 @@ std::vector<torch::Tensor> gma_backward_py(torch::Tensor q, torch::Tensor k, tor
                              check_finite);
   const Shape& s = a.shape;
   grad_out = checked(grad_out, fn, "grad_out", 4, a.q);
-  if (grad_out.sizes() != torch::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
+  if (grad_out.sizes() != at::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
     fail(fn, "grad_out has shape " + shape_of(grad_out) + ", not the output's");
   const SavedPtr& rec = unbox(saved, "gma", a.q, fn);
-  auto dq = torch::empty_like(a.q), dk = torch::empty_like(a.k), dv = torch::empty_like(a.v);
-  auto dmean = torch::empty_like(a.mean), dvar = torch::empty_like(a.var_raw);
-  auto dprior = torch::empty_like(a.prior_logit);
+  auto dq = at::empty_like(a.q), dk = at::empty_like(a.k), dv = at::empty_like(a.v);
+  auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
+  auto dprior = at::empty_like(a.prior_logit);
   dispatch(a.q, [&](auto t) {
     using T = decltype(t);
     gma_backward<T>(s, a.config, gma_inputs<T>(a), grad_out.data_ptr<T>(), rec, dq.data_ptr<T>(),
@@ -212,8 +215,8 @@ OvqConfig ovq_config(int64_t block, int64_t max_centroids, const std::string& gr
   return c;
 }
 
-Shape ovq_shape(const std::string& fn, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v,
-                torch::Tensor& beta) {
+Shape ovq_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::Tensor& v,
+                at::Tensor& beta) {
   const Shape s = attention_shape(fn, q, k, v);
   if (s.keys != s.queries)
     fail(fn, "OVQ is causal self-attention: k has shape " + shape_of(k) +
@@ -223,11 +226,11 @@ Shape ovq_shape(const std::string& fn, torch::Tensor& q, torch::Tensor& k, torch
   return s;
 }
 
-std::tuple<torch::Tensor, SavedBox> ovq_forward_py(torch::Tensor q, torch::Tensor k,
-                                                   torch::Tensor v, torch::Tensor beta,
+std::tuple<at::Tensor, SavedBox> ovq_forward_py(at::Tensor q, at::Tensor k,
+                                                   at::Tensor v, at::Tensor beta,
                                                    const OvqConfig& c) {
   const Shape s = ovq_shape("mixattn.ovq_attention", q, k, v, beta);
-  torch::Tensor out = torch::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
     return ovq_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
@@ -236,17 +239,17 @@ std::tuple<torch::Tensor, SavedBox> ovq_forward_py(torch::Tensor q, torch::Tenso
   return {out, box("ovq", q, std::move(rec))};
 }
 
-std::vector<torch::Tensor> ovq_backward_py(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                           torch::Tensor beta, torch::Tensor grad_out,
+std::vector<at::Tensor> ovq_backward_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                           at::Tensor beta, at::Tensor grad_out,
                                            const SavedBox& saved, const OvqConfig& c) {
   const std::string fn = "mixattn.ovq_attention (backward)";
   const Shape s = ovq_shape(fn, q, k, v, beta);
   grad_out = checked(grad_out, fn, "grad_out", 4, q);
-  if (grad_out.sizes() != torch::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
+  if (grad_out.sizes() != at::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
     fail(fn, "grad_out has shape " + shape_of(grad_out) + ", not the output's");
   const SavedPtr& rec = unbox(saved, "ovq", q, fn);
-  auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
-  auto dbeta = torch::empty_like(beta);
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  auto dbeta = at::empty_like(beta);
   dispatch(q, [&](auto t) {
     using T = decltype(t);
     ovq_backward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), beta.data_ptr<T>(),
@@ -258,7 +261,7 @@ std::vector<torch::Tensor> ovq_backward_py(torch::Tensor q, torch::Tensor k, tor
 
 // --- flash -------------------------------------------------------------------------------------
 
-Shape flash_shape(const std::string& fn, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v,
+Shape flash_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::Tensor& v,
                   bool causal) {
   const Shape s = attention_shape(fn, q, k, v);
   if (causal && s.queries != s.keys)
@@ -267,12 +270,12 @@ Shape flash_shape(const std::string& fn, torch::Tensor& q, torch::Tensor& k, tor
   return s;
 }
 
-std::tuple<torch::Tensor, SavedBox> flash_forward_py(torch::Tensor q, torch::Tensor k,
-                                                     torch::Tensor v, bool causal, double scale,
+std::tuple<at::Tensor, SavedBox> flash_forward_py(at::Tensor q, at::Tensor k,
+                                                     at::Tensor v, bool causal, double scale,
                                                      bool check_finite) {
   const Shape s = flash_shape("mixattn.flash_attention", q, k, v, causal);
   const FlashConfig c{causal, scale, check_finite};
-  torch::Tensor out = torch::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
     return flash_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
@@ -281,17 +284,17 @@ std::tuple<torch::Tensor, SavedBox> flash_forward_py(torch::Tensor q, torch::Ten
   return {out, box("flash", q, std::move(rec))};
 }
 
-std::vector<torch::Tensor> flash_backward_py(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                             torch::Tensor grad_out, const SavedBox& saved,
+std::vector<at::Tensor> flash_backward_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                             at::Tensor grad_out, const SavedBox& saved,
                                              bool causal, double scale, bool check_finite) {
   const std::string fn = "mixattn.flash_attention (backward)";
   const Shape s = flash_shape(fn, q, k, v, causal);
   grad_out = checked(grad_out, fn, "grad_out", 4, q);
-  if (grad_out.sizes() != torch::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
+  if (grad_out.sizes() != at::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
     fail(fn, "grad_out has shape " + shape_of(grad_out) + ", not the output's");
   const SavedPtr& rec = unbox(saved, "flash", q, fn);
   const FlashConfig c{causal, scale, check_finite};
-  auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   dispatch(q, [&](auto t) {
     using T = decltype(t);
     flash_backward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),

@@ -1,0 +1,207 @@
+#!/usr/bin/python3
+"""mixattn's PyTorch extension against eager PyTorch, float32, on one thread and on two.
+
+    PYTHON bench/torch_ext_bench.py [--out FILE.json] [--threads 1,2]
+
+PYTHON must import both torch and mixattn (bench/run.sh builds the extension into a virtual
+environment with python/venv.sh and runs this with it). Measures, at (B, H, N) = (4, 8, 2048),
+r = d_v = 64, K = 64:
+  torchext_op_{forward,fwd_bwd}_{bidir,causal}/<impl>   impl = mixattn (gma_attention),
+        eager_gma (the paper-style eager GMA of bench/torch_eager.py, whole batch at once),
+        softmax (scaled_dot_product_attention when torch has it, >= 2.0; else the eager
+        softmax(Q K^T / sqrt(r) + mask) V)
+  torchext_step_causal/<impl>   one training step (forward, backward, Adam) of a 2-layer causal
+        language model, d_model 256, 4 heads (r = d_v = 64), K = 64, N = 2048, batch 4: the same
+        model with mixattn.GaussianMixtureAttention, with eager GMA on the same parameters, or
+        with softmax attention.
+Each thread count runs in its own process, with OMP/OpenBLAS threads set before torch loads
+and torch.set_num_threads; one thread is pinned to one core (MIXATTN_BENCH_CPU, default the
+last). Every point: one untimed call, then at least 3 timed calls and --min-time seconds.
+Times: CPU time of the calling thread on one thread, wall time on two (names end in
+/real_time). Both sides run in the same process, so under the same allocator (bench/run.sh sets
+GLIBC_TUNABLES as for every other benchmark; recorded in the context). Writes Google-Benchmark-
+style JSON for bench/summary.py. Exits 0 with a message when torch or mixattn is missing.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+B, H, N, R, DV, K = 4, 8, 2048, 64, 64, 64
+MODEL = dict(d_model=256, heads=4, vocab=256, layers=2, batch=4, tokens=2048)
+MIN_CALLS = 3
+
+
+def child(threads, min_time, quick):
+    """Runs every case on `threads` threads; returns the benchmark entries."""
+    import torch
+    import mixattn
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch_eager
+
+    torch.set_num_threads(threads)
+    wall = threads > 1
+    entries = []
+
+    def record(name, fn):
+        fn()  # the untimed call: allocator, first-call dispatch
+        calls, walls, cpus = 0, [], []
+        while calls < MIN_CALLS or sum(walls) < min_time:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            cpus.append(time.thread_time() - c0)
+            walls.append(time.perf_counter() - w0)
+            calls += 1
+        full = f"{name}/threads:{threads}" + ("/real_time" if wall else "")
+        w, c = sum(walls) / calls, sum(cpus) / calls
+        print(f"{full:55s} {c * 1e3:10.1f} ms cpu {w * 1e3:10.1f} ms wall ({calls} calls)",
+              file=sys.stderr, flush=True)
+        entries.append({"name": full, "run_name": full, "run_type": "iteration",
+                        "iterations": calls, "real_time": w * 1e3, "cpu_time": c * 1e3,
+                        "time_unit": "ms", "N": N, "threads": threads, "warm_up_calls": 1})
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v, d_out = (torch.randn(B, H, N, d, generator=g) for d in (R, R, DV, DV))
+    mix = (torch.randn(H, K, R, generator=g), torch.zeros(H, K, R), torch.zeros(H, K))
+    impls = {
+        "mixattn": lambda q, k, v, mix, causal: mixattn.gma_attention(q, k, v, *mix, causal=causal),
+        "eager_gma": torch_eager.gma,
+        "softmax": torch_eager.softmax_attention,
+    }
+    modes = (False,) if quick else (False, True)
+    for causal in modes:
+        mode = "causal" if causal else "bidir"
+        for impl, op in impls.items():
+            for kind in ("forward", "fwd_bwd"):
+                leaves = [t.clone().requires_grad_(kind == "fwd_bwd") for t in (q, k, v, *mix)]
+
+                def call(op=op, leaves=leaves, kind=kind, causal=causal):
+                    if kind == "forward":
+                        with torch.no_grad():
+                            return op(*leaves[:3], leaves[3:], causal)
+                    for t in leaves:
+                        t.grad = None
+                    op(*leaves[:3], leaves[3:], causal).backward(d_out)
+
+                record(f"torchext_op_{kind}_{mode}/{impl}", call)
+                del leaves
+    for impl in impls:
+        record(f"torchext_step_causal/{impl}", training_step(impl, torch, mixattn, torch_eager))
+    return entries
+
+
+def training_step(impl, torch, mixattn, torch_eager):
+    """One Adam step of a 2-layer pre-norm causal LM whose attention is `impl`."""
+    nn = torch.nn
+    cfg = MODEL
+
+    class EagerGma(mixattn.GaussianMixtureAttention):
+        def forward(self, x):
+            q, k, v = self._heads(x)
+            return self._merge(torch_eager.gma(q, k, v, (self.mean, self.var_raw,
+                                                         self.prior_logit), self.causal))
+
+    class Softmax(mixattn.GaussianMixtureAttention):  # the same projections, no mixture used
+        def forward(self, x):
+            q, k, v = self._heads(x)
+            return self._merge(torch_eager.softmax_attention(q, k, v, None, True))
+
+    attention = {"mixattn": mixattn.GaussianMixtureAttention, "eager_gma": EagerGma,
+                 "softmax": Softmax}[impl]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d = cfg["d_model"]
+            self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.attn = attention(d, cfg["heads"], K, causal=True)
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+        def forward(self, x):
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+
+    torch.manual_seed(0)  # the same initial weights for every impl
+    model = nn.Sequential(nn.Embedding(cfg["vocab"], cfg["d_model"]),
+                          *[Block() for _ in range(cfg["layers"])],
+                          nn.LayerNorm(cfg["d_model"]), nn.Linear(cfg["d_model"], cfg["vocab"]))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(cfg["vocab"], (cfg["batch"], cfg["tokens"] + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg["vocab"]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(here, "results", "torch_ext.json"))
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--min-time", type=float, default=None,
+                    help="seconds of timed calls per point beyond the 3 calls (default 1, quick 0)")
+    ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    quick = os.environ.get("MIXATTN_BENCH_QUICK", "0") not in ("", "0")
+    min_time = args.min_time if args.min_time is not None else (0.0 if quick else 1.0)
+
+    if args.child:
+        json.dump(child(args.child, min_time, quick), sys.stdout)
+        return 0
+    try:
+        import torch
+        import mixattn  # noqa: F401
+    except ImportError as e:
+        print(f"torch_ext_bench: {e} for {sys.executable}; skipping (bench/run.sh builds the "
+              "extension when PyTorch is installed)")
+        return 0
+
+    entries = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        env = dict(os.environ)
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(threads)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(threads),
+               "--min-time", str(min_time)]
+        if threads == 1 and hasattr(os, "sched_getaffinity"):
+            cpu = os.environ.get("MIXATTN_BENCH_CPU", str(max(os.sched_getaffinity(0))))
+            cmd = ["taskset", "-c", cpu] + cmd
+        print(f"== torch_ext_bench: {threads} thread(s)", flush=True)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True)
+        entries += json.loads(proc.stdout)
+
+    context = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host_name": platform.node(),
+        "executable": "torch_ext_bench.py",
+        "num_cpus": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "softmax_impl": ("scaled_dot_product_attention"
+                         if hasattr(torch.nn.functional, "scaled_dot_product_attention")
+                         else "eager softmax(QK^T/sqrt(r) + mask) V"),
+        "shapes": f"B={B} H={H} N={N} r={R} d_v={DV} K={K}; model {MODEL}",
+        "mixattn_bench_quick": "1" if quick else "0",
+        "malloc": ("GLIBC_TUNABLES " + os.environ["GLIBC_TUNABLES"]
+                   if os.environ.get("GLIBC_TUNABLES") else "default"),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"context": context, "benchmarks": entries}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
