@@ -5,6 +5,9 @@
 #   MIXATTN_BENCH_QUICK=1 bash bench/run.sh  subset that still covers every target (a few minutes)
 #   MIXATTN_BENCH_TORCH=1 bash bench/run.sh  also the PyTorch eager side-by-side (apt-installs
 #                                            python3-torch and libopenblas0-pthread)
+# Where PyTorch is installed (install-deps installs it), the PyTorch extension is built into
+# $MIXATTN_BENCH_BUILD_DIR/venv and measured against eager PyTorch (bench/torch_ext_bench.py,
+# bench/results/torch_ext.json; a few minutes, most of it in the eager baselines).
 #
 # On a fresh Debian 12 machine run it as root (or with sudo available): it installs the build
 # dependencies through cmake/install-deps.sh. Other knobs:
@@ -92,6 +95,28 @@ main() {
       --benchmark_counters_tabular=false
   done
 
+  # The same malloc policy as the C++ binaries (bench_common.hpp: configure_malloc).
+  tunables=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824
+  [[ ${MIXATTN_BENCH_MALLOC:-keep} == default ]] && tunables=${GLIBC_TUNABLES:-}
+
+  # The PyTorch extension against eager PyTorch (python/, bench/torch_ext_bench.py), whenever
+  # PyTorch is installed: built into a virtual environment in the build directory.
+  if [[ -n ${MIXATTN_BENCH_FILTER:-} ]] && ! grep -qE -- "$MIXATTN_BENCH_FILTER" <<<"torch_ext"; then
+    echo "== PyTorch extension: filtered out"
+  elif "$py" -c "import torch" 2>/dev/null; then
+    echo "== PyTorch extension: build (log: $build/build-torch_ext.log)"
+    if bash python/venv.sh "$build/venv" >"$build/build-torch_ext.log" 2>&1; then
+      GLIBC_TUNABLES=$tunables "$build/venv/bin/python" bench/torch_ext_bench.py \
+        --out "$results/torch_ext.json"
+    else
+      tail -20 "$build/build-torch_ext.log"
+      echo "bench/run.sh: the PyTorch extension failed to build; skipping its benchmark" >&2
+      failed+=(torch_ext)
+    fi
+  else
+    echo "== PyTorch extension: skipped (no PyTorch for $py)"
+  fi
+
   if [[ ${MIXATTN_BENCH_TORCH:-0} == 1 ]]; then
     echo "== PyTorch side-by-side"
     if ! "$py" -c "import torch" 2>/dev/null; then
@@ -100,9 +125,6 @@ main() {
       DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
         python3-torch libopenblas0-pthread
     fi
-    # The same malloc policy as the C++ binaries (bench_common.hpp: configure_malloc).
-    tunables=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824
-    [[ ${MIXATTN_BENCH_MALLOC:-keep} == default ]] && tunables=${GLIBC_TUNABLES:-}
     GLIBC_TUNABLES=$tunables "${pin[@]}" "$py" bench/torch_side_by_side.py \
       --out "$results/torch_side_by_side.json"
   fi

@@ -418,6 +418,7 @@ def heap_growth(op):
 
 
 TORCH = "PyTorch side-by-side runs only with MIXATTN_BENCH_TORCH=1"
+TORCH_EXT = "the PyTorch extension's benchmark runs only where PyTorch is installed"
 
 
 def torch_ratio(torch_op, op):
@@ -478,6 +479,22 @@ TARGETS = [
     Target(f"PyTorch eager GMA fwd+bwd / mixattn (N={N})",
            torch_ratio("torch_gma_fwd_bwd_bidir", "gma_fwd_bwd_bidir"), (">=", 40),
            optional=TORCH),
+    # The PyTorch extension (bench/torch_ext_bench.py, float32, (B, H, N) = (4, 8, 2048),
+    # r = d_v = K = 64): eager PyTorch over mixattn's extension, both in one process, on the same
+    # number of threads (CPU time on one thread, wall time on two).
+    *[Target(f"PyTorch eager GMA fwd+bwd / mixattn.gma_attention, {mode}, B·H = 32, N = 2048, "
+             f"{threads} thread{'s' if threads > 1 else ''}",
+             (lambda mode, threads: lambda m: m.time(f"torch_ext_eager_gma_fwd_bwd_{mode}", 2048,
+                                                     threads)
+              / m.time(f"torch_ext_mixattn_fwd_bwd_{mode}", 2048, threads))(mode, threads),
+             (">=", 10), optional=TORCH_EXT)
+      for mode in ("bidir", "causal") for threads in (1, 2)],
+    *[Target(f"2-layer causal LM training step, eager-GMA model / mixattn modules (d_model 256, "
+             f"N = 2048, batch 4), {threads} thread{'s' if threads > 1 else ''}",
+             (lambda threads: lambda m: m.time("torch_ext_eager_gma_step_causal", 2048, threads)
+              / m.time("torch_ext_mixattn_step_causal", 2048, threads))(threads),
+             (">=", 3), optional=TORCH_EXT)
+      for threads in (1, 2)],
     # Speed-up on 2 threads (thread_speedup: bounded by 2, no verdict on a busy machine).
     *[Target(f"batched GMA {kind}, B·H = 8, 2 threads vs 1 (N={N})",
              thread_speedup(f"gma_heads_{kind}_bidir"), (">=", 1.7), bound=thread_bound(2))
@@ -495,6 +512,7 @@ PRODUCERS = [
     ("floor_softmax_", ["bench_reference"]),
     ("peak_", ["bench_peak"]),
     ("decode_", ["bench_decode"]),
+    ("torch_ext_", ["torch_ext"]),
     ("torch_", ["torch_side_by_side"]),
 ]
 
@@ -568,7 +586,8 @@ def floor_of(op):
 
 
 def flash_of(op):
-    if op.startswith(("flash_", "floor_", "gma_heads", "peak_")) or op == "gma_responsibilities":
+    if op.startswith(("flash_", "floor_", "gma_heads", "peak_", "torch_ext_")) or \
+            op == "gma_responsibilities":
         return None
     kind = "fwd_bwd" if "fwd_bwd" in op else "forward"
     mode = "bidir" if "bidir" in op else "causal"  # OVQ is causal

@@ -6,12 +6,12 @@
 PYTHON must import both torch and mixattn (bench/run.sh builds the extension into a virtual
 environment with python/venv.sh and runs this with it). Measures, at (B, H, N) = (4, 8, 2048),
 r = d_v = 64, K = 64:
-  torchext_op_{forward,fwd_bwd}_{bidir,causal}/<impl>   impl = mixattn (gma_attention),
+  torch_ext_<impl>_{forward,fwd_bwd}_{bidir,causal}/2048   impl = mixattn (gma_attention),
         eager_gma (the paper-style eager GMA of bench/torch_eager.py, whole batch at once),
         softmax (scaled_dot_product_attention when torch has it, >= 2.0; else the eager
         softmax(Q K^T / sqrt(r) + mask) V)
-  torchext_step_causal/<impl>   one training step (forward, backward, Adam) of a 2-layer causal
-        language model, d_model 256, 4 heads (r = d_v = 64), K = 64, N = 2048, batch 4: the same
+  torch_ext_<impl>_step_causal/2048   one training step (forward, backward, Adam) of a
+        2-layer causal language model, d_model 256, 4 heads (r = d_v = 64), K = 64, N = 2048, batch 4: the same
         model with mixattn.GaussianMixtureAttention, with eager GMA on the same parameters, or
         with softmax attention.
 Each thread count runs in its own process, with OMP/OpenBLAS threads set before torch loads
@@ -57,7 +57,7 @@ def child(threads, min_time, quick):
             cpus.append(time.thread_time() - c0)
             walls.append(time.perf_counter() - w0)
             calls += 1
-        full = f"{name}/threads:{threads}" + ("/real_time" if wall else "")
+        full = f"{name}/{N}/threads:{threads}" + ("/real_time" if wall else "")
         w, c = sum(walls) / calls, sum(cpus) / calls
         print(f"{full:55s} {c * 1e3:10.1f} ms cpu {w * 1e3:10.1f} ms wall ({calls} calls)",
               file=sys.stderr, flush=True)
@@ -88,10 +88,10 @@ def child(threads, min_time, quick):
                         t.grad = None
                     op(*leaves[:3], leaves[3:], causal).backward(d_out)
 
-                record(f"torchext_op_{kind}_{mode}/{impl}", call)
+                record(f"torch_ext_{impl}_{kind}_{mode}", call)
                 del leaves
     for impl in impls:
-        record(f"torchext_step_causal/{impl}", training_step(impl, torch, mixattn, torch_eager))
+        record(f"torch_ext_{impl}_step_causal", training_step(impl, torch, mixattn, torch_eager))
     return entries
 
 
