@@ -5,7 +5,11 @@ Every function works on one head (N x r) or on a batch of heads (..., N, r) with
 shape (..., K, r) broadcasting against it (e.g. q (B, H, N, r) with mean (H, K, r)).
 """
 
+import datetime
+import json
 import math
+import os
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -51,3 +55,41 @@ def softmax_attention(q, k, v, _mix, causal):
         mask = torch.ones(n, n, dtype=torch.bool).triu(1)
         s = s.masked_fill(mask, float("-inf"))
     return torch.softmax(s, -1) @ v
+
+
+def blas_in_use():
+    """The BLAS PyTorch calls. Debian's torch says BLAS_INFO=generic and uses whatever
+    libblas.so.3 the alternatives system points at: name the library actually mapped after a
+    matmul."""
+    config = torch.__config__.show()
+    blas_info = next((line.split("=", 1)[1].strip() for line in config.replace(",", "\n").splitlines()
+                      if "BLAS_INFO" in line), "unknown")
+    torch.randn(64, 64) @ torch.randn(64, 64)
+    try:
+        with open("/proc/self/maps") as f:
+            libs = sorted({line.split()[-1] for line in f
+                           if "blas" in line.lower() and line.split()[-1].startswith("/")})
+    except OSError:
+        libs = []
+    return f"{blas_info} ({', '.join(libs) if libs else 'no BLAS library mapped'})"
+
+
+def write_results(path, executable, entries, quick, **context):
+    """Google-Benchmark-style JSON for bench/summary.py: the run's context (date, host, torch,
+    its BLAS, quick mode, malloc policy, and `context`) and the entries."""
+    full = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host_name": platform.node(),
+        "executable": executable,
+        "num_cpus": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "torch_blas": blas_in_use(),
+        **context,
+        "mixattn_bench_quick": "1" if quick else "0",
+        "malloc": ("GLIBC_TUNABLES " + os.environ["GLIBC_TUNABLES"]
+                   if os.environ.get("GLIBC_TUNABLES") else "default"),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"context": full, "benchmarks": entries}, f, indent=1)
+    print(f"wrote {path}")

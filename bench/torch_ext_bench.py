@@ -16,7 +16,8 @@ r = d_v = 64, K = 64:
         with softmax attention.
 Each thread count runs in its own process, with OMP/OpenBLAS threads set before torch loads
 and torch.set_num_threads; one thread is pinned to one core (MIXATTN_BENCH_CPU, default the
-last). Every point: one untimed call, then at least 3 timed calls and --min-time seconds.
+last). Every point: one untimed call, then at least --min-calls (3) timed calls and --min-time
+seconds.
 Times: CPU time of the calling thread on one thread, wall time on two (names end in
 /real_time). Both sides run in the same process, so under the same allocator (bench/run.sh sets
 GLIBC_TUNABLES as for every other benchmark; recorded in the context). Writes Google-Benchmark-
@@ -24,20 +25,17 @@ style JSON for bench/summary.py. Exits 0 with a message when torch or mixattn is
 """
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
 B, H, N, R, DV, K = 4, 8, 2048, 64, 64, 64
 MODEL = dict(d_model=256, heads=4, vocab=256, layers=2, batch=4, tokens=2048)
-MIN_CALLS = 3
 
 
-def child(threads, min_time, quick):
+def child(threads, min_time, min_calls, quick):
     """Runs every case on `threads` threads; returns the benchmark entries."""
     import torch
     import mixattn
@@ -51,7 +49,7 @@ def child(threads, min_time, quick):
     def record(name, fn):
         fn()  # the untimed call: allocator, first-call dispatch
         calls, walls, cpus = 0, [], []
-        while calls < MIN_CALLS or sum(walls) < min_time:
+        while calls < min_calls or sum(walls) < min_time:
             w0, c0 = time.perf_counter(), time.thread_time()
             fn()
             cpus.append(time.thread_time() - c0)
@@ -152,16 +150,18 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--min-time", type=float, default=None,
                     help="seconds of timed calls per point beyond the 3 calls (default 1, quick 0)")
+    ap.add_argument("--min-calls", type=int, default=3,
+                    help="timed calls per point at least (the summary judges none below 3)")
     ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     quick = os.environ.get("MIXATTN_BENCH_QUICK", "0") not in ("", "0")
     min_time = args.min_time if args.min_time is not None else (0.0 if quick else 1.0)
 
     if args.child:
-        json.dump(child(args.child, min_time, quick), sys.stdout)
+        json.dump(child(args.child, min_time, args.min_calls, quick), sys.stdout)
         return 0
     try:
-        import torch
+        import torch  # noqa: F401  (both must import; the children use them)
         import mixattn  # noqa: F401
     except ImportError as e:
         print(f"torch_ext_bench: {e} for {sys.executable}; skipping (bench/run.sh builds the "
@@ -174,7 +174,7 @@ def main():
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(threads)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(threads),
-               "--min-time", str(min_time)]
+               "--min-time", str(min_time), "--min-calls", str(args.min_calls)]
         if threads == 1 and hasattr(os, "sched_getaffinity"):
             cpu = os.environ.get("MIXATTN_BENCH_CPU", str(max(os.sched_getaffinity(0))))
             cmd = ["taskset", "-c", cpu] + cmd
@@ -182,24 +182,12 @@ def main():
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True)
         entries += json.loads(proc.stdout)
 
-    context = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "host_name": platform.node(),
-        "executable": "torch_ext_bench.py",
-        "num_cpus": os.cpu_count(),
-        "torch_version": torch.__version__,
-        "softmax_impl": ("scaled_dot_product_attention"
-                         if hasattr(torch.nn.functional, "scaled_dot_product_attention")
-                         else "eager softmax(QK^T/sqrt(r) + mask) V"),
-        "shapes": f"B={B} H={H} N={N} r={R} d_v={DV} K={K}; model {MODEL}",
-        "mixattn_bench_quick": "1" if quick else "0",
-        "malloc": ("GLIBC_TUNABLES " + os.environ["GLIBC_TUNABLES"]
-                   if os.environ.get("GLIBC_TUNABLES") else "default"),
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"context": context, "benchmarks": entries}, f, indent=1)
-    print(f"wrote {args.out}")
+    sys.path.insert(0, here)
+    from torch_eager import HAS_SDPA, write_results
+    write_results(args.out, "torch_ext_bench.py", entries, quick,
+                  softmax_impl=("scaled_dot_product_attention" if HAS_SDPA
+                                else "eager softmax(QK^T/sqrt(r) + mask) V"),
+                  shapes=f"B={B} H={H} N={N} r={R} d_v={DV} K={K}; model {MODEL}")
     return 0
 
 

@@ -16,10 +16,7 @@ Exits 0 with a message when torch is not installed.
 """
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 import time
 
@@ -49,25 +46,12 @@ def main():
               "; skipping (MIXATTN_BENCH_TORCH=1 bash bench/run.sh installs python3-torch)")
         return 0
     torch.set_num_threads(1)
-    config = torch.__config__.show()
-    print(config)
+    print(torch.__config__.show())
     print(torch.__config__.parallel_info())
-    blas_info = next((line.split("=", 1)[1].strip() for line in config.replace(",", "\n").splitlines()
-                      if "BLAS_INFO" in line), "unknown")
-    # Debian's torch says BLAS_INFO=generic and uses whatever libblas.so.3 the alternatives
-    # system points at: name the library actually mapped after a matmul.
-    torch.randn(64, 64) @ torch.randn(64, 64)
-    try:
-        with open("/proc/self/maps") as f:
-            libs = sorted({line.split()[-1] for line in f
-                           if "blas" in line.lower() and line.split()[-1].startswith("/")})
-    except OSError:
-        libs = []
-    blas = f"{blas_info} ({', '.join(libs) if libs else 'no BLAS library mapped'})"
-    print(f"torch {torch.__version__}, BLAS: {blas}, threads: {torch.get_num_threads()}")
-
     sys.path.insert(0, here)
-    from torch_eager import HAS_SDPA as has_sdpa, gma, softmax_attention
+    from torch_eager import HAS_SDPA as has_sdpa, blas_in_use, gma, softmax_attention, write_results
+    blas = blas_in_use()
+    print(f"torch {torch.__version__}, BLAS: {blas}, threads: {torch.get_num_threads()}")
 
     def time_case(fn):
         fn()  # warm-up (allocator, first-call dispatch)
@@ -125,23 +109,9 @@ def main():
                                         "cpu_time": cpu * 1e3, "time_unit": "ms", "N": n,
                                         "warm_up_calls": 1})
 
-    context = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "host_name": platform.node(),
-        "executable": "torch_side_by_side.py",
-        "num_cpus": os.cpu_count(),
-        "torch_version": torch.__version__,
-        "torch_blas": blas,
-        "torch_threads": torch.get_num_threads(),
-        "softmax_impl": "scaled_dot_product_attention" if has_sdpa else "softmax(QK^T)V",
-        "mixattn_bench_quick": "1" if quick else "0",
-        "malloc": ("GLIBC_TUNABLES " + os.environ["GLIBC_TUNABLES"]
-                   if os.environ.get("GLIBC_TUNABLES") else "default"),
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"context": context, "benchmarks": results}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, "torch_side_by_side.py", results, quick,
+                  torch_threads=torch.get_num_threads(),
+                  softmax_impl="scaled_dot_product_attention" if has_sdpa else "softmax(QK^T)V")
     return 0
 
 

@@ -88,6 +88,15 @@ Shape attention_shape(const std::string& fn, at::Tensor& q, at::Tensor& k,
   return s;
 }
 
+/// grad_out (B, H, N, d_v), like the forward's output.
+at::Tensor checked_grad_out(const std::string& fn, const at::Tensor& grad_out, const Shape& s,
+                            const at::Tensor& like) {
+  at::Tensor g = checked(grad_out, fn, "grad_out", 4, like);
+  if (g.sizes() != at::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
+    fail(fn, "grad_out has shape " + shape_of(g) + ", not the output's");
+  return g;
+}
+
 SavedBox box(const std::string& kind, const at::Tensor& like, SavedPtr record) {
   return SavedBox{kind + "/" + std::string(c10::toString(like.scalar_type())), std::move(record)};
 }
@@ -176,9 +185,7 @@ std::vector<at::Tensor> gma_backward_py(at::Tensor q, at::Tensor k, at::Tensor v
   const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor,
                              check_finite);
   const Shape& s = a.shape;
-  grad_out = checked(grad_out, fn, "grad_out", 4, a.q);
-  if (grad_out.sizes() != at::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
-    fail(fn, "grad_out has shape " + shape_of(grad_out) + ", not the output's");
+  grad_out = checked_grad_out(fn, grad_out, s, a.q);
   const SavedPtr& rec = unbox(saved, "gma", a.q, fn);
   auto dq = at::empty_like(a.q), dk = at::empty_like(a.k), dv = at::empty_like(a.v);
   auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
@@ -244,9 +251,7 @@ std::vector<at::Tensor> ovq_backward_py(at::Tensor q, at::Tensor k, at::Tensor v
                                            const SavedBox& saved, const OvqConfig& c) {
   const std::string fn = "mixattn.ovq_attention (backward)";
   const Shape s = ovq_shape(fn, q, k, v, beta);
-  grad_out = checked(grad_out, fn, "grad_out", 4, q);
-  if (grad_out.sizes() != at::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
-    fail(fn, "grad_out has shape " + shape_of(grad_out) + ", not the output's");
+  grad_out = checked_grad_out(fn, grad_out, s, q);
   const SavedPtr& rec = unbox(saved, "ovq", q, fn);
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   auto dbeta = at::empty_like(beta);
@@ -289,9 +294,7 @@ std::vector<at::Tensor> flash_backward_py(at::Tensor q, at::Tensor k, at::Tensor
                                              bool causal, double scale, bool check_finite) {
   const std::string fn = "mixattn.flash_attention (backward)";
   const Shape s = flash_shape(fn, q, k, v, causal);
-  grad_out = checked(grad_out, fn, "grad_out", 4, q);
-  if (grad_out.sizes() != at::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
-    fail(fn, "grad_out has shape " + shape_of(grad_out) + ", not the output's");
+  grad_out = checked_grad_out(fn, grad_out, s, q);
   const SavedPtr& rec = unbox(saved, "flash", q, fn);
   const FlashConfig c{causal, scale, check_finite};
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
