@@ -202,7 +202,8 @@ std::vector<at::Tensor> gma_backward_py(at::Tensor q, at::Tensor k, at::Tensor v
 // --- OVQ ---------------------------------------------------------------------------------------
 
 OvqConfig ovq_config(int64_t block, int64_t max_centroids, const std::string& growth,
-                     double growth_alpha, const std::string& seeding, bool count_bias,
+                     double growth_alpha, const std::string& seeding,
+                     const std::string& assignment, bool count_bias,
                      bool grad_through_dictionary, double norm_eps, bool check_finite) {
   const std::string fn = "mixattn.ovq_attention";
   OvqConfig c;
@@ -215,6 +216,9 @@ OvqConfig ovq_config(int64_t block, int64_t max_centroids, const std::string& gr
   if (seeding != "greedy_dispersion" && seeding != "one_shot")
     fail(fn, "seeding is '" + seeding + "'; it must be 'greedy_dispersion' or 'one_shot'");
   c.one_shot_seeding = seeding == "one_shot";
+  if (assignment != "all_centroids" && assignment != "existing_only")
+    fail(fn, "assignment is '" + assignment + "'; it must be 'all_centroids' or 'existing_only'");
+  c.existing_only = assignment == "existing_only";
   c.count_bias = count_bias;
   c.grad_through_dictionary = grad_through_dictionary;
   c.norm_eps = norm_eps;
@@ -318,7 +322,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("kind", [](const mt::SavedBox& b) { return b.kind; });
   py::class_<mt::OvqConfig>(m, "OvqConfig")
       .def(py::init(&mt::ovq_config), py::arg("block"), py::arg("max_centroids"),
-           py::arg("growth"), py::arg("growth_alpha"), py::arg("seeding"), py::arg("count_bias"),
+           py::arg("growth"), py::arg("growth_alpha"), py::arg("seeding"), py::arg("assignment"), py::arg("count_bias"),
            py::arg("grad_through_dictionary"), py::arg("norm_eps"), py::arg("check_finite"));
   // The kernels release the GIL: other Python threads (DDP's reducer, data loaders) run meanwhile.
   const auto nogil = py::call_guard<py::gil_scoped_release>();

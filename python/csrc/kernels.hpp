@@ -56,6 +56,7 @@ struct OvqConfig {
   bool linear_growth = false;     // ovq::Growth::linear instead of plateau
   double growth_alpha = 0;
   bool one_shot_seeding = false;  // ovq::Seeding::one_shot instead of greedy_dispersion
+  bool existing_only = false;     // ovq::Assignment::existing_only instead of all_centroids
   bool count_bias = true;
   bool grad_through_dictionary = true;
   double norm_eps = 1e-5;

@@ -15,6 +15,8 @@ mixattn::ovq::Options options_of(const OvqConfig& c) {
   opt.growth_alpha = c.growth_alpha;
   opt.seeding = c.one_shot_seeding ? mixattn::ovq::Seeding::one_shot
                                    : mixattn::ovq::Seeding::greedy_dispersion;
+  opt.assignment = c.existing_only ? mixattn::ovq::Assignment::existing_only
+                                   : mixattn::ovq::Assignment::all_centroids;
   opt.count_bias = c.count_bias;
   opt.grad_through_dictionary = c.grad_through_dictionary;
   opt.norm_eps = c.norm_eps;

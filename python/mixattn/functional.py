@@ -96,20 +96,24 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
 
 
 def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau",
-                  growth_alpha=0.0, seeding="greedy_dispersion", count_bias=True,
-                  grad_through_dictionary=True, norm_eps=1e-5, check_finite=True):
+                  growth_alpha=0.0, seeding="greedy_dispersion", assignment="all_centroids",
+                  count_bias=True, grad_through_dictionary=True, norm_eps=1e-5,
+                  check_finite=True):
     """Online Vector-Quantized attention (SPEC.md section 2), causal, every sequence of the batch
     from an empty dictionary.
 
     q, k: (B, H, T, r); v: (B, H, T, d_v); beta: (H,), the per-head scale (logits use
     beta * sqrt(r)). Returns (B, H, T, d_v). Options are those of ``mixattn::ovq::Options``:
     block (C), max_centroids (N_max), growth ('plateau' or 'linear'), growth_alpha (0: N_max),
-    seeding ('greedy_dispersion' or 'one_shot'), count_bias, grad_through_dictionary (False:
+    seeding ('greedy_dispersion' or 'one_shot'), assignment ('all_centroids', or
+    'existing_only': non-seed tokens join only centroids older than their block), count_bias,
+    grad_through_dictionary (False:
     the dictionary is a constant for the backward), norm_eps. Gradients flow to q, k, v and
     beta (summed over the batch).
     """
     config = _C.OvqConfig(int(block), int(max_centroids), str(growth), float(growth_alpha),
-                          str(seeding), bool(count_bias), bool(grad_through_dictionary),
+                          str(seeding), str(assignment), bool(count_bias),
+                          bool(grad_through_dictionary),
                           float(norm_eps), bool(check_finite))
     return _OvqFunction.apply(q, k, v, beta, config)
 

@@ -68,7 +68,7 @@ def seed_picks(keys, dictionary, nu, seeding):
 
 
 def ovq_head(q, k, v, beta, block, max_centroids, growth, growth_alpha, seeding, count_bias,
-             grad_through_dictionary, norm_eps):
+             grad_through_dictionary, norm_eps, assignment="all_centroids"):
     """SPEC 2.2-2.4 for one head, token by token; q, k (T, r), v (T, d_v), beta a scalar."""
     t_len, r = q.shape
     qn = q / (q.norm(dim=1, keepdim=True) + norm_eps)
@@ -100,6 +100,8 @@ def ovq_head(q, k, v, beta, block, max_centroids, growth, growth_alpha, seeding,
         for j in range(block):
             if j in picks:
                 members[n_old + picks.index(j)].append(j)  # a seed counts itself
+            elif assignment == "existing_only":  # old centroids only; none: the first seed's
+                members[int(torch.argmax(dk.detach() @ keys[j])) if n_old else 0].append(j)
             else:
                 members[int(torch.argmax(all_keys @ keys[j]))].append(j)
         rows_k, rows_v, new_counts = [], [], []
@@ -122,10 +124,11 @@ def ovq_head(q, k, v, beta, block, max_centroids, growth, growth_alpha, seeding,
 
 def ovq(q, k, v, beta, block=256, max_centroids=1024, growth="plateau", growth_alpha=0.0,
         seeding="greedy_dispersion", count_bias=True, grad_through_dictionary=True,
-        norm_eps=1e-5):
+        norm_eps=1e-5, assignment="all_centroids"):
     """OVQ over (B, H, T, .) tensors, every (b, h) from an empty dictionary; beta (H,)."""
     b_len, h_len = q.shape[:2]
     heads = [[ovq_head(q[b, h], k[b, h], v[b, h], beta[h], block, max_centroids, growth,
-                       growth_alpha, seeding, count_bias, grad_through_dictionary, norm_eps)
+                       growth_alpha, seeding, count_bias, grad_through_dictionary, norm_eps,
+                       assignment)
               for h in range(h_len)] for b in range(b_len)]
     return torch.stack([torch.stack(row) for row in heads])

@@ -127,6 +127,11 @@ OVQ_CASES = {
                                          seeding="one_shot", count_bias=False),
     "linear-greedy-stop": dict(block=3, max_centroids=7, growth="linear",
                                grad_through_dictionary=False),
+    "plateau-oneshot-existing": dict(block=6, max_centroids=16, seeding="one_shot",
+                                     assignment="existing_only"),
+    "linear-greedy-existing-stop": dict(block=3, max_centroids=7, growth="linear",
+                                        assignment="existing_only",
+                                        grad_through_dictionary=False),
     "linear-oneshot-stop": dict(block=5, max_centroids=4, growth="linear", seeding="one_shot",
                                 grad_through_dictionary=False, norm_eps=0.1),
 }
@@ -157,9 +162,10 @@ def test_ovq_defaults_match_eager():
     compare_with_eager(mixattn.ovq_attention, eager.ovq, inputs, 9, "ovq defaults")
 
 
-def test_ovq_gradcheck_through_dictionary():
+@pytest.mark.parametrize("assignment", ["all_centroids", "existing_only"])
+def test_ovq_gradcheck_through_dictionary(assignment):
     inputs = ovq_inputs(2, 2, 11, 3, 2, seed=61)
-    opts = dict(block=3, max_centroids=3)
+    opts = dict(block=3, max_centroids=3, assignment=assignment)
     assert torch.autograd.gradcheck(lambda *x: mixattn.ovq_attention(*x, **opts), inputs,
                                     eps=1e-6, atol=1e-7, rtol=1e-5)
 
@@ -246,6 +252,8 @@ def test_rejections_name_function_and_argument():
     beta = torch.ones(2, dtype=DOUBLE)
     with pytest.raises(ValueError, match=r"mixattn.ovq_attention: beta has shape"):
         mixattn.ovq_attention(q, k, v, beta[:1])
+    with pytest.raises(ValueError, match=r"assignment is 'nearest'"):
+        mixattn.ovq_attention(q, k, v, beta, assignment="nearest")
     with pytest.raises(ValueError, match=r"growth is 'fast'"):
         mixattn.ovq_attention(q, k, v, beta, growth="fast")
     with pytest.raises(ValueError, match=r"mixattn::ovq::forward: options.block is 0"):
