@@ -63,6 +63,40 @@ struct Options {
   Index chunk = 0;
 };
 
+/// One head's causal prefix state (SPEC 1.4): after t tokens, S = sum_{j<t} gamma_k,j v_j^T and
+/// z = sum_{j<t} gamma_k,j, kept in the wide type (double for float) like the chunked scan.
+/// Constant size whatever the sequence length: O(K d_v).
+template <class T>
+struct State {
+  using Wide = detail::wide_t<T>;
+  Matrix<Wide> S;  // K x d_v
+  Vector<Wide> z;  // K
+  Index tokens_seen = 0;
+
+  Index components() const { return S.rows(); }
+  Index value_dim() const { return S.cols(); }
+
+  /// The state before the first token: zeros, K = components (>= 1), d_v = value_dim (>= 1).
+  static State empty(Index components, Index value_dim) {
+    detail::require(components >= 1 && value_dim >= 1, "mixattn::gma::State::empty",
+                    "components is ", components, " and value_dim is ", value_dim,
+                    "; both must be >= 1");
+    State st;
+    st.S = Matrix<Wide>::Zero(components, value_dim);
+    st.z = Vector<Wide>::Zero(components);
+    return st;
+  }
+};
+
+/// Gradient of a scalar loss with respect to a State's S (K x d_v) and z (K), in the wide type.
+/// backward of a continued forward returns it for the start state (Grad::state) and takes it
+/// for the end state (the loss's dependence on what later pieces read from it).
+template <class T>
+struct StateGrad {
+  Matrix<detail::wide_t<T>> S;  // K x d_v
+  Vector<detail::wide_t<T>> z;  // K
+};
+
 /// What forward keeps for backward: O((N + M) K + N d_v), never O(N M).
 template <class T>
 struct Saved {
@@ -77,12 +111,31 @@ struct Saved {
   Index chunk = 0;
   double fingerprint[4] = {0, 0, 0, 0};  // content sums of q, k, v, mixture
   bool valid = false;
+  // Set by the State overload of forward: the state the call continued (a copy, O(K d_v)).
+  bool continued = false;
+  Matrix<detail::wide_t<T>> start_S;  // K x d_v
+  Vector<detail::wide_t<T>> start_z;  // K
 };
 
 template <class T>
 struct Grad {
   Matrix<T> q, k, v;  // N x r, M x r, M x d_v
   MixtureGrad<T> mixture;
+  StateGrad<T> state;  // dS0, dz0 of the start state (continued forward only; else empty)
+};
+
+/// A mixture reduced once to what its responsibilities need (variances, log priors, the packed
+/// kernel coefficients), for decoding: recomputing them costs K r softplus and logs, more than
+/// the token itself. Made by prepare(mix); a snapshot, it does not follow later changes to the
+/// mixture (backward compares the mixture it is given against `mixture_sum`).
+template <class T>
+struct Prepared {
+  detail::MixtureConstants<detail::wide_t<T>> constants;
+  detail::PackedDensity<T> packed;
+  double mixture_sum = 0;  // content fingerprint of the mixture it was made from
+
+  Index components() const { return packed.components; }
+  Index dim() const { return packed.dim; }
 };
 
 }  // namespace mixattn::gma
@@ -135,12 +188,11 @@ void gma_check_mixture(const gma::Mixture<T>& mix, const char* fn, bool check_fi
   }
 }
 
+/// Shapes of q, k, v against the mixture's dimension r, the options, and (with check_finite)
+/// the inputs' values.
 template <class T>
-void gma_check_inputs(const char* fn, const gma::Mixture<T>& mix, const ConstMatrixRef<T>& q,
-                      const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                      const gma::Options& opt) {
-  gma_check_mixture(mix, fn, opt.check_finite);
-  const Index r = mix.mean.cols();
+void gma_check_qkv(const char* fn, Index r, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                   const ConstMatrixRef<T>& v, const gma::Options& opt) {
   require(q.cols() == r, fn, "q is ", shape_str(q), " but the mixture has dimension ", r);
   require(k.cols() == r, fn, "k is ", shape_str(k), " but the mixture has dimension ", r);
   require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows());
@@ -156,6 +208,33 @@ void gma_check_inputs(const char* fn, const gma::Mixture<T>& mix, const ConstMat
     require_finite(q, fn, "q");
     require_finite(k, fn, "k");
     require_finite(v, fn, "v");
+  }
+}
+
+template <class T>
+void gma_check_inputs(const char* fn, const gma::Mixture<T>& mix, const ConstMatrixRef<T>& q,
+                      const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                      const gma::Options& opt) {
+  gma_check_mixture(mix, fn, opt.check_finite);
+  gma_check_qkv<T>(fn, mix.mean.cols(), q, k, v, opt);
+}
+
+/// A State continued by a call with K components, d_v value columns and n more tokens.
+template <class T>
+void gma_check_state(const char* fn, const gma::State<T>& st, Index K, Index dv, Index n,
+                     const gma::Options& opt) {
+  require(opt.causal, fn,
+          "a State is a causal prefix: options.causal must be true to continue one");
+  require(st.S.rows() == K && st.S.cols() == dv && st.z.size() == K, fn, "state.S is ",
+          shape_str(st.S), " and state.z has ", st.z.size(), " entries, but the mixture has ", K,
+          " components and v has ", dv, " columns: make it with State<T>::empty(", K, ", ", dv,
+          ")");
+  require(st.tokens_seen >= 0 && n <= std::numeric_limits<Index>::max() - st.tokens_seen, fn,
+          "state.tokens_seen is ", st.tokens_seen, "; with ", n,
+          " more tokens it must stay in [0, max Index]");
+  if (opt.check_finite) {
+    require_finite(st.S, fn, "state.S");
+    require_finite(st.z, fn, "state.z");
   }
 }
 
@@ -177,6 +256,119 @@ Matrix<T> gma_gamma(const PackedDensity<T>& p, const ConstMatrixRef<T>& x) {
   Matrix<T> out(x.rows(), p.components);
   responsibilities_into(Arch{}, p, x.data(), x.outerStride(), x.rows(), out.data(), p.components);
   return out;
+}
+
+/// Fills what backward needs from one forward call (fingerprints of the call's own inputs).
+template <class T>
+void gma_save(gma::Saved<T>& saved, Matrix<T>&& gq, Matrix<T>&& gk, Vector<T>&& den,
+              const Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+              const ConstMatrixRef<T>& v, const gma::Options& opt, double mixture_fingerprint) {
+  saved.gamma_q = std::move(gq);
+  saved.gamma_k = std::move(gk);
+  saved.den = std::move(den);
+  saved.out = out;
+  saved.causal = opt.causal;
+  saved.eps = opt.eps;
+  saved.chunk = gma_chunk(opt);
+  saved.fingerprint[0] = content_sum(q);
+  saved.fingerprint[1] = content_sum(k);
+  saved.fingerprint[2] = content_sum(v);
+  saved.fingerprint[3] = mixture_fingerprint;
+  saved.continued = false;
+  saved.start_S.resize(0, 0);
+  saved.start_z.resize(0);
+  saved.valid = true;
+}
+
+/// Wide scratch of the one-token decode kernel, per thread (two d_v vectors).
+template <class W>
+Vector<W>& gma_decode_scratch(int slot) {
+  thread_local Vector<W> buffers[2];
+  return buffers[slot];
+}
+
+/// Causal forward continuing `st` (SPEC 1.4) for a mixture already packed; validated by the
+/// caller. Short pieces (fewer tokens than a chunk: decoding) take the one-token recurrence on
+/// the wide state, longer ones the chunked scan; both are the same sums up to rounding.
+template <class Arch, class T>
+Matrix<T> gma_forward_continued(const PackedDensity<T>& p, const ConstMatrixRef<T>& q,
+                                const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                                const gma::Options& opt, gma::State<T>& st, gma::Saved<T>* saved,
+                                double mixture_fingerprint) {
+  using W = wide_t<T>;
+  const Index N = q.rows(), K = p.components, dv = v.cols(), chunk = gma_chunk(opt);
+  Matrix<T> own_q, own_k;
+  Matrix<T>& gq = saved ? own_q : gma_workspace<T>(0);
+  Matrix<T>& gk = saved ? own_k : gma_workspace<T>(1);
+  gq.resize(N, K);
+  gk.resize(N, K);
+  responsibilities_into(Arch{}, p, q.data(), q.outerStride(), N, gq.data(), K);
+  responsibilities_into(Arch{}, p, k.data(), k.outerStride(), N, gk.data(), K);
+  Matrix<T> out(N, dv);
+  Vector<T> den(N);
+  Matrix<W> start_S;
+  Vector<W> start_z;
+  if (saved) {
+    start_S = st.S;
+    start_z = st.z;
+  }
+  if (N < chunk) {
+    Vector<W>& vw = gma_decode_scratch<W>(0);
+    Vector<W>& num = gma_decode_scratch<W>(1);
+    vw.resize(dv);
+    num.resize(dv);
+    gma_causal_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, dv,
+                         static_cast<T>(opt.eps), st.S, st.z, vw, num, out.data(), dv, den.data());
+  } else {
+    gma_causal_forward<T>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z);
+  }
+  st.tokens_seen += N;
+  if (saved) {
+    gma_save(*saved, std::move(gq), std::move(gk), std::move(den), out, q, k, v, opt,
+             mixture_fingerprint);
+    saved->continued = true;
+    saved->start_S = std::move(start_S);
+    saved->start_z = std::move(start_z);
+  }
+  return out;
+}
+
+/// dL/d(end state) is only meaningful for a forward that continued a State.
+template <class T>
+void gma_check_state_grad(const char* fn, const gma::Saved<T>& saved, const gma::StateGrad<T>& gs,
+                          Index K, Index dv, bool check_finite) {
+  require(saved.continued, fn,
+          "grad_state_out is given but saved is from a forward without a State");
+  require(gs.S.rows() == K && gs.S.cols() == dv && gs.z.size() == K, fn, "grad_state_out.S is ",
+          shape_str(gs.S), " and grad_state_out.z has ", gs.z.size(), " entries, but the state is ",
+          K, " x ", dv, " and ", K);
+  if (check_finite) {
+    require_finite(gs.S, fn, "grad_state_out.S");
+    require_finite(gs.z, fn, "grad_state_out.z");
+  }
+}
+
+/// The causal backward's two boundary states: the prefix starts from the forward's start state
+/// (S0, z0; zero for a whole sequence) and the suffix from dL/d(end state) (G, u; zero if none).
+template <class T>
+void gma_state_grad_init(const gma::Saved<T>& saved, const gma::StateGrad<T>* gs, Index K, Index dv,
+                         Matrix<wide_t<T>>& S0, Vector<wide_t<T>>& z0, Matrix<wide_t<T>>& G,
+                         Vector<wide_t<T>>& u) {
+  using W = wide_t<T>;
+  if (saved.continued) {
+    S0 = saved.start_S;
+    z0 = saved.start_z;
+  } else {
+    S0 = Matrix<W>::Zero(K, dv);
+    z0 = Vector<W>::Zero(K);
+  }
+  if (gs != nullptr) {
+    G = gs->S;
+    u = gs->z;
+  } else {
+    G = Matrix<W>::Zero(K, dv);
+    u = Vector<W>::Zero(K);
+  }
 }
 
 /// Rows per panel of the backward: the panel's dGamma/dS (panel x K), [g | h] (panel x (d_v+1))
@@ -312,7 +504,9 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const Const
   Matrix<T> vt;
   Vector<T> z;
   if (opt.causal) {
-    detail::gma_causal_forward<T>(gq, gk, v, eps, detail::gma_chunk(opt), out, den);
+    Matrix<W> S = Matrix<W>::Zero(K, dv);
+    Vector<W> zs = Vector<W>::Zero(K);
+    detail::gma_causal_forward<T>(gq, gk, v, eps, detail::gma_chunk(opt), out, den, S, zs);
   } else {
     // write: Vt = Gamma_K^T V, Z = Gamma_K^T 1; read: numerators by GEMM, denominators by GEMV
     // (a GEMV costs less than copying V into [V | 1] for the ones-column trick).
@@ -326,31 +520,77 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const Const
     out.array().colwise() /= den.array();
   }
   if (saved) {
-    saved->gamma_q = std::move(gq);
-    saved->gamma_k = std::move(gk);
-    saved->den = std::move(den);
-    saved->out = out;
+    detail::gma_save(*saved, std::move(gq), std::move(gk), std::move(den), out, q, k, v, opt,
+                     detail::mixture_sum(mix));
     saved->vt = std::move(vt);
     saved->z = std::move(z);
-    saved->causal = opt.causal;
-    saved->eps = opt.eps;
-    saved->chunk = detail::gma_chunk(opt);
-    saved->fingerprint[0] = detail::content_sum(q);
-    saved->fingerprint[1] = detail::content_sum(k);
-    saved->fingerprint[2] = detail::content_sum(v);
-    saved->fingerprint[3] = detail::mixture_sum(mix);
-    saved->valid = true;
   }
   return out;
 }
 
-/// GMA backward (SPEC 1.5): gradients of sum(grad_out . forward(mix, q, k, v)) with respect to
-/// q (N x r), k (M x r), v (M x d_v) and the mixture's mean, var_raw, prior_logit.
-/// grad_out: N x d_v; saved: filled by forward with the same inputs and options.
+/// Reduces a mixture once to the constants its responsibilities need (see Prepared), for the
+/// decode overload of forward. mix: K components of dimension r.
+template <class T, class Arch = detail::simd_arch>
+Prepared<T> prepare(const Mixture<T>& mix, bool check_finite = true) {
+  detail::gma_check_mixture(mix, "mixattn::gma::prepare", check_finite);
+  using W = detail::wide_t<T>;
+  Prepared<T> prep;
+  prep.constants =
+      detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
+  prep.packed = detail::pack_density<Arch, T>(mix.mean, prep.constants);
+  prep.mixture_sum = detail::mixture_sum(mix);
+  return prep;
+}
+
+/// Causal GMA forward continuing `state` (SPEC 1.4): q, k (n x r) and v (n x d_v) are the next
+/// n tokens after state.tokens_seen; returns n x d_v and advances `state` past them. Feeding a
+/// sequence in any pieces (down to one token) gives the one-call outputs up to rounding.
+/// opt.causal must be true; state must be K x d_v (State<T>::empty(K, d_v)). `saved` receives
+/// what backward needs, the start state included (O(n K + n d_v + K d_v)).
+/// On a throw (bad shapes or options: invalid_argument; non-finite q, k, v or state:
+/// domain_error) `state` is untouched.
+template <class T, class Arch = detail::simd_arch>
+Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const Options& opt, State<T>& state,
+                  Saved<T>* saved = nullptr) {
+  static constexpr const char* fn = "mixattn::gma::forward";
+  detail::gma_check_inputs(fn, mix, q, k, v, opt);
+  detail::gma_check_state(fn, state, mix.components(), v.cols(), q.rows(), opt);
+  using W = detail::wide_t<T>;
+  const detail::MixtureConstants<W> c =
+      detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
+  const detail::PackedDensity<T> p = detail::pack_density<Arch, T>(mix.mean, c);
+  return detail::gma_forward_continued<Arch, T>(p, q, k, v, opt, state, saved,
+                                                detail::mixture_sum(mix));
+}
+
+/// The same with the mixture prepared once (prepare(mix)): the decode path, which spends per
+/// token only the responsibilities of q and k and one pass over the state (O(K (r + d_v))).
+/// prep must come from prepare<T, Arch> for the same Arch.
+template <class T, class Arch = detail::simd_arch>
+Matrix<T> forward(const Prepared<T>& prep, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const Options& opt, State<T>& state,
+                  Saved<T>* saved = nullptr) {
+  static constexpr const char* fn = "mixattn::gma::forward";
+  detail::require(prep.packed.components > 0 &&
+                      prep.packed.width == static_cast<Index>(detail::simd_width<Arch, T>::value),
+                  fn, "prep was not made by mixattn::gma::prepare for this instruction set");
+  detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
+  detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
+  return detail::gma_forward_continued<Arch, T>(prep.packed, q, k, v, opt, state, saved,
+                                                prep.mixture_sum);
+}
+
+/// Backward of a piece of a longer sequence (SPEC 1.5, pieces): saved comes from the State
+/// overload of forward; grad_state_out (optional, K x d_v and K) is dL/d(end state), which the
+/// next piece's backward returned as its grad.state. Adds the end state's use to the keys and
+/// values of this piece and writes grad.state = dL/d(start state). Running the pieces' backwards
+/// in reverse, each fed its successor's grad.state, gives the gradients of one call over the
+/// whole sequence.
 template <class T, class Arch = detail::simd_arch>
 Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
-                 const Saved<T>& saved, const Options& opt = {}) {
+                 const Saved<T>& saved, const Options& opt, const StateGrad<T>* grad_state_out) {
   static constexpr const char* fn = "mixattn::gma::backward";
   detail::gma_check_inputs(fn, mix, q, k, v, opt);
   const Index N = q.rows(), M = k.rows(), K = mix.components(), dv = v.cols();
@@ -372,6 +612,12 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
                       detail::same_fingerprint(saved.fingerprint[2], detail::content_sum(v)) &&
                       detail::same_fingerprint(saved.fingerprint[3], detail::mixture_sum(mix)),
                   fn, "saved was made from different q, k, v or mixture values");
+  detail::require(!saved.continued || (saved.start_S.rows() == K && saved.start_S.cols() == dv &&
+                                       saved.start_z.size() == K),
+                  fn, "saved.start_S is ", detail::shape_str(saved.start_S), " but the state is ",
+                  K, " x ", dv);
+  if (grad_state_out != nullptr)
+    detail::gma_check_state_grad(fn, saved, *grad_state_out, K, dv, opt.check_finite);
   using W = detail::wide_t<T>;
   const Index r = mix.dim();
   const detail::MixtureConstants<W> c =
@@ -396,8 +642,16 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
     const Vector<T> h =
         -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
     Matrix<T> dgq(N, K), dgk(M, K);
+    // Prefix from the start state (zero for a whole sequence); suffix from dL/d(end state).
+    Matrix<W> S0, G;
+    Vector<W> z0, u;
+    detail::gma_state_grad_init(saved, grad_state_out, K, dv, S0, z0, G, u);
     detail::gma_causal_backward<T>(saved.gamma_q, saved.gamma_k, v, g, h, saved.chunk, dgq, dgk,
-                                   grad.v);
+                                   grad.v, S0, z0, G, u);
+    if (saved.continued) {
+      grad.state.S = std::move(G);
+      grad.state.z = std::move(u);
+    }
     for (Index i0 = 0; i0 < N; i0 += panel) {
       const Index n = std::min(panel, N - i0);
       detail::gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),
@@ -449,6 +703,20 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
   }
   detail::gma_mixture_grad(mix, c, sums, grad.mixture);
   return grad;
+}
+
+/// GMA backward (SPEC 1.5): gradients of sum(grad_out . forward(mix, q, k, v)) with respect to
+/// q (N x r), k (M x r), v (M x d_v) and the mixture's mean, var_raw, prior_logit.
+/// grad_out: N x d_v; saved: filled by forward with the same inputs and options.
+/// When saved comes from the State overload of forward, grad.state also receives the gradient
+/// with respect to the state that call continued (dS0, dz0); the end state is taken to have
+/// no further use (see the overload with grad_state_out for pieces of a longer sequence).
+template <class T, class Arch = detail::simd_arch>
+Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                 const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                 const Saved<T>& saved, const Options& opt = {}) {
+  return backward<T, Arch>(mix, q, k, v, grad_out, saved, opt,
+                           static_cast<const StateGrad<T>*>(nullptr));
 }
 
 }  // namespace mixattn::gma

@@ -20,17 +20,17 @@ namespace mixattn::detail {
 /// Small chunks waste less of the masked C x C block; below 32 the GEMMs get too thin to gain.
 constexpr Index gma_default_chunk = 32;
 
-/// Causal forward (SPEC 1.4). gq, gk: N x K responsibilities; v: N x d_v. Writes out (N x d_v)
-/// and den (N) = gamma_q,i . z_i + eps.
+/// Causal forward (SPEC 1.4). gq, gk: N x K responsibilities; v: N x d_v. [S | z] (K x d_v, K,
+/// wide) is the prefix state before the first token on entry (zero for a whole sequence) and
+/// after the last on exit. Writes out (N x d_v) and den (N) = gamma_q,i . z_i + eps.
 template <class T>
-void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
-                        T eps, Index chunk, Matrix<T>& out, Vector<T>& den) {
+void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v, T eps,
+                        Index chunk, Matrix<T>& out, Vector<T>& den, Matrix<wide_t<T>>& S,
+                        Vector<wide_t<T>>& z) {
   using W = wide_t<T>;
   const Index N = gq.rows(), K = gq.cols(), dv = v.cols();
-  Matrix<W> S = Matrix<W>::Zero(K, dv);
-  Vector<W> z = Vector<W>::Zero(K);
-  Matrix<T> s_t = Matrix<T>::Zero(K, dv), update(K, dv);
-  Vector<T> z_t = Vector<T>::Zero(K);
+  Matrix<T> s_t = S.template cast<T>(), update(K, dv);
+  Vector<T> z_t = z.template cast<T>();
   Matrix<T> a_buf(chunk, chunk);
   for (Index s = 0; s < N; s += chunk) {
     const Index c = std::min(chunk, N - s);
@@ -54,21 +54,55 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
   }
 }
 
+/// The same recurrence one token at a time, read straight from the wide state: for token i,
+///   S += gamma_k,i v_i^T,  z += gamma_k,i,  out_i = (gamma_q,i S) / (gamma_q,i . z + eps).
+/// One pass over S per token (write and read fused row by row), no T copy of the state: the
+/// decode path, where a chunk's GEMMs would be 1 x K and the state copy would dominate.
+/// vw: d_v wide scratch. Writes out (n x d_v, stride ldo) and den (n).
+template <class T>
+void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n, Index K, Index dv,
+                       T eps, Matrix<wide_t<T>>& S, Vector<wide_t<T>>& z, Vector<wide_t<T>>& vw,
+                       Vector<wide_t<T>>& num, T* out, Index ldo, T* den) {
+  using W = wide_t<T>;
+  for (Index i = 0; i < n; ++i) {
+    const T* q = gq + i * K;
+    const T* kk = gk + i * K;
+    vw = Eigen::Map<const Vector<T>>(v + i * ldv, dv).template cast<W>();
+    num.setZero();
+    W d = 0;
+    for (Index c = 0; c < K; ++c) {
+      const W wk = static_cast<W>(kk[c]), wq = static_cast<W>(q[c]);
+      auto row = S.row(c);
+      row.noalias() += wk * vw.transpose();
+      num.noalias() += wq * row.transpose();
+      z[c] += wk;
+      d += wq * z[c];
+    }
+    const W dw = d + static_cast<W>(eps);
+    den[i] = static_cast<T>(dw);
+    Eigen::Map<Vector<T>>(out + i * ldo, dv) = (num / dw).template cast<T>();
+  }
+}
+
 /// Causal backward to Gamma_Q, Gamma_K and V (SPEC 1.5). g = dO / den (N x d_v), h (N).
-/// Query side: a forward pass over chunks with the prefix state (S, z); key side: a backward pass
-/// with the suffix state (G, u) = sum_{i >= j} (gamma_q,i g_i^T, h_i gamma_q,i). In a chunk,
-/// B_ij = [j <= i] (g_i . v_j + h_i) gives dGamma_Q += B Gamma_K and dGamma_K += B^T Gamma_Q.
+/// Query side: a forward pass over chunks with the prefix state (S, z), starting from the
+/// forward's start state (S0, z0); key side: a backward pass with the suffix state
+/// (G, u) = (dS_T, dz_T) + sum_{i >= j} (gamma_q,i g_i^T, h_i gamma_q,i), starting from the
+/// gradient of the end state [G | u] on entry; on exit [G | u] = (dS0, dz0), the gradient of the
+/// start state (SPEC 1.5, pieces). In a chunk, B_ij = [j <= i] (g_i . v_j + h_i) gives
+/// dGamma_Q += B Gamma_K and dGamma_K += B^T Gamma_Q.
 template <class T>
 void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
                          const Matrix<T>& g, const Vector<T>& h, Index chunk, Matrix<T>& dgq,
-                         Matrix<T>& dgk, Matrix<T>& dv_out) {
+                         Matrix<T>& dgk, Matrix<T>& dv_out, const Matrix<wide_t<T>>& S0,
+                         const Vector<wide_t<T>>& z0, Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u) {
   using W = wide_t<T>;
   const Index N = gq.rows(), K = gq.cols(), dv = v.cols();
   Matrix<T> b_buf(chunk, chunk), a_buf(chunk, chunk), update(K, dv);
-  Matrix<W> S = Matrix<W>::Zero(K, dv);
-  Vector<W> z = Vector<W>::Zero(K);
-  Matrix<T> s_t = Matrix<T>::Zero(K, dv);
-  Vector<T> z_t = Vector<T>::Zero(K);
+  Matrix<W> S = S0;
+  Vector<W> z = z0;
+  Matrix<T> s_t = S.template cast<T>();
+  Vector<T> z_t = z.template cast<T>();
 
   // Query side, prefix order: dgamma_q,i = S_i g_i + h_i z_i.
   for (Index s = 0; s < N; s += chunk) {
@@ -91,14 +125,10 @@ void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMa
   }
 
   // Key side, suffix order: dgamma_k,j = G_j v_j + u_j, dv_j = G_j^T gamma_k,j.
-  Matrix<W>& G = S;
-  Vector<W>& u = z;
-  G.setZero();
-  u.setZero();
   Matrix<T>& g_t = s_t;
   Vector<T>& u_t = z_t;
-  g_t.setZero();
-  u_t.setZero();
+  g_t = G.template cast<T>();
+  u_t = u.template cast<T>();
   const Index chunks = (N + chunk - 1) / chunk;
   for (Index ci = chunks - 1; ci >= 0; --ci) {
     const Index s = ci * chunk, c = std::min(chunk, N - s);

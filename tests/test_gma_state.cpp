@@ -1,0 +1,275 @@
+// Causal GMA as a continued computation (SPEC 1.4, 1.5 pieces): gma::State, the State overloads
+// of forward (mixture and prepared), and backward across pieces with start/end state gradients.
+#include <mixattn/gma.hpp>
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+namespace {
+
+using namespace mixattn;
+using mixattn::testing::all_close;
+using mixattn::testing::numeric_gradient;
+using mixattn::testing::random_matrix;
+
+template <class T>
+struct Tol;
+// float: pieces move the chunk boundaries, so the in-chunk float sums (<= 32 terms of gamma
+// products, relative error ~ 32 eps_f = 4e-6) are taken in another order; the prefix state is
+// double either way. Outputs are convex combinations of O(1) values.
+template <>
+struct Tol<float> {
+  static constexpr double rtol = 2e-5, atol = 2e-6;
+};
+// double: the same reordering with eps_d.
+template <>
+struct Tol<double> {
+  static constexpr double rtol = 1e-12, atol = 1e-13;
+};
+
+template <class T>
+gma::Mixture<T> test_mixture(Index K, Index r, std::uint64_t seed) {
+  gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, seed);
+  mix.var_raw = random_matrix<T>(K, r, seed + 1, 0.7);
+  mix.prior_logit = random_matrix<T>(K, 1, seed + 2, 0.5);
+  return mix;
+}
+
+/// Random cut points: pieces of 1 .. max_piece tokens covering [0, n).
+std::vector<Index> random_pieces(Index n, Index max_piece, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<Index> sizes;
+  for (Index done = 0; done < n;) {
+    const Index p = std::min<Index>(n - done, 1 + static_cast<Index>(rng() % max_piece));
+    sizes.push_back(p);
+    done += p;
+  }
+  return sizes;
+}
+
+/// Runs forward over the pieces, continuing one state; returns the stacked outputs.
+template <class T, class Mix>
+Matrix<T> run_pieces(const Mix& mix, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                     const std::vector<Index>& sizes, const gma::Options& opt, gma::State<T>& st) {
+  Matrix<T> out(q.rows(), v.cols());
+  Index at = 0;
+  for (const Index n : sizes) {
+    out.middleRows(at, n) =
+        gma::forward(mix, q.middleRows(at, n), k.middleRows(at, n), v.middleRows(at, n), opt, st);
+    at += n;
+  }
+  return out;
+}
+
+template <class T>
+class GmaState : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(GmaState, Scalars);
+
+TYPED_TEST(GmaState, AnyPiecesGiveTheOneCallOutputsAndState) {
+  using T = TypeParam;
+  using W = detail::wide_t<T>;
+  const Index N = 150, K = 7, r = 5, dv = 4;
+  const gma::Mixture<T> mix = test_mixture<T>(K, r, 11);
+  const Matrix<T> q = random_matrix<T>(N, r, 12), k = random_matrix<T>(N, r, 13);
+  const Matrix<T> v = random_matrix<T>(N, dv, 14);
+  gma::Options opt;
+  opt.causal = true;
+  opt.chunk = 16;  // pieces both shorter (one-token path) and longer (chunked scan) than a chunk
+  const Matrix<T> whole = gma::forward(mix, q, k, v, opt);
+
+  // The final state against its definition, summed in double from the responsibilities.
+  const Matrix<double> gk = gma::responsibilities(mix, k).template cast<double>();
+  const Matrix<double> s_ref = gk.transpose() * v.template cast<double>();
+  const Vector<double> z_ref = gk.colwise().sum().transpose();
+
+  std::vector<std::vector<Index>> splits = {std::vector<Index>(N, 1), {N}, {1, N - 1}};
+  for (std::uint64_t seed = 0; seed < 4; ++seed) splits.push_back(random_pieces(N, 40, seed));
+  for (const auto& sizes : splits) {
+    SCOPED_TRACE(::testing::Message() << "pieces: " << sizes.size() << ", first " << sizes[0]);
+    gma::State<T> st = gma::State<T>::empty(K, dv);
+    const Matrix<T> out = run_pieces(mix, q, k, v, sizes, opt, st);
+    EXPECT_TRUE(all_close(out, whole, Tol<T>::rtol, Tol<T>::atol));
+    EXPECT_EQ(st.tokens_seen, N);
+    // the state is double for float inputs: only the gammas' float rounding separates it
+    EXPECT_TRUE(all_close(st.S, s_ref, Tol<W>::rtol * 10, Tol<T>::atol * N));
+    EXPECT_TRUE(all_close(st.z, z_ref, Tol<W>::rtol * 10, Tol<T>::atol * N));
+  }
+}
+
+TYPED_TEST(GmaState, PreparedMixtureGivesTheSameBits) {
+  using T = TypeParam;
+  const Index N = 40, K = 6, r = 4, dv = 3;
+  const gma::Mixture<T> mix = test_mixture<T>(K, r, 21);
+  const Matrix<T> q = random_matrix<T>(N, r, 22), k = random_matrix<T>(N, r, 23);
+  const Matrix<T> v = random_matrix<T>(N, dv, 24);
+  gma::Options opt;
+  opt.causal = true;
+  const std::vector<Index> sizes = random_pieces(N, 9, 5);
+  gma::State<T> a = gma::State<T>::empty(K, dv), b = gma::State<T>::empty(K, dv);
+  const Matrix<T> out_mix = run_pieces(mix, q, k, v, sizes, opt, a);
+  const gma::Prepared<T> prep = gma::prepare(mix);
+  const Matrix<T> out_prep = run_pieces(prep, q, k, v, sizes, opt, b);
+  EXPECT_TRUE(out_mix == out_prep);
+  EXPECT_TRUE(a.S == b.S);
+  EXPECT_TRUE(a.z == b.z);
+}
+
+TYPED_TEST(GmaState, RejectsNonCausalMismatchedAndNonFiniteStates) {
+  using T = TypeParam;
+  const Index K = 4, r = 3, dv = 2;
+  const gma::Mixture<T> mix = test_mixture<T>(K, r, 31);
+  const Matrix<T> q = random_matrix<T>(5, r, 32), v = random_matrix<T>(5, dv, 33);
+  gma::Options opt;
+  opt.causal = true;
+  gma::State<T> st = gma::State<T>::empty(K, dv);
+  gma::forward(mix, q, q, v, opt, st);
+  const gma::State<T> before = st;
+  const auto untouched = [&] {
+    EXPECT_TRUE(st.S == before.S && st.z == before.z && st.tokens_seen == before.tokens_seen);
+  };
+  gma::Options bidir;
+  EXPECT_THROW(gma::forward(mix, q, q, v, bidir, st), std::invalid_argument);
+  untouched();
+  gma::State<T> wrong_k = gma::State<T>::empty(K + 1, dv), wrong_dv = gma::State<T>::empty(K, 3);
+  EXPECT_THROW(gma::forward(mix, q, q, v, opt, wrong_k), std::invalid_argument);
+  EXPECT_THROW(gma::forward(mix, q, q, v, opt, wrong_dv), std::invalid_argument);
+  EXPECT_THROW(gma::forward(mix, q, q.topRows(4), v, opt, st), std::invalid_argument);
+  untouched();
+  gma::State<T> nan_state = st;
+  nan_state.S(1, 1) = std::numeric_limits<T>::quiet_NaN();
+  EXPECT_THROW(gma::forward(mix, q, q, v, opt, nan_state), std::domain_error);
+  Matrix<T> bad = q;
+  bad(2, 0) = std::numeric_limits<T>::infinity();
+  EXPECT_THROW(gma::forward(mix, bad, q, v, opt, st), std::domain_error);
+  untouched();
+  EXPECT_THROW(gma::State<T>::empty(0, dv), std::invalid_argument);
+  try {
+    gma::forward(mix, q, q, v, opt, wrong_k);
+    FAIL() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("mixattn::gma::forward"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("state.S is 5 x 2"), std::string::npos) << e.what();
+  }
+  const gma::Prepared<T> prep = gma::prepare(mix);
+  EXPECT_THROW(gma::forward(prep, q, q, v, bidir, st), std::invalid_argument);
+  EXPECT_THROW(gma::forward(prep, q, q, v, opt, wrong_k), std::invalid_argument);
+  EXPECT_THROW(gma::forward(gma::Prepared<T>{}, q, q, v, opt, st), std::invalid_argument);
+  untouched();
+
+  // grad_state_out: only for a continued forward, and with the state's shapes.
+  gma::Saved<T> plain, cont;
+  gma::forward(mix, q, q, v, opt, &plain);
+  gma::forward(mix, q, q, v, opt, st, &cont);
+  const Matrix<T> dout = random_matrix<T>(5, dv, 34);
+  gma::StateGrad<T> gs{decltype(gs.S)::Zero(K, dv), decltype(gs.z)::Zero(K)};
+  EXPECT_THROW(gma::backward(mix, q, q, v, dout, plain, opt, &gs), std::invalid_argument);
+  EXPECT_NO_THROW(gma::backward(mix, q, q, v, dout, cont, opt, &gs));
+  gma::StateGrad<T> wrong{decltype(gs.S)::Zero(K, dv + 1), decltype(gs.z)::Zero(K)};
+  EXPECT_THROW(gma::backward(mix, q, q, v, dout, cont, opt, &wrong), std::invalid_argument);
+  gs.z(0) = std::numeric_limits<detail::wide_t<T>>::quiet_NaN();
+  EXPECT_THROW(gma::backward(mix, q, q, v, dout, cont, opt, &gs), std::domain_error);
+}
+
+/// Three pieces, backward in reverse (each fed its successor's grad.state) against one call:
+/// every gradient.
+TEST(GmaStateGrad, PiecesBackwardEqualsOneCall) {
+  using T = double;
+  const Index N = 90, K = 6, r = 4, dv = 5;
+  const gma::Mixture<T> mix = test_mixture<T>(K, r, 41);
+  const Matrix<T> q = random_matrix<T>(N, r, 42), k = random_matrix<T>(N, r, 43);
+  const Matrix<T> v = random_matrix<T>(N, dv, 44), dout = random_matrix<T>(N, dv, 45);
+  gma::Options opt;
+  opt.causal = true;
+  opt.chunk = 16;
+  gma::Saved<T> saved;
+  gma::forward(mix, q, k, v, opt, &saved);
+  const gma::Grad<T> whole = gma::backward(mix, q, k, v, dout, saved, opt);
+  EXPECT_EQ(whole.state.S.size(), 0);  // not a continued forward: no state gradient
+
+  const Index cut[4] = {0, 37, 38, N};  // a long piece, a single token, a long piece
+  gma::State<T> st = gma::State<T>::empty(K, dv);
+  std::vector<gma::Saved<T>> saves(3);
+  for (int p = 0; p < 3; ++p) {
+    const Index a = cut[p], n = cut[p + 1] - cut[p];
+    gma::forward(mix, q.middleRows(a, n), k.middleRows(a, n), v.middleRows(a, n), opt, st,
+                 &saves[p]);
+  }
+  Matrix<T> gq(N, r), gk(N, r), gv(N, dv);
+  gma::MixtureGrad<T> gm{Matrix<T>::Zero(K, r), Matrix<T>::Zero(K, r), Vector<T>::Zero(K)};
+  gma::StateGrad<T> carry;
+  for (int p = 2; p >= 0; --p) {
+    const Index a = cut[p], n = cut[p + 1] - cut[p];
+    const gma::Grad<T> g =
+        gma::backward(mix, q.middleRows(a, n), k.middleRows(a, n), v.middleRows(a, n),
+                      dout.middleRows(a, n), saves[p], opt, p == 2 ? nullptr : &carry);
+    gq.middleRows(a, n) = g.q;
+    gk.middleRows(a, n) = g.k;
+    gv.middleRows(a, n) = g.v;
+    gm.mean += g.mixture.mean;
+    gm.var_raw += g.mixture.var_raw;
+    gm.prior_logit += g.mixture.prior_logit;
+    carry = g.state;
+  }
+  // 1e-10: the pieces' sums are the one call's, reordered (N = 90 terms of O(1) size).
+  const double rtol = 1e-10, atol = 1e-12;
+  EXPECT_TRUE(all_close(gq, whole.q, rtol, atol));
+  EXPECT_TRUE(all_close(gk, whole.k, rtol, atol));
+  EXPECT_TRUE(all_close(gv, whole.v, rtol, atol));
+  EXPECT_TRUE(all_close(gm.mean, whole.mixture.mean, rtol, atol));
+  EXPECT_TRUE(all_close(gm.var_raw, whole.mixture.var_raw, rtol, atol));
+  EXPECT_TRUE(all_close(gm.prior_logit, whole.mixture.prior_logit, rtol, atol));
+  // The whole sequence started from the empty state: the gradient of its zeros is still
+  // defined (the loss is affine in S0, z0), and one piece from empty gives the same.
+  EXPECT_EQ(carry.S.rows(), K);
+}
+
+/// Central differences in double of a continued forward with a loss that also reads the end
+/// state: L = sum(dout . O) + <A, S_T> + <b, z_T>, for S0, z0, q, k, v and the mixture.
+TEST(GmaStateGrad, FiniteDifferencesOfStartStateAndInputs) {
+  using T = double;
+  const Index N = 7, K = 3, r = 2, dv = 3;
+  gma::Mixture<T> mix = test_mixture<T>(K, r, 51);
+  Matrix<T> q = random_matrix<T>(N, r, 52), k = random_matrix<T>(N, r, 53);
+  Matrix<T> v = random_matrix<T>(N, dv, 54);
+  const Matrix<T> dout = random_matrix<T>(N, dv, 55);
+  gma::Options opt;
+  opt.causal = true;
+  opt.chunk = 4;  // two chunks, so the scan's state hand-over is inside the check
+  gma::State<T> start = gma::State<T>::empty(K, dv);
+  start.S = random_matrix<T>(K, dv, 56);
+  start.z = (random_matrix<T>(K, 1, 57).array().abs() + 0.5).matrix();  // sums of gammas: > 0
+  start.tokens_seen = 11;
+  gma::StateGrad<T> end_grad{random_matrix<T>(K, dv, 58), random_matrix<T>(K, 1, 59)};
+
+  const auto loss = [&] {
+    gma::State<T> st = start;
+    const Matrix<T> o = gma::forward(mix, q, k, v, opt, st);
+    return o.cwiseProduct(dout).sum() + st.S.cwiseProduct(end_grad.S).sum() + st.z.dot(end_grad.z);
+  };
+  gma::State<T> st = start;
+  gma::Saved<T> saved;
+  gma::forward(mix, q, k, v, opt, st, &saved);
+  const gma::Grad<T> g = gma::backward(mix, q, k, v, dout, saved, opt, &end_grad);
+
+  // h = 1e-6 (test_util): truncation O(h^2) and rounding O(1e-16 / h) both near 1e-10, on
+  // gradients of O(1): 1e-7 relative leaves a margin of ~100.
+  const double rtol = 1e-7, atol = 1e-8;
+  EXPECT_TRUE(all_close(g.state.S, numeric_gradient(start.S, loss), rtol, atol));
+  EXPECT_TRUE(all_close(g.state.z, numeric_gradient(start.z, loss), rtol, atol));
+  EXPECT_TRUE(all_close(g.q, numeric_gradient(q, loss), rtol, atol));
+  EXPECT_TRUE(all_close(g.k, numeric_gradient(k, loss), rtol, atol));
+  EXPECT_TRUE(all_close(g.v, numeric_gradient(v, loss), rtol, atol));
+  EXPECT_TRUE(all_close(g.mixture.mean, numeric_gradient(mix.mean, loss), rtol, atol));
+  EXPECT_TRUE(all_close(g.mixture.var_raw, numeric_gradient(mix.var_raw, loss), rtol, atol));
+  EXPECT_TRUE(
+      all_close(g.mixture.prior_logit, numeric_gradient(mix.prior_logit, loss), rtol, atol));
+}
+
+}  // namespace
