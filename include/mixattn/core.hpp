@@ -33,9 +33,8 @@
 // default unless NDEBUG, force with MIXATTN_ENABLE_ASSERTS.
 #ifndef MIXATTN_ASSERT
 #if !defined(NDEBUG) || defined(MIXATTN_ENABLE_ASSERTS)
-#define MIXATTN_ASSERT(cond)                                                                       \
-  ((cond) ? static_cast<void>(0)                                                                   \
-          : ::mixattn::detail::assert_fail(#cond, __FILE__, __LINE__))
+#define MIXATTN_ASSERT(cond) \
+  ((cond) ? static_cast<void>(0) : ::mixattn::detail::assert_fail(#cond, __FILE__, __LINE__))
 #else
 #define MIXATTN_ASSERT(cond) static_cast<void>(0)
 #endif
@@ -67,7 +66,9 @@ template <class T>
 using MatrixRef = Eigen::Ref<Matrix<typename detail::identity<T>::type>>;
 
 /// Library version as "major.minor.patch".
-inline const char* version() noexcept { return MIXATTN_VERSION_STRING; }
+inline const char* version() noexcept {
+  return MIXATTN_VERSION_STRING;
+}
 
 namespace detail {
 
@@ -107,10 +108,19 @@ std::string concat(Args&&... args) {
 #endif
 }
 
-/// "rows x cols" for messages.
+/// A shape that prints as "rows x cols" in messages. Not a string: validation passes it to
+/// require() on every call, and the message is built only on failure.
+struct Shape {
+  Index rows, cols;
+};
+inline std::ostream& operator<<(std::ostream& os, const Shape& s) {
+  return os << s.rows << " x " << s.cols;
+}
+
+/// "rows x cols" for messages (streamed; see Shape).
 template <class Derived>
-std::string shape_str(const Eigen::EigenBase<Derived>& m) {
-  return concat(m.rows(), " x ", m.cols());
+Shape shape_str(const Eigen::EigenBase<Derived>& m) {
+  return Shape{m.rows(), m.cols()};
 }
 
 /// Throws std::invalid_argument "<fn>: <arg> ..." when `ok` is false. The message is built

@@ -158,7 +158,8 @@ inline void check_options(const Options& opt, const char* fn) {
           ", must be Assignment::all_centroids or Assignment::existing_only");
 }
 
-/// Every part of the state must agree before anything is read from it.
+/// Every part of the state must agree before anything is read from it (shapes, counts; the
+/// matrices' values: check_state_values). O(N_t), no scan of the matrices.
 template <class T>
 void check_state(const State<T>& st, const Options& opt, const char* fn) {
   const Index n = st.keys.rows(), p = st.pending_keys.rows();
@@ -183,16 +184,24 @@ void check_state(const State<T>& st, const Options& opt, const char* fn) {
   require(st.tokens_seen % opt.block == p, fn, "state.pending_keys has ", p,
           " rows but state.tokens_seen = ", st.tokens_seen, " leaves ", st.tokens_seen % opt.block,
           " tokens in the unfinished block of ", opt.block);
-  if (opt.check_finite) {
-    require_finite(st.keys, fn, "state.keys");
-    require_finite(st.values, fn, "state.values");
-    require_finite(st.counts, fn, "state.counts");
-    require_finite(st.pending_keys, fn, "state.pending_keys");
-    require_finite(st.pending_values, fn, "state.pending_values");
-  }
+  if (opt.check_finite) require_finite(st.counts, fn, "state.counts");
+  if ((st.counts.array() >= T(1)).all()) return;  // vectorised; the loop names the culprit
   for (Index i = 0; i < n; ++i)
     require(st.counts[i] >= T(1), fn, "state.counts[", i, "] is ", st.counts[i],
             ", every centroid holds at least one token");
+}
+
+/// The state's matrices hold no NaN or infinity (std::domain_error naming the first).
+/// forward does not scan them on every call: a non-finite dictionary or pending entry always
+/// makes a logit or the output of the call's first query non-finite (q_hat . x with x
+/// non-finite, then exp and the value GEMM, never give a finite number), and only then does
+/// forward run this scan, before it has changed anything.
+template <class T>
+void check_state_values(const State<T>& st, const char* fn) {
+  require_finite(st.keys, fn, "state.keys");
+  require_finite(st.values, fn, "state.values");
+  require_finite(st.pending_keys, fn, "state.pending_keys");
+  require_finite(st.pending_values, fn, "state.pending_values");
 }
 
 /// Shapes of q, k, v (and grad_out when given) against the key and value widths.
@@ -272,6 +281,105 @@ void log_counts(const Dictionary<T>& d, Vector<T>& logc) {
   logc.head(d.size) = d.counts.head(d.size).array().log().matrix();
 }
 
+/// Lends a state's dictionary storage (keys, values, counts) to a Dictionary without a copy,
+/// and gives it back trimmed to the live rows (on destruction at the latest).
+template <class T>
+struct DictionaryLoan {
+  State<T>& state;
+  Dictionary<T> dict;
+  bool lent = false;
+
+  explicit DictionaryLoan(State<T>& st) : state(st) { borrow(); }
+  ~DictionaryLoan() { give_back(); }
+  DictionaryLoan(const DictionaryLoan&) = delete;
+  DictionaryLoan& operator=(const DictionaryLoan&) = delete;
+
+  void borrow() {
+    dict.keys.swap(state.keys);
+    dict.values.swap(state.values);
+    dict.counts.swap(state.counts);
+    dict.size = dict.keys.rows();
+    lent = true;
+  }
+  /// Room for `capacity` rows (the live ones kept): once per call that opens centroids.
+  void grow(Index capacity) {
+    if (capacity <= dict.capacity()) return;
+    dict.keys.conservativeResize(capacity, dict.keys.cols());
+    dict.values.conservativeResize(capacity, dict.values.cols());
+    dict.counts.conservativeResize(capacity);
+  }
+  void give_back() {
+    if (!lent) return;
+    if (dict.capacity() != dict.size) {
+      dict.keys.conservativeResize(dict.size, dict.keys.cols());
+      dict.values.conservativeResize(dict.size, dict.values.cols());
+      dict.counts.conservativeResize(dict.size);
+    }
+    dict.keys.swap(state.keys);
+    dict.values.swap(state.values);
+    dict.counts.swap(state.counts);
+    lent = false;
+  }
+};
+
+/// Appends rows to a matrix (the unfinished block growing by a call's tokens).
+template <class T>
+void append_rows(Matrix<T>& m, const CRef<T>& rows) {
+  if (rows.rows() == 0) return;
+  const Index n = m.rows();
+  m.conservativeResize(n + rows.rows(), m.cols());
+  m.bottomRows(rows.rows()) = rows;
+}
+
+/// The absorption of one complete block (SPEC 2.3), with its scratch sized once per call.
+template <class T>
+class Absorber {
+ public:
+  void reserve(const Options& opt, Index capacity, Index key_dim, Index value_dim,
+               bool own_assignment) {
+    const Index c = opt.block;
+    quant_.reserve(c, capacity, key_dim);
+    update_.reserve(capacity, key_dim, value_dim);
+    kb_.resize(c, key_dim);
+    vb_.resize(c, value_dim);
+    seeds_.resize(static_cast<std::size_t>(c));
+    if (own_assignment) assign_.resize(static_cast<std::size_t>(c));
+  }
+
+  /// Absorbs the block [ko; kn] (unit-norm keys), [vo; vn] (values) that follows t absorbed
+  /// tokens into loan.dict; writes the tokens' centroid rows to `assign` (C entries, or internal
+  /// scratch when null) and refreshes the changed log counts. Returns nu, the centroids opened.
+  Index run(const Options& opt, Index t, DictionaryLoan<T>& loan, Index capacity, const CRef<T>& ko,
+            const CRef<T>& vo, const CRef<T>& kn, const CRef<T>& vn, std::int32_t* assign,
+            Vector<T>& logc) {
+    const Index c = opt.block, po = ko.rows();
+    MIXATTN_ASSERT(po + kn.rows() == c);
+    kb_.topRows(po) = ko;
+    kb_.bottomRows(c - po) = kn;
+    vb_.topRows(po) = vo;
+    vb_.bottomRows(c - po) = vn;
+    Dictionary<T>& dict = loan.dict;
+    const double alpha =
+        opt.growth_alpha > 0 ? opt.growth_alpha : static_cast<double>(opt.max_centroids);
+    const Index nu =
+        new_centroids(t, c, dict.size, opt.max_centroids, opt.growth == Growth::plateau, alpha);
+    if (dict.size + nu > dict.capacity()) loan.grow(capacity);
+    if (assign == nullptr) assign = assign_.data();
+    quant_.plan(dict, kb_, nu, opt.seeding == Seeding::greedy_dispersion,
+                opt.assignment == Assignment::existing_only, assign, seeds_.data());
+    update_.apply(dict, kb_, vb_, assign, nu);
+    for (const Index row_n : update_.touched()) logc[row_n] = std::log(dict.counts[row_n]);
+    return nu;
+  }
+  Index seed(Index p) const { return seeds_[static_cast<std::size_t>(p)]; }
+
+ private:
+  BlockQuantizer<T> quant_;
+  MeanUpdate<T> update_;
+  Matrix<T> kb_, vb_;  // C x r, C x d_v: the whole block
+  std::vector<std::int32_t> seeds_, assign_;
+};
+
 }  // namespace detail
 
 /// OVQ attention over q, k, v as the continuation of `state` (SPEC 2.2-2.3), which it updates.
@@ -305,17 +413,18 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
     mixattn::detail::raise_domain_error(
         detail::concat(fn, ": beta * sqrt(r) = ", beta, " * sqrt(", r, ") overflows"));
 
-  // Everything below builds the new state and record aside; `state` and `*saved` change only
-  // in the non-throwing moves at the end.
+  if (opt.check_finite && tn == 0) detail::check_state_values(state, fn);
+
+  // The dictionary is worked on in place (its storage is lent to a Dictionary and given back at
+  // the end, grown only when a block opens centroids) and the unfinished block is read from the
+  // state where it lies, so a decoding call copies nothing of size N_t or C. Nothing in `state`
+  // changes before the first query's attention has vouched for its values (check_state_values);
+  // `*saved` changes only at the end.
   const Index c = opt.block, n_start = state.keys.rows();
   const detail::Blocks blocks(c, state.pending_keys.rows(), tn);
   const Index capacity = std::min(opt.max_centroids, n_start + blocks.complete * c);
-  const bool plateau = opt.growth == Growth::plateau;
-  const double alpha =
-      opt.growth_alpha > 0 ? opt.growth_alpha : static_cast<double>(opt.max_centroids);
-  const bool greedy = opt.seeding == Seeding::greedy_dispersion;
-  const bool existing_only = opt.assignment == Assignment::existing_only;
-  const Index t_start = state.tokens_seen - blocks.p0;  // tokens absorbed before the call
+  const Index rows_new = std::min(c, std::max<Index>(tn, 1));  // call tokens of one block
+  const Index t_start = state.tokens_seen - blocks.p0;         // tokens absorbed before the call
 
   Saved<T> rec;
   if (saved != nullptr) {
@@ -330,62 +439,64 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
     rec.recorded = true;
   }
 
-  detail::Dictionary<T> dict;
-  dict.allocate(capacity, r, dv);
-  dict.load(state.keys, state.values, state.counts);
-  Matrix<T> kb(c, r), vb(c, dv), qh(std::min(c, std::max<Index>(tn, 1)), r);
-  kb.topRows(blocks.p0) = state.pending_keys;
-  vb.topRows(blocks.p0) = state.pending_values;
-  Vector<T> logc(capacity);
+  detail::DictionaryLoan<T> loan(state);
+  detail::Dictionary<T>& dict = loan.dict;
+  Matrix<T> kn(rows_new, r), vn(rows_new, dv), qh(rows_new, r);
+  Vector<T> logc(std::max(capacity, n_start));
   detail::log_counts(dict, logc);
   detail::AttentionScratch<T> sc;
-  sc.reserve(capacity, c, r, false);
-  detail::BlockQuantizer<T> quant;
-  detail::MeanUpdate<T> update;
-  std::vector<std::int32_t> assign_scratch, seeds(static_cast<std::size_t>(c));
-  if (blocks.complete > 0) {
-    quant.reserve(c, capacity, r);
-    update.reserve(capacity, r, dv);
-    if (saved == nullptr) assign_scratch.resize(static_cast<std::size_t>(c));
-  }
+  sc.reserve(std::max(capacity, n_start), c, r, false, rows_new);
+  detail::Absorber<T> absorb;
+  if (blocks.complete > 0) absorb.reserve(opt, capacity, r, dv, saved == nullptr);
 
   Matrix<T> out(tn, dv);
   for (Index u = 0; u < blocks.count; ++u) {
+    // Block positions [0, po) are the state's pending tokens (block 0 only); this call's tokens
+    // of the block are kn / vn rows [0, m), at positions po + row.
     const Index pq = blocks.query_offset(u), m = blocks.queries(u), row = blocks.call_row(u);
+    const Index po = u == 0 ? blocks.p0 : 0;
+    const detail::CRef<T> ko = state.pending_keys.topRows(po),
+                          vo = state.pending_values.topRows(po);
     detail::normalize_rows<T>(q.middleRows(row, m), qh.topRows(m), opt.norm_eps);
-    detail::normalize_rows<T>(k.middleRows(row, m), kb.middleRows(pq, m), opt.norm_eps);
-    vb.middleRows(pq, m) = v.middleRows(row, m);
+    detail::normalize_rows<T>(k.middleRows(row, m), kn.topRows(m), opt.norm_eps);
+    vn.topRows(m) = v.middleRows(row, m);
     const T* lc = opt.count_bias ? logc.data() : nullptr;
     for (Index t0 = 0; t0 < m; t0 += detail::query_tile) {
-      const Index mt = std::min(detail::query_tile, m - t0), l = pq + t0 + mt;
-      detail::tile_forward<T>(qh.middleRows(t0, mt), dict.keys.topRows(dict.size),
-                              dict.values.topRows(dict.size), lc, kb.topRows(l), vb.topRows(l),
-                              pq + t0, s, sc, out.middleRows(row + t0, mt));
+      const Index mt = std::min(detail::query_tile, m - t0);
+      const bool check = opt.check_finite && u == 0 && t0 == 0;
+      MatrixRef<T> o = out.middleRows(row + t0, mt);
+      const bool finite = detail::tile_forward<T>(
+          qh.middleRows(t0, mt), dict.keys.topRows(dict.size), dict.values.topRows(dict.size), lc,
+          ko, vo, kn.topRows(t0 + mt), vn.topRows(t0 + mt), pq + t0, s, sc, o, check);
+      if (check && !(finite && (o.array() * T(0)).sum() == T(0))) {
+        loan.give_back();                       // nothing changed yet
+        detail::check_state_values(state, fn);  // throws if the state is to blame
+        loan.borrow();                          // else: finite inputs that overflowed
+      }
     }
     if (!blocks.is_complete(u)) continue;
     // Absorb the block (SPEC 2.3): grow, seed, assign, update the running means.
-    const Index t = t_start + blocks.begin(u);
-    const Index nu = detail::new_centroids(t, c, dict.size, opt.max_centroids, plateau, alpha);
-    std::int32_t* assign =
-        saved != nullptr ? rec.assignment.data() + blocks.begin(u) : assign_scratch.data();
-    quant.plan(dict, kb, nu, greedy, existing_only, assign, seeds.data());
-    update.apply(dict, kb, vb, assign, nu);
-    for (const Index row_n : update.touched()) logc[row_n] = std::log(dict.counts[row_n]);
+    std::int32_t* assign = saved != nullptr ? rec.assignment.data() + blocks.begin(u) : nullptr;
+    const Index nu = absorb.run(opt, t_start + blocks.begin(u), loan, capacity, ko, vo,
+                                kn.topRows(m), vn.topRows(m), assign, logc);
     if (saved != nullptr) {
       rec.new_centroids.push_back(static_cast<std::int32_t>(nu));
-      for (Index p = 0; p < nu; ++p) rec.seeds.push_back(blocks.begin(u) + seeds[p]);
+      for (Index p = 0; p < nu; ++p) rec.seeds.push_back(blocks.begin(u) + absorb.seed(p));
     }
   }
 
-  State<T> next;
-  next.keys = dict.keys.topRows(dict.size);
-  next.values = dict.values.topRows(dict.size);
-  next.counts = dict.counts.head(dict.size);
+  // The unfinished block: this call's tokens after the state's pending ones, or the last
+  // (partial) block's tokens when a block was absorbed.
   const Index pending = blocks.total - blocks.complete * c;
-  next.pending_keys = kb.topRows(pending);
-  next.pending_values = vb.topRows(pending);
-  next.tokens_seen = state.tokens_seen + tn;
-  state = std::move(next);
+  if (blocks.complete == 0) {
+    detail::append_rows<T>(state.pending_keys, kn.topRows(tn));
+    detail::append_rows<T>(state.pending_values, vn.topRows(tn));
+  } else {
+    state.pending_keys = kn.topRows(pending);
+    state.pending_values = vn.topRows(pending);
+  }
+  loan.give_back();
+  state.tokens_seen += tn;
   if (saved != nullptr) *saved = std::move(rec);
   return out;
 }

@@ -36,8 +36,11 @@ struct AttentionScratch {
   Matrix<T> dpd, dpb;  // backward: dP, then dZ
   Matrix<T> g;         // backward: tile x r
   Vector<T> inv;       // 1 / row sums
-  void reserve(Index dict_rows, Index block, Index key_dim, bool backward) {
-    const Index tile = std::min(query_tile, block);
+  /// max_queries: the most queries of one call's block (a decoding call has one), so that a
+  /// one-token call does not allocate a full tile.
+  void reserve(Index dict_rows, Index block, Index key_dim, bool backward,
+               Index max_queries = query_tile) {
+    const Index tile = std::max<Index>(1, std::min({query_tile, block, max_queries}));
     pd.resize(tile, dict_rows);
     pb.resize(tile, block);
     inv.resize(tile);
@@ -49,18 +52,23 @@ struct AttentionScratch {
   }
 };
 
-/// Fills sc.pd (m x N) and sc.pb (m x L, L = kb.rows() = p0 + m) with exp(logit - row max),
-/// masked entries 0, and sc.inv with 1 / row sum. logc: log counts (N) or nullptr without the
-/// count bias.
+/// Fills sc.pd (m x N) and sc.pb (m x L) with exp(logit - row max), masked entries 0, and
+/// sc.inv with 1 / row sum. The block's keys come in two parts, ko (the L_o keys the state
+/// already held) then kn (L - L_o keys of this call), L = p0 + m; kept apart so that a decoding
+/// call never copies the unfinished block. logc: log counts (N) or nullptr without the count
+/// bias. With `check`, returns whether every logit was finite (a non-finite dictionary or
+/// pending entry always makes one non-finite: x * inf and 0 * inf are never finite).
 template <class T>
-void tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRef<T>& kb, Index p0,
-                  T s, AttentionScratch<T>& sc) {
-  const Index m = qh.rows(), n = dk.rows(), l = kb.rows();
+bool tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRef<T>& ko,
+                  const CRef<T>& kn, Index p0, T s, AttentionScratch<T>& sc, bool check = false) {
+  const Index m = qh.rows(), n = dk.rows(), lo = ko.rows(), l = lo + kn.rows();
   MIXATTN_ASSERT(l == p0 + m);
   Eigen::Ref<Matrix<T>> pd = sc.pd.topLeftCorner(m, n);
   Eigen::Ref<Matrix<T>> pb = sc.pb.topLeftCorner(m, l);
   if (n > 0) pd.noalias() = qh * dk.transpose();
-  pb.noalias() = qh * kb.transpose();
+  if (lo > 0) pb.leftCols(lo).noalias() = qh * ko.transpose();
+  pb.rightCols(l - lo).noalias() = qh * kn.transpose();
+  T probe = 0;  // x * 0 is 0 for finite x, NaN otherwise
   for (Index i = 0; i < m; ++i) {
     const Index vis = p0 + i + 1;
     T mx = -std::numeric_limits<T>::infinity();
@@ -69,9 +77,11 @@ void tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRe
         pd.row(i) = pd.row(i) * s + Eigen::Map<const RowVec<T>>(logc, n);
       else
         pd.row(i) *= s;
+      if (check) probe += (pd.row(i).array() * T(0)).sum();
       mx = pd.row(i).maxCoeff();
     }
     pb.row(i).head(vis) *= s;
+    if (check) probe += (pb.row(i).head(vis).array() * T(0)).sum();
     mx = std::max(mx, pb.row(i).head(vis).maxCoeff());
     T sum = 0;
     if (n > 0) {
@@ -83,18 +93,31 @@ void tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRe
     pb.row(i).tail(l - vis).setZero();
     sc.inv[i] = T(1) / sum;  // sum >= 1: the max entry contributes exp(0)
   }
+  return probe == T(0);
 }
 
-/// out (m x d_v) = softmax-weighted dictionary values plus block values (SPEC 2.2).
+/// The same with the block's keys in one piece (kb: L x r).
 template <class T>
-void tile_forward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, const T* logc,
-                  const CRef<T>& kb, const CRef<T>& vb, Index p0, T s, AttentionScratch<T>& sc,
-                  Eigen::Ref<Matrix<T>> out) {
-  const Index m = qh.rows(), n = dk.rows(), l = kb.rows();
-  tile_weights<T>(qh, dk, logc, kb, p0, s, sc);
-  out.noalias() = sc.pb.topLeftCorner(m, l) * vb;
+void tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRef<T>& kb, Index p0,
+                  T s, AttentionScratch<T>& sc) {
+  tile_weights<T>(qh, dk, logc, kb.topRows(0), kb, p0, s, sc);
+}
+
+/// out (m x d_v) = softmax-weighted dictionary values plus block values (SPEC 2.2); the block in
+/// two parts as in tile_weights (ko, vo: the state's pending keys and values; kn, vn: this
+/// call's). Returns tile_weights' finiteness verdict.
+template <class T>
+bool tile_forward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, const T* logc,
+                  const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn, const CRef<T>& vn,
+                  Index p0, T s, AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> out,
+                  bool check = false) {
+  const Index m = qh.rows(), n = dk.rows(), lo = ko.rows(), l = lo + kn.rows();
+  const bool finite = tile_weights<T>(qh, dk, logc, ko, kn, p0, s, sc, check);
+  out.noalias() = sc.pb.topLeftCorner(m, l).rightCols(l - lo) * vn;
+  if (lo > 0) out.noalias() += sc.pb.topLeftCorner(m, lo) * vo;
   if (n > 0) out.noalias() += sc.pd.topLeftCorner(m, n) * dv;
   out.array().colwise() *= sc.inv.head(m).array();
+  return finite;
 }
 
 /// Backward of one tile given dO (m x d_v): with P the probabilities, dP = dO V^T,
