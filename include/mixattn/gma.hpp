@@ -233,6 +233,15 @@ void gma_check_state(const char* fn, const gma::State<T>& st, Index K, Index dv,
           "state.tokens_seen is ", st.tokens_seen, "; with ", n,
           " more tokens it must stay in [0, max Index]");
   if (opt.check_finite) {
+    // One vectorised probe over the contiguous state (x * 0 is 0 only for finite x); the
+    // row-wise scan that names the entry runs only on failure.
+    using W = wide_t<T>;
+    const W probe =
+        (Eigen::Map<const Eigen::Matrix<W, 1, Eigen::Dynamic>>(st.S.data(), st.S.size()).array() *
+         W(0))
+            .sum() +
+        (st.z.array() * W(0)).sum();
+    if (probe == W(0)) return;
     require_finite(st.S, fn, "state.S");
     require_finite(st.z, fn, "state.z");
   }
@@ -280,11 +289,11 @@ void gma_save(gma::Saved<T>& saved, Matrix<T>&& gq, Matrix<T>&& gk, Vector<T>&& 
   saved.valid = true;
 }
 
-/// Wide scratch of the one-token decode kernel, per thread (two d_v vectors).
+/// Wide scratch of the one-token decode kernel, per thread (d_v + 2K).
 template <class W>
-Vector<W>& gma_decode_scratch(int slot) {
-  thread_local Vector<W> buffers[2];
-  return buffers[slot];
+Vector<W>& gma_decode_scratch() {
+  thread_local Vector<W> buffer;
+  return buffer;
 }
 
 /// Causal forward continuing `st` (SPEC 1.4) for a mixture already packed; validated by the
@@ -313,12 +322,10 @@ Matrix<T> gma_forward_continued(const PackedDensity<T>& p, const ConstMatrixRef<
     start_z = st.z;
   }
   if (N < chunk) {
-    Vector<W>& vw = gma_decode_scratch<W>(0);
-    Vector<W>& num = gma_decode_scratch<W>(1);
-    vw.resize(dv);
-    num.resize(dv);
+    Vector<W>& w = gma_decode_scratch<W>();
+    w.resize(dv + 2 * K);
     gma_causal_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, dv,
-                         static_cast<T>(opt.eps), st.S, st.z, vw, num, out.data(), dv, den.data());
+                         static_cast<T>(opt.eps), st.S, st.z, w, out.data(), dv, den.data());
   } else {
     gma_causal_forward<T>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z);
   }

@@ -56,31 +56,51 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
 
 /// The same recurrence one token at a time, read straight from the wide state: for token i,
 ///   S += gamma_k,i v_i^T,  z += gamma_k,i,  out_i = (gamma_q,i S) / (gamma_q,i . z + eps).
-/// One pass over S per token (write and read fused row by row), no T copy of the state: the
-/// decode path, where a chunk's GEMMs would be 1 x K and the state copy would dominate.
-/// vw: d_v wide scratch. Writes out (n x d_v, stride ldo) and den (n).
+/// One pass over S per token, the write and the read fused: for each block of 16 value columns
+/// the block of v and the block of the read-out stay in registers while the K rows stream by.
+/// No T copy of the state: the decode path, where a chunk's GEMMs would be 1 x K.
+/// w: wide scratch of at least d_v + 2K. Writes out (n x d_v, stride ldo) and den (n).
 template <class T>
 void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n, Index K, Index dv,
-                       T eps, Matrix<wide_t<T>>& S, Vector<wide_t<T>>& z, Vector<wide_t<T>>& vw,
-                       Vector<wide_t<T>>& num, T* out, Index ldo, T* den) {
+                       T eps, Matrix<wide_t<T>>& S, Vector<wide_t<T>>& z, Vector<wide_t<T>>& w,
+                       T* out, Index ldo, T* den) {
   using W = wide_t<T>;
+  constexpr int B = 16;
+  using Block = Eigen::Matrix<W, B, 1>;
+  W* vw = w.data();
+  W* kw = vw + dv;
+  W* qw = kw + K;
+  W* s = S.data();
   for (Index i = 0; i < n; ++i) {
-    const T* q = gq + i * K;
-    const T* kk = gk + i * K;
-    vw = Eigen::Map<const Vector<T>>(v + i * ldv, dv).template cast<W>();
-    num.setZero();
-    W d = 0;
+    for (Index c = 0; c < dv; ++c) vw[c] = static_cast<W>(v[i * ldv + c]);
     for (Index c = 0; c < K; ++c) {
-      const W wk = static_cast<W>(kk[c]), wq = static_cast<W>(q[c]);
-      auto row = S.row(c);
-      row.noalias() += wk * vw.transpose();
-      num.noalias() += wq * row.transpose();
-      z[c] += wk;
-      d += wq * z[c];
+      kw[c] = static_cast<W>(gk[i * K + c]);
+      qw[c] = static_cast<W>(gq[i * K + c]);
     }
-    const W dw = d + static_cast<W>(eps);
+    Eigen::Map<Vector<W>>(z.data(), K) += Eigen::Map<const Vector<W>>(kw, K);
+    const W dw = Eigen::Map<const Vector<W>>(qw, K).dot(z) + static_cast<W>(eps);
+    T* o = out + i * ldo;
+    Index j = 0;
+    for (; j + B <= dv; j += B) {
+      const Block vb = Eigen::Map<const Block>(vw + j);
+      Block acc = Block::Zero();
+      for (Index c = 0; c < K; ++c) {
+        Eigen::Map<Block> row(s + c * dv + j);
+        row += kw[c] * vb;
+        acc += qw[c] * row;
+      }
+      for (int l = 0; l < B; ++l) o[j + l] = static_cast<T>(acc[l] / dw);
+    }
+    for (; j < dv; ++j) {  // columns beyond the last full block
+      W acc = 0;
+      for (Index c = 0; c < K; ++c) {
+        W& e = s[c * dv + j];
+        e += kw[c] * vw[j];
+        acc += qw[c] * e;
+      }
+      o[j] = static_cast<T>(acc / dw);
+    }
     den[i] = static_cast<T>(dw);
-    Eigen::Map<Vector<T>>(out + i * ldo, dv) = (num / dw).template cast<T>();
   }
 }
 
