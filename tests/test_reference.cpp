@@ -563,3 +563,72 @@ TYPED_TEST(Reference, OverflowingLogitsAreReported) {
 }
 
 }  // namespace
+
+// ---- causal decoding over a key/value cache ---------------------------------------------------
+
+namespace {
+
+template <class T>
+class KvCacheDecode : public ::testing::Test {};
+TYPED_TEST_SUITE(KvCacheDecode, Scalars, ScalarName);
+
+/// Any pieces (one token at a time, uneven pieces) give the rows of the causal naive forward.
+TYPED_TEST(KvCacheDecode, PiecesMatchNaiveCausal) {
+  using T = TypeParam;
+  const Index n = 37, r = 5, dv = 3;
+  const Matrix<T> q = random_matrix<T>(n, r, 71), k = random_matrix<T>(n, r, 72);
+  const Matrix<T> v = random_matrix<T>(n, dv, 73);
+  ref::Options opt;
+  opt.causal = true;
+  const Matrix<T> expect = ref::naive_forward<T>(q, k, v, opt);
+  const std::vector<std::vector<Index>> splits = {std::vector<Index>(n, 1), {n}, {3, 1, 20, 13}};
+  for (const auto& sizes : splits) {
+    ref::KvCache<T> cache(r, dv);  // no reserve: appends reallocate on the way
+    Matrix<T> out(n, dv);
+    Index at = 0;
+    for (const Index p : sizes) {
+      out.middleRows(at, p) = ref::decode<T>(cache, q.middleRows(at, p), k.middleRows(at, p),
+                                             v.middleRows(at, p), opt);
+      at += p;
+    }
+    EXPECT_EQ(cache.size(), n);
+    EXPECT_TRUE(mixattn::testing::all_close(out, expect, Tol<T>::rtol, Tol<T>::atol))
+        << sizes.size() << " pieces";
+    EXPECT_TRUE(cache.keys() == k);
+    EXPECT_TRUE(cache.values() == v);
+  }
+}
+
+TYPED_TEST(KvCacheDecode, RejectsAndLeavesTheCacheUntouched) {
+  using T = TypeParam;
+  const Index r = 4, dv = 2;
+  ref::KvCache<T> cache(r, dv, 8);
+  ref::Options opt;
+  opt.causal = true;
+  const Matrix<T> q = random_matrix<T>(3, r, 81), v = random_matrix<T>(3, dv, 82);
+  ref::decode<T>(cache, q, q, v, opt);
+  ref::Options bidir;
+  EXPECT_THROW(ref::decode<T>(cache, q, q, v, bidir), std::invalid_argument);
+  EXPECT_THROW(ref::decode<T>(cache, q.leftCols(3), q.leftCols(3), v, opt),
+               std::invalid_argument);
+  EXPECT_THROW(ref::decode<T>(cache, q, q, random_matrix<T>(3, dv + 1, 83), opt),
+               std::invalid_argument);
+  EXPECT_THROW(ref::decode<T>(cache, q, q.topRows(2), v, opt), std::invalid_argument);
+  Matrix<T> bad = q;
+  bad(1, 2) = std::numeric_limits<T>::quiet_NaN();
+  EXPECT_THROW(ref::decode<T>(cache, bad, q, v, opt), std::domain_error);
+  // finite inputs whose logits overflow: reported, and the tokens are not kept
+  ref::Options huge = opt;
+  huge.scale = static_cast<double>(std::numeric_limits<T>::max());
+  EXPECT_THROW(ref::decode<T>(cache, q, q, v, huge), std::domain_error);
+  EXPECT_EQ(cache.size(), 3);
+  EXPECT_THROW(ref::KvCache<T>(0, dv), std::invalid_argument);
+  EXPECT_THROW(cache.truncate(4), std::invalid_argument);
+  try {
+    ref::decode<T>(cache, q, q, v, bidir);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("mixattn::reference::decode"), std::string::npos);
+  }
+}
+
+}  // namespace

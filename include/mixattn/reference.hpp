@@ -15,6 +15,7 @@
 #include "mixattn/core.hpp"
 #include "mixattn/detail/flash_kernels.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -255,6 +256,99 @@ Grad<T> flash_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   detail::flash_backward_tiles<T, Tiles::backward_queries, Tiles::backward_keys>(
       q, k, v, saved.out, grad_out, saved.lse, static_cast<T>(scale), opt.causal, g.q, g.k, g.v);
   return g;
+}
+
+/// The key/value cache of causal softmax decoding (SPEC §3, causal mask): the keys (size x r)
+/// and values (size x d_v) of every token seen so far, in buffers whose capacity at least
+/// doubles when full, so appending is amortised O(r + d_v) per token; reserve() up front makes
+/// every append copy-free. Memory grows with the sequence: O(size (r + d_v)), the cost that
+/// GMA's and OVQ's constant-size states avoid. Not thread-safe for concurrent decode calls.
+template <class T>
+class KvCache {
+ public:
+  /// An empty cache for keys of width key_dim (>= 1) and values of width value_dim (>= 1).
+  KvCache(Index key_dim, Index value_dim, Index reserve_tokens = 0) {
+    constexpr const char* fn = "mixattn::reference::KvCache";
+    detail::require(key_dim >= 1 && value_dim >= 1, fn, "key_dim is ", key_dim,
+                    " and value_dim is ", value_dim, "; both must be >= 1");
+    detail::require(reserve_tokens >= 0, fn, "reserve_tokens is ", reserve_tokens,
+                    ", must be >= 0");
+    keys_.resize(reserve_tokens, key_dim);
+    values_.resize(reserve_tokens, value_dim);
+  }
+
+  Index size() const { return size_; }
+  Index key_dim() const { return keys_.cols(); }
+  Index value_dim() const { return values_.cols(); }
+  Index capacity() const { return keys_.rows(); }
+  /// Cached keys (size x r) and values (size x d_v), oldest first.
+  ConstMatrixRef<T> keys() const { return keys_.topRows(size_); }
+  ConstMatrixRef<T> values() const { return values_.topRows(size_); }
+
+  /// Room for `tokens` tokens in all (the cached ones included) without another copy.
+  void reserve(Index tokens) {
+    if (tokens <= capacity()) return;
+    keys_.conservativeResize(tokens, keys_.cols());
+    values_.conservativeResize(tokens, values_.cols());
+  }
+  void clear() { size_ = 0; }
+  /// Keeps the oldest `tokens` tokens (0 <= tokens <= size), dropping the newer ones.
+  void truncate(Index tokens) {
+    detail::require(tokens >= 0 && tokens <= size_, "mixattn::reference::KvCache::truncate",
+                    "tokens is ", tokens, " but the cache holds ", size_);
+    size_ = tokens;
+  }
+
+  /// Appends n tokens: k is n x r, v is n x d_v (validated by the caller, decode()).
+  void append(const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v) {
+    const Index n = k.rows();
+    if (size_ + n > capacity()) reserve(std::max(size_ + n, 2 * capacity()));
+    keys_.middleRows(size_, n) = k;
+    values_.middleRows(size_, n) = v;
+    size_ += n;
+  }
+
+ private:
+  Matrix<T> keys_, values_;  // capacity x r, capacity x d_v; rows [0, size) live
+  Index size_ = 0;
+};
+
+/// Causal softmax decoding: appends the n new tokens' k (n x r) and v (n x d_v) to `cache` and
+/// returns their outputs (n x d_v) for q (n x r): new token i attends to every cached token and
+/// to the new ones up to itself. Over any pieces of a sequence, the rows of
+/// naive_forward(q, k, v, causal) up to rounding. options.causal must be true (decoding is
+/// causal); options.scale as for the forwards. O(n (size + n) (r + d_v)) time, O(size + n)
+/// scratch. On a throw (invalid_argument for shapes or options, domain_error for non-finite
+/// input) the cache is untouched.
+template <class T>
+Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                 const ConstMatrixRef<T>& v, const Options& opt) {
+  constexpr const char* fn = "mixattn::reference::decode";
+  detail::require(opt.causal, fn, "decoding is causal: options.causal must be true");
+  detail::require(q.cols() == cache.key_dim() && v.cols() == cache.value_dim(), fn, "q is ",
+                  detail::shape_str(q), " and v is ", detail::shape_str(v),
+                  " but the cache holds keys of width ", cache.key_dim(), " and values of width ",
+                  cache.value_dim());
+  const T scale = static_cast<T>(detail::check_inputs<T>(fn, q, k, v, opt));
+  const Index n = q.rows(), dv = v.cols(), start = cache.size();
+  cache.append(k, v);
+  const ConstMatrixRef<T> keys = cache.keys(), values = cache.values();
+  Matrix<T> out(n, dv);
+  Vector<T> s(start + n);
+  for (Index i = 0; i < n; ++i) {
+    // one max-subtracted softmax row over the visible tokens (the query's own key included)
+    const Index vis = start + i + 1;
+    auto si = s.head(vis);
+    si.noalias() = keys.topRows(vis) * (q.row(i).transpose() * scale);
+    const T mx = si.maxCoeff();
+    si = (si.array() - mx).exp().matrix();
+    const T inv = T(1) / si.sum();
+    out.row(i).noalias() = si.transpose() * values.topRows(vis);
+    out.row(i) *= inv;
+  }
+  if (opt.check_finite && !out.allFinite()) cache.truncate(start);  // before check_output throws
+  detail::check_output(fn, out, opt);
+  return out;
 }
 
 }  // namespace mixattn::reference
