@@ -67,8 +67,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 }
 
 class LayerCase : public ::testing::TestWithParam<Case> {};
-INSTANTIATE_TEST_SUITE_P(Mixers, LayerCase, ::testing::ValuesIn(kCases),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Mixers, LayerCase, ::testing::ValuesIn(kCases), case_name);
 
 // Loss = Σ Y ∘ R for a fixed random R, so dL/dY = R. Every parameter and X are checked.
 // Central differences with h = 1e-6 in double are accurate to ~1e-9 relative on these O(1)
@@ -177,8 +176,7 @@ std::vector<Case> causal_cases() {
   return out;
 }
 class CausalLayerCase : public ::testing::TestWithParam<Case> {};
-INSTANTIATE_TEST_SUITE_P(Mixers, CausalLayerCase, ::testing::ValuesIn(causal_cases()),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Mixers, CausalLayerCase, ::testing::ValuesIn(causal_cases()), case_name);
 
 TEST_P(CausalLayerCase, OutputsIgnoreTheFuture) {
   const Case c = GetParam();
@@ -189,6 +187,45 @@ TEST_P(CausalLayerCase, OutputsIgnoreTheFuture) {
   const Matrix<double> after = mha.forward(x);
   EXPECT_TRUE(before.topRows(5) == after.topRows(5)) << c.name;
   EXPECT_FALSE(before.row(5) == after.row(5)) << c.name;
+}
+
+/// Decoding token by token, or in uneven pieces, gives the rows of one forward over the whole
+/// sequence: 20 tokens cross several OVQ blocks of 3 (seeding, merging at 2 centroids) and GMA
+/// chunks of 4 (the chunked scan and the one-token path both continue the state).
+TEST_P(CausalLayerCase, DecodingMatchesOneForward) {
+  const Case c = GetParam();
+  layer::Config cfg = small_config(c, 31);
+  cfg.gma.chunk = 4;
+  layer::MultiHeadAttention<double> mha(cfg);
+  const Index n = 20;
+  const Matrix<double> x = random_matrix<double>(n, 5, 32);
+  const Matrix<double> whole = mha.forward(x);
+  const std::vector<std::vector<Index>> splits = {std::vector<Index>(n, 1), {7, 1, 9, 3}};
+  for (const auto& sizes : splits) {
+    layer::DecodeState<double> st = mha.begin_decoding();
+    Matrix<double> out(n, 5);
+    Index at = 0;
+    for (const Index p : sizes) {
+      out.middleRows(at, p) = mha.decode(x.middleRows(at, p), st);
+      at += p;
+    }
+    EXPECT_EQ(st.tokens_seen, n);
+    // double: the pieces reorder sums of <= 20 O(1) terms; 1e-12 leaves a margin of ~100.
+    EXPECT_TRUE(all_close(out, whole, 1e-12, 1e-13)) << c.name << ", " << sizes.size();
+  }
+}
+
+TEST(Layer, DecodingRejectsNonCausalLayersAndForeignStates) {
+  layer::MultiHeadAttention<double> bidir(small_config(kCases[0], 41));
+  EXPECT_THROW(bidir.begin_decoding(), std::invalid_argument);
+  layer::MultiHeadAttention<double> a(small_config(kCases[1], 42)), b(small_config(kCases[1], 43));
+  layer::DecodeState<double> st = a.begin_decoding();
+  const Matrix<double> x = random_matrix<double>(2, 5, 44);
+  EXPECT_THROW(b.decode(x, st), std::invalid_argument);
+  EXPECT_THROW(a.decode(random_matrix<double>(2, 4, 45), st), std::invalid_argument);
+  EXPECT_EQ(st.tokens_seen, 0);
+  EXPECT_NO_THROW(a.decode(x, st));
+  EXPECT_EQ(st.tokens_seen, 2);
 }
 
 TEST_P(LayerCase, SaveLoadRoundTrip) {

@@ -8,9 +8,12 @@
 // The mixer of every head is one of
 //   - GMA (SPEC §1), bidirectional or causal, with its own routing mixture per head;
 //   - OVQ (SPEC §2), always causal, with its own scale factor beta per head; every forward
-//     processes X as a whole sequence from an empty State (the layer is for training on
-//     sequences; streaming inference uses ovq::forward with a kept State directly);
+//     processes X as a whole sequence from an empty State;
 //   - softmax attention (SPEC §3, the tiled form), bidirectional or causal.
+//
+// Causal layers also decode: begin_decoding() makes one sequence's DecodeState (a gma::State,
+// ovq::State or softmax KvCache per head) and decode(x, state) takes the next token(s), giving
+// the rows forward() would give over the whole sequence.
 //
 // Parameters are exposed as a flat list of named blocks (parameters()), and backward returns
 // one gradient per block in the same order, so any optimiser (adam.hpp) can step them and
@@ -240,6 +243,21 @@ struct Gradients {
   }
 };
 
+/// One sequence's incremental state for decoding with a causal layer (begin_decoding()): per
+/// head a gma::State (with the head's mixture prepared once), an ovq::State or a softmax
+/// reference::KvCache, whichever the layer's mixer needs. GMA and OVQ states have a constant
+/// size; the softmax cache grows with the sequence. The mixtures are a snapshot taken by
+/// begin_decoding: after changing the layer's parameters, begin again.
+template <class T>
+struct DecodeState {
+  std::vector<gma::Prepared<T>> gma_prepared;
+  std::vector<gma::State<T>> gma;
+  std::vector<ovq::State<T>> ovq;
+  std::vector<reference::KvCache<T>> softmax;
+  Index tokens_seen = 0;
+  const void* layer = nullptr;  // the layer that began it (decode rejects another's)
+};
+
 /// Multi-head attention layer (see the top of this file). Parameters, in parameters() order:
 ///   w_q (d_model x H·r), w_k (d_model x H·r), w_v (d_model x H·d_v), w_o (H·d_v x d_model),
 ///   then per head h: GMA "head<h>.mean" (K x r), "head<h>.var_raw" (K x r),
@@ -371,6 +389,77 @@ class MultiHeadAttention {
     Matrix<T> y(n, cfg_.model_dim);
     y.noalias() = c.mixed * w_o_;
     if (keep) c.tokens = n;
+    return y;
+  }
+
+  /// A fresh decoding state for one sequence (causal layers only: config.causal). Prepares
+  /// every GMA head's mixture constants once. reserve_tokens: softmax layers reserve their
+  /// key/value caches for that many tokens (no reallocation while decoding up to it).
+  DecodeState<T> begin_decoding(Index reserve_tokens = 0) const {
+    constexpr const char* fn = "mixattn::layer::MultiHeadAttention::begin_decoding";
+    ::mixattn::detail::require(cfg_.causal, fn,
+                               "decoding needs a causal layer: set config.causal = true");
+    ::mixattn::detail::require(reserve_tokens >= 0, fn, "reserve_tokens is ", reserve_tokens,
+                               ", must be >= 0");
+    const Index heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
+    DecodeState<T> st;
+    st.layer = this;
+    for (Index h = 0; h < heads; ++h) {
+      switch (cfg_.mixer) {
+        case MixerKind::gma:
+          st.gma_prepared.push_back(gma::prepare(mixtures_[static_cast<std::size_t>(h)]));
+          st.gma.push_back(gma::State<T>::empty(cfg_.components, dv));
+          break;
+        case MixerKind::ovq:
+          st.ovq.push_back(ovq::State<T>::empty(r, dv));
+          break;
+        case MixerKind::softmax:
+          st.softmax.emplace_back(r, dv, reserve_tokens);
+          break;
+      }
+    }
+    return st;
+  }
+
+  /// The next n tokens of the sequence `state` has seen so far: x is n x d_model (n >= 1, one
+  /// token when generating); returns n x d_model, the rows forward() would give for them over
+  /// the whole sequence (up to rounding), and advances `state`. Per token and head the cost is
+  /// O(K (r + d_v)) for GMA, O((N_max + C)(r + d_v)) for OVQ, O(t (r + d_v)) for softmax at
+  /// position t. On a throw `state` is unchanged only for bad x (shape, non-finite values).
+  Matrix<T> decode(const ConstMatrixRef<T>& x, DecodeState<T>& state) const {
+    constexpr const char* fn = "mixattn::layer::MultiHeadAttention::decode";
+    check_input(fn, x);
+    const std::size_t hs = static_cast<std::size_t>(cfg_.heads);
+    const std::size_t have = cfg_.mixer == MixerKind::gma   ? state.gma.size()
+                             : cfg_.mixer == MixerKind::ovq ? state.ovq.size()
+                                                            : state.softmax.size();
+    ::mixattn::detail::require(state.layer == this && have == hs, fn,
+                               "state was not made by this layer's begin_decoding()");
+    const Index n = x.rows(), r = cfg_.key_dim, dv = cfg_.value_dim;
+    const Matrix<T> q = x * w_q_, k = x * w_k_, v = x * w_v_;
+    Matrix<T> mixed(n, cfg_.heads * dv);
+    const gma::Options gopt = gma_options();
+    const reference::Options sopt = softmax_options();
+    parallel_for(cfg_.heads, cfg_.threads, [&](Index h) {
+      const std::size_t i = static_cast<std::size_t>(h);
+      const ConstMatrixRef<T> qh = q.middleCols(h * r, r), kh = k.middleCols(h * r, r);
+      const ConstMatrixRef<T> vh = v.middleCols(h * dv, dv);
+      auto out = mixed.middleCols(h * dv, dv);
+      switch (cfg_.mixer) {
+        case MixerKind::gma:
+          out = gma::forward(state.gma_prepared[i], qh, kh, vh, gopt, state.gma[i]);
+          break;
+        case MixerKind::ovq:
+          out = ovq::forward(qh, kh, vh, beta_[h], cfg_.ovq, state.ovq[i]);
+          break;
+        case MixerKind::softmax:
+          out = reference::decode<T>(state.softmax[i], qh, kh, vh, sopt);
+          break;
+      }
+    });
+    state.tokens_seen += n;
+    Matrix<T> y(n, cfg_.model_dim);
+    y.noalias() = mixed * w_o_;
     return y;
   }
 
