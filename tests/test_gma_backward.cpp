@@ -2,6 +2,7 @@
 // every mixture parameter, bidirectional and causal; float against double.
 #include <mixattn/gma.hpp>
 
+#include "test_gma_common.hpp"
 #include "test_util.hpp"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@ namespace {
 using namespace mixattn;
 using mixattn::testing::numeric_gradient;
 using mixattn::testing::random_matrix;
+using mixattn::testing::test_mixture;
 
 template <class A, class B>
 ::testing::AssertionResult close(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b,
@@ -21,13 +23,6 @@ template <class A, class B>
                                      Matrix<double>(b.template cast<double>()), rtol, atol);
 }
 
-template <class T>
-gma::Mixture<T> test_mixture(Index K, Index r, std::uint64_t seed) {
-  gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, seed);
-  mix.var_raw = random_matrix<T>(K, r, seed + 1, 0.7);
-  mix.prior_logit = random_matrix<T>(K, 1, seed + 2, 0.5);
-  return mix;
-}
 
 struct Case {
   Index n, m, r, K, dv;

@@ -1,6 +1,7 @@
 // GMA responsibilities and forward (SPEC 1.2-1.4, 1.6) against direct O(N^2) formulas in double.
 #include <mixattn/gma.hpp>
 
+#include "test_gma_common.hpp"
 #include "test_util.hpp"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@ namespace {
 
 using namespace mixattn;
 using mixattn::testing::random_matrix;
+using mixattn::testing::test_mixture;
 
 /// all_close on any two Eigen expressions (mixed float/double included), compared in double.
 
@@ -30,14 +32,6 @@ struct Tol<double> {
   static constexpr double rtol = 1e-11, atol = 1e-13;
 };
 
-/// A mixture with non-trivial variances and priors.
-template <class T>
-gma::Mixture<T> test_mixture(Index K, Index r, std::uint64_t seed) {
-  gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, seed);
-  mix.var_raw = random_matrix<T>(K, r, seed + 1, 0.7);
-  mix.prior_logit = random_matrix<T>(K, 1, seed + 2, 0.5);
-  return mix;
-}
 
 /// SPEC 1.2 literally, in double, from the raw parameters (softplus, log_softmax, the sum).
 template <class T>

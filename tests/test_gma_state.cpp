@@ -2,6 +2,7 @@
 // of forward (mixture and prepared), and backward across pieces with start/end state gradients.
 #include <mixattn/gma.hpp>
 
+#include "test_gma_common.hpp"
 #include "test_util.hpp"
 
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@ using namespace mixattn;
 using mixattn::testing::all_close;
 using mixattn::testing::numeric_gradient;
 using mixattn::testing::random_matrix;
+using mixattn::testing::test_mixture;
 
 template <class T>
 struct Tol;
@@ -33,13 +35,6 @@ struct Tol<double> {
   static constexpr double rtol = 1e-12, atol = 1e-13;
 };
 
-template <class T>
-gma::Mixture<T> test_mixture(Index K, Index r, std::uint64_t seed) {
-  gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, seed);
-  mix.var_raw = random_matrix<T>(K, r, seed + 1, 0.7);
-  mix.prior_logit = random_matrix<T>(K, 1, seed + 2, 0.5);
-  return mix;
-}
 
 /// Random cut points: pieces of 1 .. max_piece tokens covering [0, n).
 std::vector<Index> random_pieces(Index n, Index max_piece, std::uint64_t seed) {

@@ -7,6 +7,8 @@
 // Thread safety: every function is reentrant and may run concurrently on different threads.
 // forward without `saved` reuses two per-thread (thread_local) N x K scratch buffers, which stay
 // allocated for the thread's lifetime; backward allocates its own panel-sized scratch per call.
+// The State overloads of forward (decoding) also keep one small per-thread wide scratch (d_v + 2K)
+// and write only the State they are given: distinct States may be continued concurrently.
 // GEMMs use the threads Eigen is configured with.
 //
 // Every entry point has a defaulted template parameter Arch (the SIMD instruction set the
