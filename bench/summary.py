@@ -435,6 +435,83 @@ def torch_ratio(torch_op, op):
         return q
     return value
 
+# ---- decoding (bench_decode.cpp): one token per call at position P -------------------------------
+
+DECODE_POSITIONS = (1024, 8192, 32768)
+
+
+def fmt_us(x):
+    return fmt_time(x)
+
+
+def decode_latency(op, p):
+    """Mean seconds per token at position p, shown with the p99 and the max beside it."""
+    def value(m):
+        mean, p99, mx = (m.counter(op, c, p) for c in ("mean_s", "p99_s", "max_s"))
+        return all_of([mean, p99, mx], mean.med, mean.lo, mean.hi,
+                      text=f"{fmt_us(mean.med)} (p99 {fmt_us(p99.med)}, max {fmt_us(mx.med)})")
+    return value
+
+
+def decode_flatness(op):
+    """Mean latency per token at the last measured position over the first (1024)."""
+    def value(m):
+        ns = [n for n in m.ns(op) if n >= 1024]
+        if 1024 not in ns or len(ns) < 2:
+            raise Missing(op, 1024 if 1024 not in ns else "a second position")
+        q = m.counter(op, "mean_s", ns[-1]) / m.counter(op, "mean_s", 1024)
+        q.text = f"{q.med:.2f}× (P = 1024 → {ns[-1]})"
+        return q
+    return value
+
+
+def ovq_block_worst(m):
+    """The slowest block-completing token over every measured position."""
+    qs = [m.counter("decode_ovq", "block_max_s", n) for n in m.ns("decode_ovq")]
+    if not qs:
+        raise Missing("decode_ovq", "any", what="counter block_max_s")
+    worst = max(q.med for q in qs)
+    return all_of(qs, worst, text=fmt_us(worst))
+
+
+def ovq_after_block_ratio(m):
+    """The slowest token right after a block completion over the mean, worst position."""
+    qs = [m.counter("decode_ovq", "after_block_max_s", n) / m.counter("decode_ovq", "mean_s", n)
+          for n in m.ns("decode_ovq")]
+    if not qs:
+        raise Missing("decode_ovq", "any", what="counter after_block_max_s")
+    return all_of(qs, max(q.med for q in qs))
+
+
+def softmax_vs_gma(p):
+    """Softmax-with-KV-cache decode time per token over GMA's, shown with softmax's latency."""
+    def value(m):
+        mean, p99, mx = (m.counter("decode_softmax_kv", c, p) for c in ("mean_s", "p99_s", "max_s"))
+        q = mean / m.counter("decode_gma", "mean_s", p)
+        q.text = (f"{q.med:.1f}× (softmax {fmt_us(mean.med)}, p99 {fmt_us(p99.med)}, "
+                  f"max {fmt_us(mx.med)})")
+        return q
+    return value
+
+
+DECODE_TARGETS = [
+    *[Target(f"GMA decode, mean per token at position {p} (p99, max)",
+             decode_latency("decode_gma", p), ("<=", 2e-6), fmt=fmt_us)
+      for p in DECODE_POSITIONS],
+    Target("GMA decode: mean per token at the last position / at 1024",
+           decode_flatness("decode_gma"), ("<=", 1.25)),
+    *[Target(f"OVQ decode (full 1024-entry dictionary), mean per token at position {p} (p99, max)",
+             decode_latency("decode_ovq", p), ("<=", 10e-6), fmt=fmt_us)
+      for p in DECODE_POSITIONS],
+    Target("OVQ decode: slowest block-completing token", ovq_block_worst, ("<=", 1e-3),
+           fmt=fmt_us),
+    Target("OVQ decode: slowest token after a block completion / mean", ovq_after_block_ratio,
+           ("<=", 2)),
+    *[Target(f"softmax+KV cache decode / GMA decode, per token at position {p}",
+             softmax_vs_gma(p), (">=", 1)) for p in DECODE_POSITIONS],
+]
+
+
 TARGETS = [
     Target(f"GMA bidir forward / its GEMM floor (N={N})",
            lambda m: m.time("gma_forward_bidir") / m.time("floor_gma_forward_bidir"),
@@ -499,6 +576,7 @@ TARGETS = [
     *[Target(f"batched GMA {kind}, B·H = 8, 2 threads vs 1 (N={N})",
              thread_speedup(f"gma_heads_{kind}_bidir"), (">=", 1.7), bound=thread_bound(2))
       for kind in ("forward", "fwd_bwd")],
+    *DECODE_TARGETS,
 ]
 
 # Which binary writes which operator (first matching prefix), to tell "did not build" from
