@@ -1,6 +1,6 @@
 // bench/bench_decode.cpp — generation: one token per call, float, one thread.
 //
-//   decode_gma/P         gma::forward on a prepared mixture (gma::prepare, once), continuing a
+//   decode_gma/P         gma::forward on a prepared mixture (gma::Prepared, once), continuing a
 //                        gma::State; K = r = d_v = 64 (one head)
 //   decode_ovq/P         ovq::forward continuing an ovq::State; N_max = 1024, C = 256,
 //                        r = d_v = 64, linear growth (the dictionary is full from token 1024)
@@ -97,7 +97,7 @@ void decode_gma(benchmark::State& state) {
   const Index p = state.range(0);
   const Tokens& in = tokens();
   const gma::Mixture<float> mix = gma::Mixture<float>::random(kDim, kDim, 7);
-  const gma::Prepared<float> prep = gma::prepare(mix);  // once, not per token
+  const gma::Prepared<float> prep(mix);  // once, not per token
   gma::Options opt;
   opt.causal = true;
   gma::State<float> st = gma::State<float>::empty(kDim, kDim);

@@ -35,7 +35,6 @@ struct Tol<double> {
   static constexpr double rtol = 1e-12, atol = 1e-13;
 };
 
-
 /// Random cut points: pieces of 1 .. max_piece tokens covering [0, n).
 std::vector<Index> random_pieces(Index n, Index max_piece, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -109,7 +108,7 @@ TYPED_TEST(GmaState, PreparedMixtureGivesTheSameBits) {
   const std::vector<Index> sizes = random_pieces(N, 9, 5);
   gma::State<T> a = gma::State<T>::empty(K, dv), b = gma::State<T>::empty(K, dv);
   const Matrix<T> out_mix = run_pieces(mix, q, k, v, sizes, opt, a);
-  const gma::Prepared<T> prep = gma::prepare(mix);
+  const gma::Prepared<T> prep(mix);
   const Matrix<T> out_prep = run_pieces(prep, q, k, v, sizes, opt, b);
   EXPECT_TRUE(out_mix == out_prep);
   EXPECT_TRUE(a.S == b.S);
@@ -152,10 +151,10 @@ TYPED_TEST(GmaState, RejectsNonCausalMismatchedAndNonFiniteStates) {
     EXPECT_NE(std::string(e.what()).find("mixattn::gma::forward"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("state.S is 5 x 2"), std::string::npos) << e.what();
   }
-  const gma::Prepared<T> prep = gma::prepare(mix);
+  EXPECT_THROW(gma::Prepared<T>(gma::Mixture<T>{}), std::invalid_argument);
+  const gma::Prepared<T> prep(mix);
   EXPECT_THROW(gma::forward(prep, q, q, v, bidir, st), std::invalid_argument);
   EXPECT_THROW(gma::forward(prep, q, q, v, opt, wrong_k), std::invalid_argument);
-  EXPECT_THROW(gma::forward(gma::Prepared<T>{}, q, q, v, opt, st), std::invalid_argument);
   untouched();
 
   // grad_state_out: only for a continued forward, and with the state's shapes.

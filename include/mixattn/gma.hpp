@@ -127,17 +127,26 @@ struct Grad {
 };
 
 /// A mixture reduced once to what its responsibilities need (variances, log priors, the packed
-/// kernel coefficients), for decoding: recomputing them costs K r softplus and logs, more than
-/// the token itself. Made by prepare(mix); a snapshot, it does not follow later changes to the
-/// mixture (backward compares the mixture it is given against `mixture_sum`).
-template <class T>
-struct Prepared {
-  detail::MixtureConstants<detail::wide_t<T>> constants;
-  detail::PackedDensity<T> packed;
-  double mixture_sum = 0;  // content fingerprint of the mixture it was made from
+/// kernel coefficients for Arch), for decoding: recomputing them costs K r softplus and logs,
+/// more than the token itself. A snapshot: after changing the mixture, prepare it again
+/// (backward compares the mixture it is given against mixture_sum()). Immutable, so one
+/// Prepared may serve concurrent calls.
+template <class T, class Arch = detail::simd_arch>
+class Prepared {
+ public:
+  using W = detail::wide_t<T>;
+  /// Validates the mixture (shapes; finite values unless check_finite is false) and reduces it.
+  explicit Prepared(const Mixture<T>& mix, bool check_finite = true);
+  Index components() const { return packed_.components; }  // K
+  Index dim() const { return packed_.dim; }                // r
+  const detail::MixtureConstants<W>& constants() const { return constants_; }
+  const detail::PackedDensity<T>& packed() const { return packed_; }
+  double mixture_sum() const { return mixture_sum_; }  // content fingerprint of the mixture
 
-  Index components() const { return packed.components; }
-  Index dim() const { return packed.dim; }
+ private:
+  detail::MixtureConstants<W> constants_;
+  detail::PackedDensity<T> packed_;
+  double mixture_sum_ = 0;
 };
 
 }  // namespace mixattn::gma
@@ -537,18 +546,12 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const Const
   return out;
 }
 
-/// Reduces a mixture once to the constants its responsibilities need (see Prepared), for the
-/// decode overload of forward. mix: K components of dimension r.
-template <class T, class Arch = detail::simd_arch>
-Prepared<T> prepare(const Mixture<T>& mix, bool check_finite = true) {
-  detail::gma_check_mixture(mix, "mixattn::gma::prepare", check_finite);
-  using W = detail::wide_t<T>;
-  Prepared<T> prep;
-  prep.constants =
-      detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
-  prep.packed = detail::pack_density<Arch, T>(mix.mean, prep.constants);
-  prep.mixture_sum = detail::mixture_sum(mix);
-  return prep;
+template <class T, class Arch>
+Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
+  detail::gma_check_mixture(mix, "mixattn::gma::Prepared", check_finite);
+  constants_ = detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
+  packed_ = detail::pack_density<Arch, T>(mix.mean, constants_);
+  mixture_sum_ = detail::mixture_sum(mix);
 }
 
 /// Causal GMA forward continuing `state` (SPEC 1.4): q, k (n x r) and v (n x d_v) are the next
@@ -573,21 +576,17 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const Const
                                                 detail::mixture_sum(mix));
 }
 
-/// The same with the mixture prepared once (prepare(mix)): the decode path, which spends per
-/// token only the responsibilities of q and k and one pass over the state (O(K (r + d_v))).
-/// prep must come from prepare<T, Arch> for the same Arch.
+/// The same with the mixture prepared once (Prepared): the decode path, which spends per token
+/// only the responsibilities of q and k and one pass over the state (O(K (r + d_v))).
 template <class T, class Arch = detail::simd_arch>
-Matrix<T> forward(const Prepared<T>& prep, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Options& opt, State<T>& state,
-                  Saved<T>* saved = nullptr) {
+Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
+                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+                  State<T>& state, Saved<T>* saved = nullptr) {
   static constexpr const char* fn = "mixattn::gma::forward";
-  detail::require(prep.packed.components > 0 &&
-                      prep.packed.width == static_cast<Index>(detail::simd_width<Arch, T>::value),
-                  fn, "prep was not made by mixattn::gma::prepare for this instruction set");
   detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
   detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
-  return detail::gma_forward_continued<Arch, T>(prep.packed, q, k, v, opt, state, saved,
-                                                prep.mixture_sum);
+  return detail::gma_forward_continued<Arch, T>(prep.packed(), q, k, v, opt, state, saved,
+                                                prep.mixture_sum());
 }
 
 /// Backward of a piece of a longer sequence (SPEC 1.5, pieces): saved comes from the State

@@ -407,7 +407,7 @@ class MultiHeadAttention {
     for (Index h = 0; h < heads; ++h) {
       switch (cfg_.mixer) {
         case MixerKind::gma:
-          st.gma_prepared.push_back(gma::prepare(mixtures_[static_cast<std::size_t>(h)]));
+          st.gma_prepared.emplace_back(mixtures_[static_cast<std::size_t>(h)]);
           st.gma.push_back(gma::State<T>::empty(cfg_.components, dv));
           break;
         case MixerKind::ovq:
