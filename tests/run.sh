@@ -3,12 +3,16 @@
 #   1. builds the tests and examples optimised for this CPU and runs ctest (the benchmarks are
 #      built by the main command, bench/run.sh); then builds the PyTorch extension into a
 #      virtual environment and runs its pytest suite (tests/python.sh; skipped without PyTorch);
-#   2. builds and runs the whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
+#   2. builds and runs the test suite again for the instruction sets most users' binaries are built
+#      for: the x86-64 baseline (-march=x86-64, SSE2) and x86-64-v3 (AVX2 + FMA), skipping what
+#      does not depend on the ISA or costs the most: the million-token StressTest.* runs, the
+#      consumer.* projects (they test packaging, not kernels) and the examples;
+#   3. builds and runs the whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
 #      and the threaded tests under ThreadSanitizer (tests/sanitize.sh);
-#   3. builds the libFuzzer targets and runs each for a bounded time (tests/fuzz/run.sh).
+#   4. builds the libFuzzer targets and runs each for a bounded time (tests/fuzz/run.sh).
 # Environment: MIXATTN_JOBS (default nproc), MIXATTN_FUZZ_SECONDS (default 60 per target),
-# MIXATTN_SKIP_SANITIZERS=1 / MIXATTN_SKIP_FUZZ=1 to run only step 1, MIXATTN_SKIP_PYTHON=1 to
-# leave out the extension.
+# MIXATTN_SKIP_ISA=1 / MIXATTN_SKIP_SANITIZERS=1 / MIXATTN_SKIP_FUZZ=1 to skip step 2, 3 or 4,
+# MIXATTN_SKIP_PYTHON=1 to leave out the extension.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -26,6 +30,21 @@ ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 900
 echo "== main suite: $((SECONDS - start)) s"
 if [[ ${MIXATTN_SKIP_PYTHON:-0} != 1 ]]; then
   bash tests/python.sh
+fi
+
+if [[ ${MIXATTN_SKIP_ISA:-0} != 1 && $(uname -m) == x86_64 ]]; then
+  for isa in x86-64 x86-64-v3; do
+    isa_start=$SECONDS
+    echo "== build and test at -march=$isa ($build-$isa)"
+    cmake -S . -B "$build-$isa" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -DNDEBUG" -DMIXATTN_ARCH_FLAGS="-march=$isa" \
+      -DMIXATTN_BUILD_TESTS=ON -DMIXATTN_BUILD_EXAMPLES=OFF -DMIXATTN_BUILD_BENCHMARKS=OFF \
+      -DMIXATTN_INSTALL=OFF >/dev/null
+    cmake --build "$build-$isa" -j "$jobs"
+    ctest --test-dir "$build-$isa" --output-on-failure -j "$jobs" --timeout 900 \
+      -E '^(StressTest\.|consumer\.)'
+    echo "== suite at -march=$isa: $((SECONDS - isa_start)) s"
+  done
 fi
 
 if [[ ${MIXATTN_SKIP_SANITIZERS:-0} != 1 ]]; then

@@ -40,6 +40,54 @@
 #endif
 #endif
 
+// Every mixattn symbol carries the instruction set its translation unit is compiled for: all of
+// the library lives in an inline namespace named after it (mixattn::arch_avx512bw::gma::forward
+// is spelled mixattn::gma::forward), so TUs built with different -march flags get different
+// symbols and each runs its own code. The name follows the compiler's ISA macros, at the
+// granularity xsimd dispatches on; flags below that (e.g. -mavx512vbmi) do not change it.
+// Eigen's own code (its products, allocator, ...) cannot be tagged: see detail/simd.hpp.
+#ifndef MIXATTN_ARCH_NAMESPACE
+#if defined(__AVX512BW__)
+#define MIXATTN_ARCH_NAMESPACE arch_avx512bw
+#elif defined(__AVX512DQ__)
+#define MIXATTN_ARCH_NAMESPACE arch_avx512dq
+#elif defined(__AVX512CD__)
+#define MIXATTN_ARCH_NAMESPACE arch_avx512cd
+#elif defined(__AVX512F__)
+#define MIXATTN_ARCH_NAMESPACE arch_avx512f
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MIXATTN_ARCH_NAMESPACE arch_fma3_avx2
+#elif defined(__AVX2__)
+#define MIXATTN_ARCH_NAMESPACE arch_avx2
+#elif defined(__AVX__) && defined(__FMA__)
+#define MIXATTN_ARCH_NAMESPACE arch_fma3_avx
+#elif defined(__AVX__)
+#define MIXATTN_ARCH_NAMESPACE arch_avx
+#elif defined(__SSE4_2__)
+#define MIXATTN_ARCH_NAMESPACE arch_sse4_2
+#elif defined(__SSE4_1__)
+#define MIXATTN_ARCH_NAMESPACE arch_sse4_1
+#elif defined(__SSSE3__)
+#define MIXATTN_ARCH_NAMESPACE arch_ssse3
+#elif defined(__SSE3__)
+#define MIXATTN_ARCH_NAMESPACE arch_sse3
+#elif defined(__SSE2__) || defined(_M_X64)
+#define MIXATTN_ARCH_NAMESPACE arch_sse2
+#elif defined(__aarch64__) || defined(_M_ARM64)
+#define MIXATTN_ARCH_NAMESPACE arch_neon64
+#elif defined(__ARM_NEON)
+#define MIXATTN_ARCH_NAMESPACE arch_neon
+#else
+#define MIXATTN_ARCH_NAMESPACE arch_scalar
+#endif
+#endif
+#define MIXATTN_BEGIN_NAMESPACE \
+  namespace mixattn {           \
+  inline namespace MIXATTN_ARCH_NAMESPACE {
+#define MIXATTN_END_NAMESPACE \
+  }                           \
+  }
+
 namespace mixattn {
 
 namespace detail {

@@ -1,16 +1,30 @@
 // mixattn/detail/simd.hpp — the SIMD shim: which instruction set the kernels are built for.
 //
 // Every SIMD kernel is a template on (Arch, T) over xsimd::batch<T, Arch> with a scalar tail, and
-// the public entry points carry `Arch = detail::simd_arch` as a defaulted template parameter. The
-// arch is therefore part of every mangled name: two translation units compiled with different
-// -m flags instantiate different symbols and can be linked together (no ODR collision, no AVX-512
-// code reached from a TU that was built for SSE2).
+// the public entry points carry `Arch = detail::simd_arch` as a defaulted template parameter.
+//
+// Translation units built for different instruction sets (-march flags) in one program:
+// - mixattn's own code is safe: all of it sits in an inline namespace named after the TU's ISA
+//   (MIXATTN_ARCH_NAMESPACE, core.hpp), so each TU gets its own symbols and runs the kernels it was
+//   compiled for; tests/two_tu links an x86-64-v2 TU and a -march=native TU and compares them.
+// - Eigen's code is not ours to tag. Its template instantiations and inline functions (matrix
+//   products, the aligned allocator, ...) have the same symbol in every TU, and the linker keeps
+//   one copy of each, from whichever TU it picks. So (a) every TU must define the same
+//   EIGEN_MAX_ALIGN_BYTES and EIGEN_MAX_STATIC_ALIGN_BYTES (their defaults follow the ISA, 16 for
+//   SSE to 64 for AVX-512; Eigen's allocator and deallocator then disagree and free() crashes:
+//   Eigen treats these as ABI settings), and (b) a TU built for the lower ISA may run Eigen code
+//   built for the higher one, so the program is safe only on a CPU that supports every ISA linked
+//   in. EIGEN_DONT_VECTORIZE does not lift (b): the compiler still auto-vectorises Eigen's scalar
+//   loops for the TU's -march. Runtime dispatch (one binary that picks an AVX-512 TU only on CPUs
+//   that have it) is therefore not supported by mixing TUs.
 #pragma once
 
 #include <xsimd/xsimd.hpp>
 
 #include <cstddef>
 #include <type_traits>
+
+#include "mixattn/core.hpp"
 
 namespace mixattn::detail {
 
