@@ -2,4 +2,6 @@
 #define MIXATTN_TWO_TU_BODY
 #include "probe.hpp"
 
-IsaRun run_baseline() { return run_probe(); }
+IsaRun run_baseline() {
+  return run_probe();
+}

@@ -11,7 +11,7 @@
 #include <vector>
 
 struct IsaRun {
-  std::string arch;  // xsimd architecture the TU was compiled for
+  std::string arch;                                // xsimd architecture the TU was compiled for
   std::vector<float> gma, gma_causal, flash, ovq;  // row-major outputs on shared inputs
   std::vector<std::uintptr_t> symbols;  // addresses of the mixattn functions the TU called
 };
@@ -47,7 +47,8 @@ std::uintptr_t address_of(F* f) {
 IsaRun run_probe() {
   using namespace mixattn;
   constexpr Index N = 64, r = 8, dv = 16, K = 6;
-  const Matrix<float> q = probe_matrix(N, r, 1), k = probe_matrix(N, r, 2), v = probe_matrix(N, dv, 3);
+  const Matrix<float> q = probe_matrix(N, r, 1), k = probe_matrix(N, r, 2),
+                      v = probe_matrix(N, dv, 3);
   gma::Mixture<float> mix;  // not Mixture::random: its floating-point code is compiled per TU too
   mix.mean = probe_matrix(K, r, 4);
   mix.var_raw = probe_matrix(K, r, 5);
