@@ -44,6 +44,17 @@ std::uintptr_t address_of(F* f) {
   return reinterpret_cast<std::uintptr_t>(f);
 }
 
+// The entry points by exact signature (some names are overloaded).
+using In = const mixattn::ConstMatrixRef<float>&;
+using Out = mixattn::Matrix<float>;
+using GmaForward = Out(const mixattn::gma::Mixture<float>&, In, In, In,
+                       const mixattn::gma::Options&, mixattn::gma::Saved<float>*);
+using FlashForward = Out(In, In, In, const mixattn::reference::Options&,
+                         mixattn::reference::Saved<float>*);
+using OvqForward = Out(In, In, In, float, const mixattn::ovq::Options&, mixattn::ovq::State<float>&,
+                       mixattn::ovq::Saved<float>*);
+using Responsibilities = Out(const mixattn::gma::Mixture<float>&, In, bool);
+
 IsaRun run_probe() {
   using namespace mixattn;
   constexpr Index N = 64, r = 8, dv = 16, K = 6;
@@ -69,8 +80,12 @@ IsaRun run_probe() {
   oopt.max_centroids = 12;
   ovq::State<float> state = ovq::State<float>::empty(r, dv);
   run.ovq = to_vector(ovq::forward<float>(q, k, v, 0.8f, oopt, state));
-  run.symbols = {address_of(&gma::forward<float>), address_of(&reference::flash_forward<float>),
-                 address_of(&ovq::forward<float>), address_of(&gma::responsibilities<float>)};
+  GmaForward* gma_forward = &gma::forward<float>;
+  FlashForward* flash_forward = &reference::flash_forward<float>;
+  OvqForward* ovq_forward = &ovq::forward<float>;
+  Responsibilities* responsibilities = &gma::responsibilities<float>;
+  run.symbols = {address_of(gma_forward), address_of(flash_forward), address_of(ovq_forward),
+                 address_of(responsibilities)};
   return run;
 }
 
