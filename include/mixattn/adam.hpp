@@ -14,7 +14,8 @@
 #include <cmath>
 #include <vector>
 
-namespace mixattn::optim {
+MIXATTN_BEGIN_NAMESPACE
+namespace optim {
 
 struct AdamOptions {
   double lr = 1e-3;
@@ -87,4 +88,5 @@ class Adam {
   long t_ = 0;
 };
 
-}  // namespace mixattn::optim
+}  // namespace optim
+MIXATTN_END_NAMESPACE

@@ -13,7 +13,7 @@
 
 #include <vector>
 
-namespace mixattn {
+MIXATTN_BEGIN_NAMESPACE
 namespace detail {
 template <class T>
 void check_gma_heads(const char* fn, const std::vector<gma::Mixture<T>>& mixtures, Index qc,
@@ -107,4 +107,4 @@ HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>& mixtures, const Const
 }
 
 }  // namespace gma
-}  // namespace mixattn
+MIXATTN_END_NAMESPACE

@@ -88,7 +88,7 @@
   }                           \
   }
 
-namespace mixattn {
+MIXATTN_BEGIN_NAMESPACE
 
 namespace detail {
 template <class T>
@@ -197,4 +197,4 @@ inline void require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, c
 }
 
 }  // namespace detail
-}  // namespace mixattn
+MIXATTN_END_NAMESPACE

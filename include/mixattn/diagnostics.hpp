@@ -19,7 +19,8 @@
 #include <type_traits>
 #include <vector>
 
-namespace mixattn::diagnostics {
+MIXATTN_BEGIN_NAMESPACE
+namespace diagnostics {
 
 namespace detail {
 
@@ -236,4 +237,5 @@ Matrix<T> attention_weights(const ConstMatrixRef<T>& gamma_q, const ConstMatrixR
   return a;
 }
 
-}  // namespace mixattn::diagnostics
+}  // namespace diagnostics
+MIXATTN_END_NAMESPACE

@@ -28,7 +28,8 @@
 #include <limits>
 #include <random>
 
-namespace mixattn::gma {
+MIXATTN_BEGIN_NAMESPACE
+namespace gma {
 
 /// One head's routing mixture (SPEC 1.1): mean K x r, var_raw K x r, prior_logit K.
 /// variance = softplus(var_raw) + var_floor, log pi = log_softmax(prior_logit).
@@ -149,9 +150,11 @@ class Prepared {
   double mixture_sum_ = 0;
 };
 
-}  // namespace mixattn::gma
+}  // namespace gma
+MIXATTN_END_NAMESPACE
 
-namespace mixattn::detail {
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
 
 /// Deterministic order-fixed sum (8 interleaved lanes, so it vectorises without reassociation):
 /// the same input gives the same bits whatever its alignment.
@@ -452,9 +455,11 @@ void gma_mixture_grad(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
   grad.prior_logit = (sums.w.array() - c.log_pi.array().exp() * total).template cast<T>();
 }
 
-}  // namespace mixattn::detail
+}  // namespace detail
+MIXATTN_END_NAMESPACE
 
-namespace mixattn::gma {
+MIXATTN_BEGIN_NAMESPACE
+namespace gma {
 
 template <class T>
 Mixture<T> Mixture<T>::random(Index components, Index dim, std::uint64_t seed, T mean_scale) {
@@ -727,4 +732,5 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
                            static_cast<const StateGrad<T>*>(nullptr));
 }
 
-}  // namespace mixattn::gma
+}  // namespace gma
+MIXATTN_END_NAMESPACE

@@ -43,7 +43,8 @@
 #include <utility>
 #include <vector>
 
-namespace mixattn::layer {
+MIXATTN_BEGIN_NAMESPACE
+namespace layer {
 
 // ---------------------------------------------------------------------------------------------
 // Named parameter blocks and their file format
@@ -635,4 +636,5 @@ class MultiHeadAttention {
   Vector<T> beta_;                         // OVQ: one per head
 };
 
-}  // namespace mixattn::layer
+}  // namespace layer
+MIXATTN_END_NAMESPACE

@@ -31,7 +31,8 @@
 #include <utility>
 #include <vector>
 
-namespace mixattn::ovq {
+MIXATTN_BEGIN_NAMESPACE
+namespace ovq {
 
 /// Dictionary growth schedule (SPEC 2.3 step 1).
 enum class Growth {
@@ -661,4 +662,5 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
   return g;
 }
 
-}  // namespace mixattn::ovq
+}  // namespace ovq
+MIXATTN_END_NAMESPACE

@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-namespace mixattn {
+MIXATTN_BEGIN_NAMESPACE
 
 /// Runs fn(i) for i in [0, count) on up to `threads` threads (0 means
 /// std::thread::hardware_concurrency()). Items are split into contiguous ranges, one per
@@ -48,4 +48,4 @@ void parallel_for(Index count, int threads, Fn&& fn) {
     if (e) std::rethrow_exception(e);
 }
 
-}  // namespace mixattn
+MIXATTN_END_NAMESPACE

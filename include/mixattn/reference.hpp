@@ -19,7 +19,8 @@
 #include <cmath>
 #include <utility>
 
-namespace mixattn::reference {
+MIXATTN_BEGIN_NAMESPACE
+namespace reference {
 
 /// Options shared by the naive and tiled forms.
 struct Options {
@@ -351,4 +352,5 @@ Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatri
   return out;
 }
 
-}  // namespace mixattn::reference
+}  // namespace reference
+MIXATTN_END_NAMESPACE

@@ -21,7 +21,8 @@
 #include <limits>
 #include <vector>
 
-namespace mixattn::ovq::detail {
+MIXATTN_BEGIN_NAMESPACE
+namespace ovq::detail {
 
 using mixattn::detail::wide_t;
 
@@ -278,4 +279,5 @@ class MeanUpdate {
   std::vector<Index> touched_;
 };
 
-}  // namespace mixattn::ovq::detail
+}  // namespace ovq::detail
+MIXATTN_END_NAMESPACE

@@ -16,7 +16,8 @@
 #include <limits>
 #include <type_traits>
 
-namespace mixattn::reference::detail {
+MIXATTN_BEGIN_NAMESPACE
+namespace reference::detail {
 
 /// Tile sizes, fixed at compile time. A query tile of `queries` rows meets a key tile of `keys`
 /// rows; the score tile (queries x keys) and its operand tiles stay in L2, and every tile product
@@ -177,4 +178,5 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
   dq *= scale;
 }
 
-}  // namespace mixattn::reference::detail
+}  // namespace reference::detail
+MIXATTN_END_NAMESPACE

@@ -13,7 +13,8 @@
 
 #include <algorithm>
 
-namespace mixattn::detail {
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
 
 /// Default chunk length. Measured on Zen 4, float, N = 4096, K = r = d_v = 64, one thread,
 /// causal / bidirectional forward time: C = 16: 1.42, 32: 1.39, 64: 1.54, 128: 1.96, 256: 2.83.
@@ -174,4 +175,5 @@ void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMa
   }
 }
 
-}  // namespace mixattn::detail
+}  // namespace detail
+MIXATTN_END_NAMESPACE

@@ -14,7 +14,8 @@
 #include <string>
 #include <type_traits>
 
-namespace mixattn::layer::detail {
+MIXATTN_BEGIN_NAMESPACE
+namespace layer::detail {
 
 // Integers and scalars are written little-endian whatever the host, byte by byte, so a file is
 // portable between hosts of either byte order.
@@ -71,4 +72,5 @@ inline std::string concat_msg(const std::string& fn, const std::string& path,
 #endif
 }
 
-}  // namespace mixattn::layer::detail
+}  // namespace layer::detail
+MIXATTN_END_NAMESPACE

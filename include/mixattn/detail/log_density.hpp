@@ -24,7 +24,8 @@
 #include <type_traits>
 #include <vector>
 
-namespace mixattn::detail {
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
 
 /// softplus(w) = log(1 + e^w), stable everywhere: w for large w, e^w for very negative w.
 template <class W>
@@ -461,4 +462,5 @@ void density_grad_finish(const MixtureConstants<W>& c, const DensityGradSums<W>&
     }
 }
 
-}  // namespace mixattn::detail
+}  // namespace detail
+MIXATTN_END_NAMESPACE

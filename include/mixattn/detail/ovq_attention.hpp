@@ -18,7 +18,8 @@
 #include <cmath>
 #include <limits>
 
-namespace mixattn::ovq::detail {
+MIXATTN_BEGIN_NAMESPACE
+namespace ovq::detail {
 
 template <class T>
 using CRef = Eigen::Ref<const Matrix<T>>;
@@ -166,4 +167,5 @@ void tile_backward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, cons
   }
 }
 
-}  // namespace mixattn::ovq::detail
+}  // namespace ovq::detail
+MIXATTN_END_NAMESPACE

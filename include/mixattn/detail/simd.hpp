@@ -26,7 +26,8 @@
 
 #include "mixattn/core.hpp"
 
-namespace mixattn::detail {
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
 
 /// Tag for builds where xsimd has no instruction set at all: kernels fall back to scalar code.
 struct scalar_arch {
@@ -64,4 +65,5 @@ constexpr int simd_registers() {
   return 16;
 }
 
-}  // namespace mixattn::detail
+}  // namespace detail
+MIXATTN_END_NAMESPACE
