@@ -199,6 +199,78 @@ std::vector<at::Tensor> gma_backward_py(at::Tensor q, at::Tensor k, at::Tensor v
   return {dq, dk, dv, dmean, dvar, dprior};
 }
 
+/// A causal prefix state tensor (S: (B, H, K, d_v), z: (B, H, K)): dense CPU float64 of exactly
+/// `sizes`, made contiguous.
+at::Tensor checked_state(const std::string& fn, const at::Tensor& t, const char* name,
+                         at::IntArrayRef sizes) {
+  if (!t.defined()) fail(fn, std::string(name) + " is undefined");
+  if (t.device().type() != at::kCPU || t.layout() != at::kStrided)
+    fail(fn, std::string(name) + " must be a dense CPU tensor");
+  if (t.scalar_type() != at::kDouble)
+    fail(fn, std::string(name) + " must be float64 (the state's type for float32 and float64 "
+                 "inputs), got " + std::string(c10::toString(t.scalar_type())));
+  if (t.sizes() != sizes) {
+    std::ostringstream want;
+    want << sizes;
+    fail(fn, std::string(name) + " has shape " + shape_of(t) + " but must be " + want.str() +
+                 " (batch, heads, components" + (sizes.size() == 4 ? ", value dim)" : ")"));
+  }
+  return t.contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox> gma_forward_state_py(
+    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean, at::Tensor var_raw,
+    at::Tensor prior_logit, at::Tensor S0, at::Tensor z0, double eps, double var_floor,
+    bool check_finite) {
+  const std::string fn = "mixattn.gma_attention";
+  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor,
+                             check_finite);
+  const Shape& s = a.shape;
+  const int64_t K = a.config.components;
+  S0 = checked_state(fn, S0, "initial_state[0] (S)", {s.batch, s.heads, K, s.value_dim});
+  z0 = checked_state(fn, z0, "initial_state[1] (z)", {s.batch, s.heads, K});
+  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
+  at::Tensor S = at::empty_like(S0), z = at::empty_like(z0);
+  const GmaStateIO io{S0.data_ptr<double>(), z0.data_ptr<double>(), S.data_ptr<double>(),
+                      z.data_ptr<double>()};
+  SavedPtr rec = dispatch(a.q, [&](auto t) {
+    using T = decltype(t);
+    return gma_forward<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(), &io);
+  });
+  return {out, S, z, box("gma-state", a.q, std::move(rec))};
+}
+
+std::vector<at::Tensor> gma_backward_state_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                              at::Tensor mean, at::Tensor var_raw,
+                                              at::Tensor prior_logit, at::Tensor grad_out,
+                                              at::Tensor grad_S, at::Tensor grad_z,
+                                              const SavedBox& saved, double eps,
+                                              double var_floor, bool check_finite) {
+  const std::string fn = "mixattn.gma_attention (backward)";
+  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor,
+                             check_finite);
+  const Shape& s = a.shape;
+  const int64_t K = a.config.components;
+  grad_out = checked_grad_out(fn, grad_out, s, a.q);
+  grad_S = checked_state(fn, grad_S, "grad of final_state[0] (S)",
+                         {s.batch, s.heads, K, s.value_dim});
+  grad_z = checked_state(fn, grad_z, "grad of final_state[1] (z)", {s.batch, s.heads, K});
+  const SavedPtr& rec = unbox(saved, "gma-state", a.q, fn);
+  auto dq = at::empty_like(a.q), dk = at::empty_like(a.k), dv = at::empty_like(a.v);
+  auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
+  auto dprior = at::empty_like(a.prior_logit);
+  auto dS0 = at::empty_like(grad_S), dz0 = at::empty_like(grad_z);
+  const GmaStateGradIO io{grad_S.data_ptr<double>(), grad_z.data_ptr<double>(),
+                          dS0.data_ptr<double>(), dz0.data_ptr<double>()};
+  dispatch(a.q, [&](auto t) {
+    using T = decltype(t);
+    gma_backward<T>(s, a.config, gma_inputs<T>(a), grad_out.data_ptr<T>(), rec, dq.data_ptr<T>(),
+                    dk.data_ptr<T>(), dv.data_ptr<T>(), dmean.data_ptr<T>(), dvar.data_ptr<T>(),
+                    dprior.data_ptr<T>(), &io);
+  });
+  return {dq, dk, dv, dmean, dvar, dprior, dS0, dz0};
+}
+
 // --- OVQ ---------------------------------------------------------------------------------------
 
 OvqConfig ovq_config(int64_t block, int64_t max_centroids, const std::string& growth,
@@ -237,17 +309,40 @@ Shape ovq_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::Tensor&
   return s;
 }
 
-std::tuple<at::Tensor, SavedBox> ovq_forward_py(at::Tensor q, at::Tensor k,
-                                                   at::Tensor v, at::Tensor beta,
-                                                   const OvqConfig& c) {
-  const Shape s = ovq_shape("mixattn.ovq_attention", q, k, v, beta);
+/// The dictionaries a forward ended with, one library ovq::State per (b, h): opaque to Python,
+/// continued by the next call that is given it (which copies it, leaving it as it was).
+struct OvqStateBox {
+  std::string kind;  // scalar type it holds, e.g. "ovq-state/Double"
+  OvqStates states;
+};
+
+std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
+    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor beta, const OvqConfig& c,
+    const OvqStateBox* start) {
+  const std::string fn = "mixattn.ovq_attention";
+  const Shape s = ovq_shape(fn, q, k, v, beta);
+  const std::string kind = "ovq-state/" + std::string(c10::toString(q.scalar_type()));
+  if (start != nullptr) {
+    const Shape& was = start->states.shape;
+    if (start->kind != kind || !start->states.states)
+      fail(fn, "initial_state holds " + start->kind + " dictionaries but q is " +
+                   std::string(c10::toString(q.scalar_type())));
+    if (was.batch != s.batch || was.heads != s.heads || was.key_dim != s.key_dim ||
+        was.value_dim != s.value_dim)
+      fail(fn, "initial_state was made for (batch, heads, key dim, value dim) = (" +
+                   std::to_string(was.batch) + ", " + std::to_string(was.heads) + ", " +
+                   std::to_string(was.key_dim) + ", " + std::to_string(was.value_dim) +
+                   ") but q has shape " + shape_of(q) + " and v has " + shape_of(v));
+  }
   at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  OvqStateBox end{kind, {}};
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
     return ovq_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
-                          beta.data_ptr<T>(), out.data_ptr<T>());
+                          beta.data_ptr<T>(), out.data_ptr<T>(),
+                          start != nullptr ? &start->states : nullptr, &end.states);
   });
-  return {out, box("ovq", q, std::move(rec))};
+  return {out, box("ovq", q, std::move(rec)), std::move(end)};
 }
 
 std::vector<at::Tensor> ovq_backward_py(at::Tensor q, at::Tensor k, at::Tensor v,
@@ -320,6 +415,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mixattn's kernels on PyTorch tensors; use the mixattn package, not this module";
   py::class_<mt::SavedBox>(m, "Saved", "What a forward keeps for its backward (opaque).")
       .def_property_readonly("kind", [](const mt::SavedBox& b) { return b.kind; });
+  py::class_<mt::OvqStateBox>(m, "OvqState",
+                              "The dictionaries an ovq_attention call ended with, one per "
+                              "(batch, head) (opaque; no gradient flows through it).")
+      .def_property_readonly("batch", [](const mt::OvqStateBox& b) { return b.states.shape.batch; })
+      .def_property_readonly("heads", [](const mt::OvqStateBox& b) { return b.states.shape.heads; })
+      .def_property_readonly("kind", [](const mt::OvqStateBox& b) { return b.kind; });
   py::class_<mt::OvqConfig>(m, "OvqConfig")
       .def(py::init(&mt::ovq_config), py::arg("block"), py::arg("max_centroids"),
            py::arg("growth"), py::arg("growth_alpha"), py::arg("seeding"), py::arg("assignment"), py::arg("count_bias"),
@@ -328,6 +429,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("gma_forward", &mt::gma_forward_py, nogil);
   m.def("gma_backward", &mt::gma_backward_py, nogil);
+  m.def("gma_forward_state", &mt::gma_forward_state_py, nogil);
+  m.def("gma_backward_state", &mt::gma_backward_state_py, nogil);
   m.def("ovq_forward", &mt::ovq_forward_py, nogil);
   m.def("ovq_backward", &mt::ovq_backward_py, nogil);
   m.def("flash_forward", &mt::flash_forward_py, nogil);

@@ -37,17 +37,29 @@ mixattn::gma::Options options_of(const GmaConfig& c) {
 }  // namespace
 
 template <class T>
-SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out) {
+SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out,
+                     const GmaStateIO* state) {
   auto rec = make_records<mixattn::gma::Saved<T>, Mixtures<T>>(s);
   rec->shared = mixtures_of(s, c, in);
   const mixattn::gma::Options opt = options_of(c);
-  const Index N = s.queries, M = s.keys, r = s.key_dim, dv = s.value_dim;
+  const Index N = s.queries, M = s.keys, r = s.key_dim, dv = s.value_dim, K = c.components;
   for_each_pair(s, [&](Index pair) {
     const auto& mix = rec->shared[static_cast<std::size_t>(pair % s.heads)];
+    auto* saved = &rec->pairs[static_cast<std::size_t>(pair)];
+    if (state == nullptr) {
+      slice(out, pair, N, dv) = mixattn::gma::forward(mix, slice(in.q, pair, N, r),
+                                                      slice(in.k, pair, M, r),
+                                                      slice(in.v, pair, M, dv), opt, saved);
+      return;
+    }
+    auto st = mixattn::gma::State<T>::empty(K, dv);
+    st.S = slice(state->S0, pair, K, dv);
+    st.z = slice(state->z0, pair, 1, K).transpose();
     slice(out, pair, N, dv) =
         mixattn::gma::forward(mix, slice(in.q, pair, N, r), slice(in.k, pair, M, r),
-                              slice(in.v, pair, M, dv), opt,
-                              &rec->pairs[static_cast<std::size_t>(pair)]);
+                              slice(in.v, pair, M, dv), opt, st, saved);
+    slice(state->S, pair, K, dv) = st.S;
+    slice(state->z, pair, 1, K) = st.z.transpose();
   });
   return rec;
 }
@@ -55,7 +67,7 @@ SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in,
 template <class T>
 void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, const T* grad_out,
                   const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean, T* dvar_raw,
-                  T* dprior_logit) {
+                  T* dprior_logit, const GmaStateGradIO* state) {
   const auto& rec = records_for<mixattn::gma::Saved<T>, Mixtures<T>>(
       saved, s, "mixattn.gma_attention (backward)");
   const mixattn::gma::Options opt = options_of(c);
@@ -64,12 +76,22 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
       static_cast<std::size_t>(s.batch * s.heads));
   for_each_pair(s, [&](Index pair) {
     const auto& mix = rec.shared[static_cast<std::size_t>(pair % s.heads)];
+    mixattn::gma::StateGrad<T> end;
+    if (state != nullptr && state->dS != nullptr) {
+      end.S = slice(state->dS, pair, K, d);
+      end.z = slice(state->dz, pair, 1, K).transpose();
+    }
     mixattn::gma::Grad<T> g = mixattn::gma::backward(
         mix, slice(in.q, pair, N, r), slice(in.k, pair, M, r), slice(in.v, pair, M, d),
-        slice(grad_out, pair, N, d), rec.pairs[static_cast<std::size_t>(pair)], opt);
+        slice(grad_out, pair, N, d), rec.pairs[static_cast<std::size_t>(pair)], opt,
+        state != nullptr && state->dS != nullptr ? &end : nullptr);
     slice(dq, pair, N, r) = g.q;
     slice(dk, pair, M, r) = g.k;
     slice(dv, pair, M, d) = g.v;
+    if (state != nullptr) {
+      slice(state->dS0, pair, K, d) = g.state.S;
+      slice(state->dz0, pair, 1, K) = g.state.z.transpose();
+    }
     mixture_grads[static_cast<std::size_t>(pair)] = std::move(g.mixture);
   });
   // Sum over the batch in batch order: the same bits for any number of threads.
@@ -89,9 +111,10 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
 }
 
 #define MIXATTN_TORCH_GMA(T)                                                                   \
-  template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*);   \
+  template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*,    \
+                                   const GmaStateIO*);                                         \
   template void gma_backward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, const T*, \
-                                const SavedPtr&, T*, T*, T*, T*, T*, T*);
+                                const SavedPtr&, T*, T*, T*, T*, T*, T*, const GmaStateGradIO*);
 MIXATTN_TORCH_GMA(float)
 MIXATTN_TORCH_GMA(double)
 

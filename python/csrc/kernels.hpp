@@ -38,16 +38,34 @@ struct GmaInputs {
   const T *q, *k, *v, *mean, *var_raw, *prior_logit;
 };
 
-/// Writes out (B, H, N, d_v); returns the record gma_backward needs.
+/// Causal GMA carrying one prefix state per (b, h) pair (SPEC 1.4, library gma::State): S is
+/// (B, H, K, d_v) and z (B, H, K), contiguous float64 (the library's wide type for float and
+/// double alike, so a state passes between calls without rounding).
+struct GmaStateIO {
+  const double *S0 = nullptr, *z0 = nullptr;  // the state the call continues
+  double *S = nullptr, *z = nullptr;          // the state it ends in (written)
+};
+
+/// dL/d(end state) in and dL/d(start state) out, shaped like GmaStateIO's tensors.
+struct GmaStateGradIO {
+  const double *dS = nullptr, *dz = nullptr;  // null: the end state is not used (zero)
+  double *dS0 = nullptr, *dz0 = nullptr;      // written
+};
+
+/// Writes out (B, H, N, d_v); returns the record gma_backward needs. With `state` (causal only)
+/// every pair continues its start state and writes its end state.
 template <class T>
-SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out);
+SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out,
+                     const GmaStateIO* state = nullptr);
 
 /// Gradients of sum(grad_out . out): dq, dk, dv like q, k, v; dmean, dvar_raw (H, K, r) and
 /// dprior_logit (H, K) summed over the batch (in batch order, whatever the thread count).
+/// `state` (only for a record of a forward given a GmaStateIO) adds dL/d(end state) and writes
+/// dL/d(start state).
 template <class T>
 void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, const T* grad_out,
                   const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean, T* dvar_raw,
-                  T* dprior_logit);
+                  T* dprior_logit, const GmaStateGradIO* state = nullptr);
 
 // --- Online Vector-Quantized attention (SPEC 2) ----------------------------------------------
 struct OvqConfig {
@@ -63,10 +81,19 @@ struct OvqConfig {
   bool check_finite = true;
 };
 
-/// q, k (B, H, T, r), v (B, H, T, d_v), beta (H). Every (b, h) starts from an empty state.
+/// The dictionaries of a batch: one library ovq::State per (b, h) pair (pair = b * H + h),
+/// behind a type-erased pointer (the binding records the scalar type it was made for).
+struct OvqStates {
+  Shape shape;  // batch, heads, key_dim, value_dim (tokens unused)
+  std::shared_ptr<void> states;
+};
+
+/// q, k (B, H, T, r), v (B, H, T, d_v), beta (H). Every (b, h) starts from an empty state, or
+/// from `start`'s (copied: `start` is left as it was), and its end state goes to `end` if given.
 template <class T>
 SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
-                     const T* beta, T* out);
+                     const T* beta, T* out, const OvqStates* start = nullptr,
+                     OvqStates* end = nullptr);
 
 /// dbeta: (H), summed over the batch.
 template <class T>

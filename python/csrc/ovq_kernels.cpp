@@ -28,16 +28,25 @@ mixattn::ovq::Options options_of(const OvqConfig& c) {
 
 template <class T>
 SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
-                     const T* beta, T* out) {
+                     const T* beta, T* out, const OvqStates* start, OvqStates* end) {
+  using States = std::vector<mixattn::ovq::State<T>>;
   auto rec = make_records<mixattn::ovq::Saved<T>>(s);
   const mixattn::ovq::Options opt = options_of(c);
   const Index n = s.queries, r = s.key_dim, dv = s.value_dim;
+  const auto* from = start != nullptr ? static_cast<const States*>(start->states.get()) : nullptr;
+  auto to = std::make_shared<States>(static_cast<std::size_t>(s.batch * s.heads));
   for_each_pair(s, [&](Index pair) {
-    auto state = mixattn::ovq::State<T>::empty(r, dv);
+    auto& state = (*to)[static_cast<std::size_t>(pair)];
+    state = from != nullptr ? (*from)[static_cast<std::size_t>(pair)]
+                            : mixattn::ovq::State<T>::empty(r, dv);
     slice(out, pair, n, dv) = mixattn::ovq::forward<T>(
         slice(q, pair, n, r), slice(k, pair, n, r), slice(v, pair, n, dv), beta[pair % s.heads],
         opt, state, &rec->pairs[static_cast<std::size_t>(pair)]);
   });
+  if (end != nullptr) {
+    end->shape = s;
+    end->states = std::move(to);
+  }
   return rec;
 }
 
@@ -68,7 +77,7 @@ void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, co
 
 #define MIXATTN_TORCH_OVQ(T)                                                                      \
   template SavedPtr ovq_forward<T>(const Shape&, const OvqConfig&, const T*, const T*, const T*, \
-                                   const T*, T*);                                                 \
+                                   const T*, T*, const OvqStates*, OvqStates*);                   \
   template void ovq_backward<T>(const Shape&, const OvqConfig&, const T*, const T*, const T*,     \
                                 const T*, const T*, const SavedPtr&, T*, T*, T*, T*);
 MIXATTN_TORCH_OVQ(float)

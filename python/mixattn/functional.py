@@ -46,21 +46,45 @@ class _GmaFunction(torch.autograd.Function):
         return _grads(ctx, grads) + (None,) * 4
 
 
+class _GmaStateFunction(torch.autograd.Function):
+    """Causal GMA continuing the prefix state (S0, z0) and returning the end state (S, z), both
+    float64: gradients flow to q, k, v, the mixture and (S0, z0), and from (S, z)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mean, var_raw, prior_logit, S0, z0, eps, var_floor, check_finite):
+        inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
+        out, S, z, saved = _C.gma_forward_state(*inputs, S0.contiguous(), z0.contiguous(), eps,
+                                                var_floor, check_finite)
+        ctx.save_for_backward(*inputs)
+        ctx.record = saved
+        ctx.options = (eps, var_floor, check_finite)
+        return out, S, z
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_S, grad_z):
+        grads = _C.gma_backward_state(*ctx.saved_tensors, grad_out.contiguous(),
+                                      grad_S.contiguous(), grad_z.contiguous(), ctx.record,
+                                      *ctx.options)
+        return _grads(ctx, grads) + (None,) * 3
+
+
 class _OvqFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, beta, config):
+    def forward(ctx, q, k, v, beta, config, initial_state, final_state):
         inputs = _contiguous(q, k, v, beta)
-        out, saved = _C.ovq_forward(*inputs, config)
+        out, saved, end = _C.ovq_forward(*inputs, config, initial_state)
         ctx.save_for_backward(*inputs)
         ctx.record = saved
         ctx.config = config
+        final_state.append(end)  # an opaque object, not an autograd output: no gradient
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         grads = _C.ovq_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record, ctx.config)
-        return _grads(ctx, grads) + (None,)
+        return _grads(ctx, grads) + (None,) * 3
 
 
 class _FlashFunction(torch.autograd.Function):
@@ -81,8 +105,35 @@ class _FlashFunction(torch.autograd.Function):
         return _grads(ctx, grads) + (None,) * 3
 
 
+def _gma_state(fn, initial_state, q, v, mean):
+    """initial_state as float64 (S, z), or zeros for None, checked against the call's shapes."""
+    if q.dim() != 4 or v.dim() != 4 or mean.dim() != 3:
+        return None  # the kernel's checks name the bad argument
+    b, h, _, dv = v.shape
+    k = mean.shape[1]
+    if initial_state is None:
+        return (torch.zeros(b, h, k, dv, dtype=torch.float64),
+                torch.zeros(b, h, k, dtype=torch.float64))
+    if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+        raise ValueError(f"{fn}: initial_state must be a pair (S, z) of tensors, S (B, H, K, d_v) "
+                         f"and z (B, H, K), got {type(initial_state).__name__}")
+    state = []
+    for name, t, want in (("initial_state[0] (S)", initial_state[0], (b, h, k, dv)),
+                          ("initial_state[1] (z)", initial_state[1], (b, h, k))):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{fn}: {name} must be a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)} but must be {want} "
+                             "(batch, heads, components" + (", value dim)" if len(want) == 4
+                                                             else ")"))
+        if t.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{fn}: {name} must be float32 or float64, got {t.dtype}")
+        state.append(t.to(torch.float64))  # differentiable; a no-op for float64
+    return tuple(state)
+
+
 def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, var_floor=1e-4,
-                  check_finite=True):
+                  check_finite=True, initial_state=None, output_final_state=False):
     """Gaussian Mixture Attention (SPEC.md section 1), one routing mixture per head.
 
     q: (B, H, N, r); k: (B, H, M, r); v: (B, H, M, d_v); mean, var_raw: (H, K, r) (variance =
@@ -90,17 +141,39 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
     (B, H, N, d_v). Bidirectional by default (M may differ from N); ``causal=True`` (M == N)
     lets token i see keys j <= i. eps floors the read-out denominator. Gradients flow to all
     six tensors; the mixture's are summed over the batch.
+
+    Streaming (causal only, SPEC.md 1.4): the prefix state after t tokens is the pair
+    ``(S, z)``, S = sum_j gamma_k,j v_j^T of shape (B, H, K, d_v) and z = sum_j gamma_k,j of shape
+    (B, H, K), one per (batch, head), always float64 (the library's accumulation type, so it
+    passes between calls without rounding). ``initial_state=(S, z)`` continues it (None: the
+    empty state, zeros; float32 is accepted and widened); ``output_final_state=True`` returns
+    ``(out, (S, z))`` with the state after this call's tokens. Running a sequence in pieces, each
+    given the previous piece's final state, gives the one-call outputs up to rounding, and
+    autograd carries gradients through the states: into ``initial_state`` and from any loss on
+    the final state, back to q, k, v and the mixture.
     """
-    return _GmaFunction.apply(q, k, v, mean, var_raw, prior_logit, bool(causal), float(eps),
-                              float(var_floor), bool(check_finite))
+    fn = "mixattn.gma_attention"
+    streaming = initial_state is not None or output_final_state
+    if not streaming:
+        return _GmaFunction.apply(q, k, v, mean, var_raw, prior_logit, bool(causal), float(eps),
+                                  float(var_floor), bool(check_finite))
+    if not causal:
+        raise ValueError(f"{fn}: initial_state and output_final_state need causal=True (the "
+                         "state is a causal prefix; a bidirectional call has none)")
+    state = _gma_state(fn, initial_state, q, v, mean)
+    if state is None:  # q, v or mean of the wrong rank: let the kernel name it
+        state = (torch.zeros(0, dtype=torch.float64),) * 2
+    out, S, z = _GmaStateFunction.apply(q, k, v, mean, var_raw, prior_logit, *state, float(eps),
+                                        float(var_floor), bool(check_finite))
+    return (out, (S, z)) if output_final_state else out
 
 
 def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau",
                   growth_alpha=0.0, seeding="greedy_dispersion", assignment="all_centroids",
                   count_bias=True, grad_through_dictionary=True, norm_eps=1e-5,
-                  check_finite=True):
+                  check_finite=True, initial_state=None, output_final_state=False):
     """Online Vector-Quantized attention (SPEC.md section 2), causal, every sequence of the batch
-    from an empty dictionary.
+    from an empty dictionary (or from ``initial_state``).
 
     q, k: (B, H, T, r); v: (B, H, T, d_v); beta: (H,), the per-head scale (logits use
     beta * sqrt(r)). Returns (B, H, T, d_v). Options are those of ``mixattn::ovq::Options``:
@@ -110,12 +183,27 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
     grad_through_dictionary (False:
     the dictionary is a constant for the backward), norm_eps. Gradients flow to q, k, v and
     beta (summed over the batch).
+
+    Streaming: ``output_final_state=True`` returns ``(out, state)``, where state is an opaque
+    ``mixattn._C.OvqState`` holding each (batch, head)'s dictionary and unfinished block (the
+    library's ``ovq::State``); ``initial_state=state`` continues it (the object is copied, not
+    changed, so it may be continued more than once). Give every piece the same options, dtype,
+    B, H, r and d_v. Pieces carrying the state give the one-call outputs up to rounding.
+    The state is forward only: NO gradient flows into or out of it (the library has no
+    gradient with respect to a dictionary). Within a call, gradients still flow to q, k, v and
+    beta, with the dictionary the call started from held constant.
     """
     config = _C.OvqConfig(int(block), int(max_centroids), str(growth), float(growth_alpha),
                           str(seeding), str(assignment), bool(count_bias),
                           bool(grad_through_dictionary),
                           float(norm_eps), bool(check_finite))
-    return _OvqFunction.apply(q, k, v, beta, config)
+    if initial_state is not None and not isinstance(initial_state, _C.OvqState):
+        raise ValueError("mixattn.ovq_attention: initial_state must be the state an earlier "
+                         "ovq_attention(..., output_final_state=True) returned, got "
+                         f"{type(initial_state).__name__}")
+    final_state = []
+    out = _OvqFunction.apply(q, k, v, beta, config, initial_state, final_state)
+    return (out, final_state[0]) if output_final_state else out
 
 
 def flash_attention(q, k, v, causal=False, scale=None, check_finite=True):

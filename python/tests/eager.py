@@ -9,22 +9,42 @@ import torch
 import torch.nn.functional as F
 
 
+def gma_responsibilities(x, mean, var_raw, prior_logit, var_floor=1e-4):
+    """SPEC 1.2: gamma_ik = softmax_k(log pi_k + log N(x_i; mu_k, diag sigma_k^2)) without the
+    constant -r/2 log 2 pi (it cancels); x (B,H,N,r), mixture (H,K,r), (H,K) -> (B,H,N,K)."""
+    var = F.softplus(var_raw) + var_floor                          # (H, K, r)
+    log_pi = torch.log_softmax(prior_logit, -1)                    # (H, K)
+    diff = x[:, :, :, None, :] - mean[None, :, None, :, :]
+    s = (log_pi[None, :, None, :] - 0.5 * torch.log(var).sum(-1)[None, :, None, :]
+         - 0.5 * (diff * diff / var[None, :, None, :, :]).sum(-1))
+    return torch.softmax(s, -1)
+
+
 def gma(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, var_floor=1e-4):
     """SPEC 1.2-1.4 in its exactness-oracle form O = diag(d)^-1 (mask o Gamma_Q Gamma_K^T) V,
     d = rowsum(mask o Gamma_Q Gamma_K^T) + eps; q (B,H,N,r), mixture (H,K,r), (H,K)."""
-    var = F.softplus(var_raw) + var_floor                          # (H, K, r)
-    log_pi = torch.log_softmax(prior_logit, -1)                    # (H, K)
-
     def gamma(x):                                                  # (B, H, N, K)
-        diff = x[:, :, :, None, :] - mean[None, :, None, :, :]
-        s = (log_pi[None, :, None, :] - 0.5 * torch.log(var).sum(-1)[None, :, None, :]
-             - 0.5 * (diff * diff / var[None, :, None, :, :]).sum(-1))
-        return torch.softmax(s, -1)
+        return gma_responsibilities(x, mean, var_raw, prior_logit, var_floor)
 
     a = gamma(q) @ gamma(k).transpose(-1, -2)                      # (B, H, N, M)
     if causal:
         a = a * torch.ones(a.shape[-2:], dtype=torch.bool).tril()
     return (a @ v) / (a.sum(-1, keepdim=True) + eps)
+
+
+def gma_continued(q, k, v, mean, var_raw, prior_logit, S0, z0, eps=1e-6, var_floor=1e-4):
+    """SPEC 1.4, state and pieces: the causal piece continuing (S0, z0), S0 (B,H,K,d_v),
+    z0 (B,H,K), every prefix state written out: S_i = S0 + sum_{j<=i} gamma_k,j v_j^T,
+    z_i = z0 + sum_{j<=i} gamma_k,j, O_i = (gamma_q,i S_i) / (gamma_q,i . z_i + eps).
+    Returns (O, (S_T, z_T)), the end state being the last prefix (the start state if N = 0)."""
+    gq = gma_responsibilities(q, mean, var_raw, prior_logit, var_floor)   # (B, H, N, K)
+    gk = gma_responsibilities(k, mean, var_raw, prior_logit, var_floor)
+    S = S0[:, :, None] + torch.cumsum(gk[..., :, None] * v[..., None, :], 2)  # (B, H, N, K, d_v)
+    z = z0[:, :, None] + torch.cumsum(gk, 2)                                 # (B, H, N, K)
+    out = (gq[..., :, None] * S).sum(-2) / ((gq * z).sum(-1, keepdim=True) + eps)
+    if q.shape[2] == 0:
+        return out, (S0, z0)
+    return out, (S[:, :, -1], z[:, :, -1])
 
 
 def softmax_attention(q, k, v, causal=False, scale=None):
