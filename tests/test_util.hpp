@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
+#include <initializer_list>
 #include <random>
 #include <string>
 
@@ -74,6 +76,21 @@ template <class DA, class DB>
                                      double rtol, double atol) {
   return detail::all_close_double(Matrix<double>(a.template cast<double>()),
                    Matrix<double>(b.template cast<double>()), rtol, atol);
+}
+
+/// Runs f and expects exception E whose message contains every fragment.
+template <class E, class F>
+void expect_throw(F&& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "no exception";
+  } catch (const E& e) {
+    const std::string what = e.what();
+    for (const char* frag : fragments)
+      EXPECT_NE(what.find(frag), std::string::npos) << "'" << frag << "' not in: " << what;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception type: " << e.what();
+  }
 }
 
 }  // namespace mixattn::testing

@@ -5,6 +5,7 @@
 #include "mixattn/gma.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/reference.hpp"
+#include "mixattn/linear.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/batched.hpp"
 #include "mixattn/diagnostics.hpp"

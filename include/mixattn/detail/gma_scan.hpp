@@ -1,4 +1,8 @@
-// mixattn/detail/gma_scan.hpp — chunk-wise causal read/write of GMA (SPEC 1.4, 1.5).
+// mixattn/detail/gma_scan.hpp — chunk-wise causal read/write of GMA (SPEC 1.4, 1.5), the one
+// causal linear-attention scan of the library: with non-negative features f_q, f_k (rows of
+// N x K matrices) it computes out_i = (f_q,i^T sum_{j<=i} f_k,j v_j^T) / (f_q,i . sum_{j<=i}
+// f_k,j + eps) and its backward to f_q, f_k and v. GMA passes the responsibilities (K
+// components), linear attention (linear.hpp, SPEC 4) the elu + 1 features of q and k (K = r).
 //
 // Inside a chunk of C tokens the C x C lower-triangular block of Gamma_Q Gamma_K^T is formed
 // explicitly; across chunks one running state [S | z] (K x d_v and K) carries the prefix. The

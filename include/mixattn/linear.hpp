@@ -1,0 +1,279 @@
+// mixattn/linear.hpp — linear attention (Katharopoulos et al. 2020, "Transformers are RNNs"),
+// the baseline of SPEC.md section 4, forward and backward, bidirectional and causal.
+//
+// With the feature map phi(x) = elu(x) + 1 applied to each entry of q and k:
+//   bidirectional  O_i = (phi(q_i)^T sum_j phi(k_j) v_j^T) / (phi(q_i) . sum_j phi(k_j) + eps)
+//   causal         the same with the sums over j <= i, chunk-wise
+// Causal GMA is this operator with the responsibilities gamma as features: both run the one
+// causal scan of detail/gma_scan.hpp. Cost O((N + M) r d_v); nothing N x M is formed.
+//
+// Thread safety: every function is reentrant; nothing is shared between calls, so distinct calls
+// may run concurrently. GEMMs use the threads Eigen is configured with.
+#pragma once
+
+#include "mixattn/core.hpp"
+#include "mixattn/detail/gma_scan.hpp"
+#include "mixattn/gma.hpp"
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+MIXATTN_BEGIN_NAMESPACE
+namespace linear {
+
+struct Options {
+  bool causal = false;  // token i attends to j <= i (requires q.rows() == k.rows())
+  /// Added to the read-out denominator, > 0 and finite in the scalar type. 1e-6 as in the
+  /// paper's reference implementation (fast-transformers' LinearAttention).
+  double eps = 1e-6;
+  bool check_finite = true;  // reject NaN/Inf in q, k, v (and grad_out), and overflowed results
+  /// Causal chunk length C; 0 picks the default shared with GMA (32). Changes only the rounding.
+  Index chunk = 0;
+};
+
+/// What forward keeps for backward: O((N + M) r + N d_v + r d_v), never O(N M).
+template <class T>
+struct Saved {
+  Matrix<T> phi_q;      // N x r, phi(Q)
+  Matrix<T> phi_k;      // M x r, phi(K)
+  Vector<T> den;        // N, phi(q_i) . z_i + eps
+  Matrix<T> out;        // N x d_v, the forward output (h_i = -(dO_i . O_i) / den_i needs it)
+  Matrix<T> kv;         // r x d_v, Phi_K^T V (bidirectional only)
+  Vector<T> ksum;       // r, Phi_K^T 1 (bidirectional only)
+  bool causal = false;  // options the forward ran with
+  double eps = 0;
+  Index chunk = 0;
+  double fingerprint[3] = {0, 0, 0};  // of q, k, v
+  bool valid = false;
+};
+
+/// Gradients of a scalar loss with respect to q (N x r), k (M x r) and v (M x d_v).
+template <class T>
+struct Grad {
+  Matrix<T> q, k, v;
+};
+
+}  // namespace linear
+
+namespace detail {
+
+/// phi(x) = elu(x) + 1 = max(x, 0) + exp(min(x, 0)) entrywise: x + 1 for x > 0, e^x otherwise.
+/// e^x is evaluated directly (not as expm1(x) + 1, which is 0 in float below x = -17), so phi
+/// stays positive down to T's underflow, and no e^x of a large positive x is ever formed.
+template <class T>
+void linear_features(const ConstMatrixRef<T>& x, Matrix<T>& phi) {
+  phi.resize(x.rows(), x.cols());
+  phi.array() = x.array().max(T(0)) + x.array().min(T(0)).exp();
+}
+
+/// dL/dx = dL/dphi * phi'(x), with phi'(x) = 1 for x > 0 and e^x = phi(x) otherwise, i.e.
+/// phi'(x) = min(phi(x), 1) (phi(x) > 1 exactly when x > 0). Scales dphi in place.
+template <class T>
+void linear_feature_backward(const Matrix<T>& phi, Matrix<T>& dphi) {
+  dphi.array() *= phi.array().min(T(1));
+}
+
+inline Index linear_chunk(const linear::Options& opt) {
+  return opt.chunk > 0 ? opt.chunk : gma_default_chunk;
+}
+
+template <class T>
+void linear_check_inputs(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                         const ConstMatrixRef<T>& v, const linear::Options& opt) {
+  require(q.cols() > 0, fn,
+          "q has 0 columns: the key dimension r must be at least 1 (q: ", shape_str(q), ")");
+  require(k.cols() == q.cols(), fn, "k has ", k.cols(), " columns but q has ", q.cols(),
+          " (q: ", shape_str(q), ", k: ", shape_str(k), ")");
+  require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows(),
+          " (k: ", shape_str(k), ", v: ", shape_str(v), ")");
+  require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
+          ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
+  require(!opt.causal || q.rows() == k.rows(), fn,
+          "causal needs as many queries as keys, but q has ", q.rows(), " rows and k has ",
+          k.rows());
+  // eps is applied in T: one that rounds to 0 there (1e-300 in float) would let 0 / 0 through
+  // for a query whose features underflow.
+  require(opt.eps > 0 && std::isfinite(opt.eps) && static_cast<T>(opt.eps) > T(0) &&
+              std::isfinite(static_cast<T>(opt.eps)),
+          fn, "options.eps is ", opt.eps, "; it must be positive and finite in the scalar type");
+  require(opt.chunk >= 0, fn, "options.chunk is ", opt.chunk, "; it must be >= 0 (0: default)");
+  if (opt.check_finite) {
+    require_finite(q, fn, "q");
+    require_finite(k, fn, "k");
+    require_finite(v, fn, "v");
+  }
+}
+
+template <class T>
+void linear_fingerprints(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                         const ConstMatrixRef<T>& v, double* out) {
+  out[0] = content_sum(q);
+  out[1] = content_sum(k);
+  out[2] = content_sum(v);
+}
+
+template <class T>
+void linear_check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                           const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                           const linear::Saved<T>& saved, const linear::Options& opt) {
+  linear_check_inputs<T>(fn, q, k, v, opt);
+  const Index N = q.rows(), M = k.rows(), r = q.cols(), dv = v.cols();
+  require(grad_out.rows() == N && grad_out.cols() == dv, fn, "grad_out is ", shape_str(grad_out),
+          " but the output is ", N, " x ", dv, " (q rows x v columns)");
+  if (opt.check_finite) require_finite(grad_out, fn, "grad_out");
+  require(saved.valid, fn, "saved was not filled by forward");
+  require(saved.phi_q.rows() == N && saved.phi_q.cols() == r && saved.phi_k.rows() == M &&
+              saved.phi_k.cols() == r && saved.den.size() == N && saved.out.rows() == N &&
+              saved.out.cols() == dv,
+          fn, "saved is for N = ", saved.phi_q.rows(), ", M = ", saved.phi_k.rows(),
+          ", r = ", saved.phi_q.cols(), ", d_v = ", saved.out.cols(),
+          " but the inputs have N = ", N, ", M = ", M, ", r = ", r, ", d_v = ", dv);
+  require(saved.causal == opt.causal && saved.eps == opt.eps && saved.chunk == linear_chunk(opt),
+          fn, "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
+          ", chunk = ", saved.chunk, " but options give causal = ", opt.causal, ", eps = ", opt.eps,
+          ", chunk = ", linear_chunk(opt));
+  double now[3];
+  linear_fingerprints<T>(q, k, v, now);
+  require(same_fingerprint(saved.fingerprint[0], now[0]) &&
+              same_fingerprint(saved.fingerprint[1], now[1]) &&
+              same_fingerprint(saved.fingerprint[2], now[2]),
+          fn, "saved was made from different q, k or v values");
+}
+
+/// Bidirectional backward (SPEC 4.3) with [g | h] (g_i = dO_i / den_i, h_i = -(dO_i . O_i) /
+/// den_i) and [KV | z] (the saved Phi_K^T V and Phi_K^T 1):
+///   dPhi_Q = [g | h] [KV | z]^T,  [dKV | dz] = Phi_Q^T [g | h],
+///   dPhi_K = V dKV^T + 1 dz^T,    dV = Phi_K dKV.
+template <class T>
+void linear_backward_bidirectional(const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                                   const linear::Saved<T>& saved, Matrix<T>& dphi_q,
+                                   Matrix<T>& dphi_k, Matrix<T>& dv_out) {
+  const Index N = saved.phi_q.rows(), r = saved.phi_q.cols(), dv = v.cols();
+  Matrix<T> gh(N, dv + 1);
+  const Vector<T> inv_den = saved.den.cwiseInverse();
+  gh.leftCols(dv) = grad_out;
+  gh.leftCols(dv).array().colwise() *= inv_den.array();
+  gh.col(dv) =
+      -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
+  Matrix<T> kvz(r, dv + 1);
+  kvz.leftCols(dv) = saved.kv;
+  kvz.col(dv) = saved.ksum;
+  dphi_q.resize(N, r);
+  dphi_q.noalias() = gh * kvz.transpose();
+  Matrix<T> dkvz(r, dv + 1);
+  dkvz.noalias() = saved.phi_q.transpose() * gh;
+  dphi_k.resize(v.rows(), r);
+  dphi_k.noalias() = v * dkvz.leftCols(dv).transpose();
+  dphi_k.rowwise() += dkvz.col(dv).transpose();
+  dv_out.noalias() = saved.phi_k * dkvz.leftCols(dv);
+}
+
+/// Causal backward (SPEC 4.3): the scan shared with GMA (SPEC 1.5) from a zero start state and
+/// no use of the end state.
+template <class T>
+void linear_backward_causal(const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                            const linear::Saved<T>& saved, Matrix<T>& dphi_q, Matrix<T>& dphi_k,
+                            Matrix<T>& dv_out) {
+  using W = wide_t<T>;
+  const Index N = saved.phi_q.rows(), r = saved.phi_q.cols(), dv = v.cols();
+  const Vector<T> inv_den = saved.den.cwiseInverse();
+  Matrix<T> g = grad_out;
+  g.array().colwise() *= inv_den.array();
+  const Vector<T> h =
+      -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
+  dphi_q.resize(N, r);
+  dphi_k.resize(N, r);
+  const Matrix<W> S0 = Matrix<W>::Zero(r, dv);
+  const Vector<W> z0 = Vector<W>::Zero(r);
+  Matrix<W> G = Matrix<W>::Zero(r, dv);
+  Vector<W> u = Vector<W>::Zero(r);
+  gma_causal_backward<T>(saved.phi_q, saved.phi_k, v, g, h, saved.chunk, dphi_q, dphi_k, dv_out, S0,
+                         z0, G, u);
+}
+
+}  // namespace detail
+
+namespace linear {
+
+/// Linear attention forward (SPEC 4.2). q: N x r, k: M x r, v: M x d_v, row-major (M == N when
+/// causal; M == 0 only with N == 0). Returns N x d_v. If `saved` is given it receives what
+/// backward needs. T is not deduced: write linear::forward<float>(q, k, v).
+/// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
+/// for non-finite q, k, v, or for an output that overflowed T (q, k, v near T's range).
+template <class T>
+Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
+  static constexpr const char* fn = "mixattn::linear::forward";
+  detail::linear_check_inputs<T>(fn, q, k, v, opt);
+  using W = detail::wide_t<T>;
+  const Index N = q.rows(), r = q.cols(), dv = v.cols();
+  const T eps = static_cast<T>(opt.eps);
+  Matrix<T> phi_q, phi_k, kv;
+  Vector<T> den(N), ksum;
+  detail::linear_features<T>(q, phi_q);
+  detail::linear_features<T>(k, phi_k);
+  Matrix<T> out(N, dv);
+  if (opt.causal) {
+    Matrix<W> S = Matrix<W>::Zero(r, dv);
+    Vector<W> z = Vector<W>::Zero(r);
+    detail::gma_causal_forward<T>(phi_q, phi_k, v, eps, detail::linear_chunk(opt), out, den, S, z);
+  } else {
+    // write KV = Phi_K^T V, z = Phi_K^T 1; read numerators by GEMM, denominators by GEMV
+    kv.resize(r, dv);
+    kv.noalias() = phi_k.transpose() * v;
+    ksum = phi_k.colwise().sum().transpose();
+    out.noalias() = phi_q * kv;
+    den.noalias() = phi_q * ksum;
+    den.array() += eps;
+    out.array().colwise() /= den.array();
+  }
+  // The output is a sub-convex combination of v's rows; only the sums can overflow.
+  if (opt.check_finite)
+    detail::require_finite(out, fn, "the output (overflow: q, k or v too large)");
+  if (saved) {
+    saved->phi_q = std::move(phi_q);
+    saved->phi_k = std::move(phi_k);
+    saved->den = std::move(den);
+    saved->out = out;
+    saved->kv = std::move(kv);
+    saved->ksum = std::move(ksum);
+    saved->causal = opt.causal;
+    saved->eps = opt.eps;
+    saved->chunk = detail::linear_chunk(opt);
+    detail::linear_fingerprints<T>(q, k, v, saved->fingerprint);
+    saved->valid = true;
+  }
+  return out;
+}
+
+/// Linear attention backward (SPEC 4.3): gradients of sum(grad_out . forward(q, k, v)) with
+/// respect to q (N x r), k (M x r) and v (M x d_v). grad_out: N x d_v; saved: filled by forward
+/// with the same q, k, v and options. With check_finite, non-finite grad_out or overflowed
+/// gradients throw std::domain_error.
+template <class T>
+Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 const ConstMatrixRef<T>& grad_out, const Saved<T>& saved,
+                 const Options& opt = {}) {
+  static constexpr const char* fn = "mixattn::linear::backward";
+  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved, opt);
+  Grad<T> grad;
+  grad.v.resize(v.rows(), v.cols());
+  if (opt.causal)
+    detail::linear_backward_causal<T>(v, grad_out, saved, grad.q, grad.k, grad.v);
+  else
+    detail::linear_backward_bidirectional<T>(v, grad_out, saved, grad.q, grad.k, grad.v);
+  detail::linear_feature_backward<T>(saved.phi_q, grad.q);
+  detail::linear_feature_backward<T>(saved.phi_k, grad.k);
+  if (opt.check_finite) {  // overflow: q, k, v or grad_out near T's range, or a tiny eps
+    detail::require_finite(grad.q, fn, "the gradient of q (overflow)");
+    detail::require_finite(grad.k, fn, "the gradient of k (overflow)");
+    detail::require_finite(grad.v, fn, "the gradient of v (overflow)");
+  }
+  return grad;
+}
+
+}  // namespace linear
+MIXATTN_END_NAMESPACE
