@@ -1,10 +1,13 @@
 // libFuzzer target: Gaussian Mixture Attention (SPEC §1), forward and backward, bidirectional and
-// causal (any chunk length), plus responsibilities. Decodes the mixture (K ≤ 8 components, r ≤ 16,
-// hostile means, raw variances, prior logits, var_floor), options (eps, chunk, causal with N != M,
+// causal (any chunk length), plus responsibilities; and linear attention (SPEC §4, the same causal
+// scan) on the same inputs and options. Decodes the mixture (K ≤ 8 components, r ≤ 16, hostile
+// means, raw variances, prior logits, var_floor), options (eps, chunk, causal with N != M,
 // check_finite) and inputs (≤ 64 tokens, NaN/Inf/huge/tiny/zero/duplicate rows), and holds every
 // call to the oracle in fuzz_common.hpp. Where the inputs are moderate, causal results must not
-// depend on the chunk length and responsibility rows must lie on the simplex.
+// depend on the chunk length, responsibility rows must lie on the simplex and linear attention
+// must match its O(N^2) double twin.
 #include <mixattn/gma.hpp>
+#include <mixattn/linear.hpp>
 
 #include "fuzz_common.hpp"
 
@@ -18,6 +21,7 @@ using mixattn::Index;
 using mixattn::Matrix;
 using mixattn::Vector;
 namespace gma = mixattn::gma;
+namespace linear = mixattn::linear;
 namespace fz = mixattn::fuzz;
 
 using fz::max_abs;
@@ -27,6 +31,133 @@ bool same_mixture(const gma::Mixture<T>& a, const gma::Mixture<T>& b) {
   return fz::same_bits(a.mean, b.mean) && fz::same_bits(a.var_raw, b.var_raw) &&
          fz::same_bits(a.prior_logit, b.prior_logit) &&
          std::memcmp(&a.var_floor, &b.var_floor, sizeof(T)) == 0;
+}
+
+/// SPEC 4.2's exactness oracle in double: O = diag(d)^-1 (mask . Phi_Q Phi_K^T) V,
+/// d = rowsum(mask . Phi_Q Phi_K^T) + eps.
+template <class T>
+Matrix<double> linear_oracle(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                             bool causal, double eps) {
+  const auto phi = [](const Matrix<T>& x) {
+    const Matrix<double> d = x.template cast<double>();
+    return Matrix<double>((d.array() > 0).select(d.array() + 1, d.array().exp()));
+  };
+  Matrix<double> a = phi(q) * phi(k).transpose();
+  if (causal) a.template triangularView<Eigen::StrictlyUpper>().setZero();
+  const Vector<double> d = a.rowwise().sum().array() + eps;
+  Matrix<double> out = a * v.template cast<double>();
+  out.array().colwise() /= d.array();
+  return out;
+}
+
+/// What linear attention is given: the GMA case's q, k, v, grad_out and options.
+template <class T>
+struct LinearCase {
+  const Matrix<T>& q;
+  const Matrix<T>& k;
+  const Matrix<T>& v;
+  const Matrix<T>& dout;
+  const fz::Strided<T>&qs, &ks, &vs;
+  gma::Options gopt;
+  fz::Flags flags, grad_flags;
+  Index chunk2;
+  std::uint8_t backward_mode;
+  bool padded;
+};
+
+/// Linear attention's oracle: validation, finiteness, sub-convex outputs (positive weights
+/// summing to less than 1), the double oracle and chunk independence on moderate inputs, and
+/// backward with the same record mismatches as GMA's.
+template <class T>
+void linear_case(const LinearCase<T>& c) {
+  const bool is_float = std::is_same<T, float>::value;
+  const Index n = c.q.rows(), m = c.k.rows(), r = c.q.cols(), dv = c.v.cols();
+  linear::Options opt;
+  opt.causal = c.gopt.causal;
+  opt.eps = c.gopt.eps;
+  opt.chunk = c.gopt.chunk;
+  opt.check_finite = c.gopt.check_finite;
+  fz::Expect ex;
+  ex.check_finite = opt.check_finite;
+  ex.flags = c.flags;
+  ex.invalid = c.k.cols() != r || c.v.rows() != m || (opt.causal && n != m) || (n > 0 && m == 0) ||
+               !(opt.eps > 0) || !std::isfinite(opt.eps) || static_cast<T>(opt.eps) == T(0) ||
+               opt.chunk < 0;
+  // phi grows like |x|: the sums reach r M (1 + A)^3 for entries up to A.
+  const double a = ex.flags.max_abs;
+  if (static_cast<double>(r) * static_cast<double>(m) * (1 + a) * (1 + a) * (1 + a) >
+      (is_float ? 1e37 : 1e306))
+    ex.flags.extreme = true;
+  const auto unchanged = [&] {
+    return fz::same_bits(c.qs.view(), c.q) && fz::same_bits(c.ks.view(), c.k) &&
+           fz::same_bits(c.vs.view(), c.v);
+  };
+  linear::Saved<T> saved;
+  Matrix<T> out;
+  const fz::Outcome fo = fz::run(
+      ex, [&] { out = linear::forward<T>(c.qs.view(), c.ks.view(), c.vs.view(), opt, &saved); });
+  MIXATTN_FUZZ_CHECK(unchanged(), "linear::forward wrote through an input");
+  if (fo != fz::Outcome::returned) return;
+  fz::check_result(out, n, dv, ex.must_be_finite(), "linear forward output");
+  if (ex.must_be_finite() && m > 0)
+    MIXATTN_FUZZ_CHECK(max_abs(out) <= max_abs(c.v) * (1 + 1e-4) + 1e-30,
+                       "linear output outside the convex hull of the values");
+  const bool moderate = ex.must_be_finite() && a <= 1e4 && opt.eps >= 1e-6;
+  if (moderate) {
+    // Rounding of sums of at most r + M <= 80 terms of one sign, relative to max |v|.
+    const double tol = (is_float ? 1e-4 : 1e-10) * (max_abs(c.v) + 1e-300);
+    MIXATTN_FUZZ_CHECK(max_abs(out.template cast<double>() -
+                               linear_oracle(c.q, c.k, c.v, opt.causal, opt.eps)) <= tol,
+                       "linear forward differs from the double oracle");
+    if (opt.causal) {
+      linear::Options o2 = opt;
+      o2.chunk = c.chunk2;
+      const Matrix<T> out2 = linear::forward<T>(c.qs.view(), c.ks.view(), c.vs.view(), o2);
+      MIXATTN_FUZZ_CHECK(max_abs(out2 - out) <= tol, "linear result depends on the chunk length");
+    }
+  }
+  fz::Expect bex = ex;
+  bex.flags.merge(c.grad_flags);
+  // Gradients stay below ~1e21 for |x| <= 1e4 and eps >= 1e-6; beyond, overflow may be
+  // reported (domain_error) or, unchecked, returned.
+  const bool finite = moderate && !c.grad_flags.non_finite && c.grad_flags.max_abs <= 1e4;
+  if (!finite) bex.flags.extreme = true;
+  Matrix<T> g = c.dout;
+  linear::Saved<T> empty;
+  const linear::Saved<T>* sv = &saved;
+  linear::Options bopt = opt;
+  switch (c.backward_mode % 10) {
+    case 0:
+      g = Matrix<T>::Zero(n + 1, dv);
+      bex.invalid = true;
+      break;
+    case 1:
+      sv = &empty;
+      bex.invalid = true;
+      break;
+    case 2:
+      bopt.causal = !opt.causal;
+      bex.invalid = true;
+      break;
+    case 3:
+      bopt.eps = opt.eps * 2;
+      bex.invalid = true;
+      break;
+    default:
+      break;
+  }
+  const fz::Strided<T> gs = fz::strided(g, c.padded);
+  linear::Grad<T> grad;
+  const fz::Outcome bo = fz::run(bex, [&] {
+    grad = linear::backward<T>(c.qs.view(), c.ks.view(), c.vs.view(), gs.view(), *sv, bopt);
+  });
+  MIXATTN_FUZZ_CHECK(unchanged() && fz::same_bits(gs.view(), g),
+                     "linear::backward wrote through an input");
+  if (bo != fz::Outcome::returned) return;
+  const bool must = finite || (opt.check_finite && !bex.invalid && !bex.flags.non_finite);
+  fz::check_result(grad.q, n, r, must, "linear grad q");
+  fz::check_result(grad.k, m, r, must, "linear grad k");
+  fz::check_result(grad.v, m, dv, must, "linear grad v");
 }
 
 template <class T>
@@ -70,12 +201,16 @@ void run_case(fz::Bytes& in) {
   mix.var_raw = fz::matrix<T>(in, kc, r, ex.flags);
   mix.prior_logit = fz::vector<T>(in, kc, ex.flags);
   mix.var_floor = var_floor;
-  const Matrix<T> q = fz::matrix<T>(in, n, qr, ex.flags);
+  fz::Flags q_flags, kv_flags;
+  const Matrix<T> q = fz::matrix<T>(in, n, qr, q_flags);
+  ex.flags.merge(q_flags);
   const fz::Flags mixture_and_q = ex.flags;  // all that responsibilities(mix, q) reads
-  const Matrix<T> k = fz::matrix<T>(in, m, kr, ex.flags);
-  const Matrix<T> v = fz::matrix<T>(in, vrows, dv, ex.flags);
+  const Matrix<T> k = fz::matrix<T>(in, m, kr, kv_flags);
+  const Matrix<T> v = fz::matrix<T>(in, vrows, dv, kv_flags);
+  ex.flags.merge(kv_flags);
   fz::Flags grad_flags;
   const Matrix<T> dout = fz::matrix<T>(in, n, dv, grad_flags);
+  q_flags.merge(kv_flags);  // all that linear attention reads
 
   ex.invalid = kc == 0 || qr != r || kr != r || vrows != m || (opt.causal && n != m) ||
                !(opt.eps > 0) || !std::isfinite(opt.eps) || opt.chunk < 0 ||
@@ -103,6 +238,10 @@ void run_case(fz::Bytes& in) {
   const gma::Mixture<T> mix_copy = mix;
   const fz::Strided<T> qs = fz::strided(q, padded), ks = fz::strided(k, padded),
                        vs = fz::strided(v, padded);
+  // Causal GMA and linear attention share the causal scan: the same inputs and options drive
+  // linear attention (SPEC 4) before GMA's own checks.
+  linear_case<T>(LinearCase<T>{q, k, v, dout, qs, ks, vs, opt, q_flags, grad_flags, chunk2,
+                               backward_mode, padded});
   const auto inputs_unchanged = [&] {
     return same_mixture(mix, mix_copy) && fz::same_bits(qs.view(), q) &&
            fz::same_bits(ks.view(), k) && fz::same_bits(vs.view(), v);
