@@ -2,6 +2,9 @@
 // shapes the operator must execute (SPEC §1.2–1.5), with operands prepared outside the timed
 // region and nothing else (no exp, no softmax, no elementwise glue). An operator's time divided
 // by its floor's time is the summary's "ratio to floor".
+// Linear attention (SPEC §4) runs the same read/write with elementwise features (K = r) in place
+// of Γ: its floor is this one without the responsibilities' GEMMs (R1, F1, F2, B5, B6), built with
+// density = false.
 //
 // Shapes (N queries, M = N keys, K components, r routing dim, d_v value dim, C causal chunk):
 // responsibilities (SPEC 1.2), per path:
@@ -40,8 +43,8 @@ namespace mixattn::bench {
 
 class GmaFloor {
  public:
-  GmaFloor(Index n, Index components, Index r, Index dv, Index chunk)
-      : n_(n), k_(components), dv_(dv), chunk_(chunk) {
+  GmaFloor(Index n, Index components, Index r, Index dv, Index chunk, bool density = true)
+      : n_(n), k_(components), dv_(dv), chunk_(chunk), density_(density) {
     xq2_ = random_matrix<float>(n, 2 * r, 11);
     xk2_ = random_matrix<float>(n, 2 * r, 12);
     w_ = random_matrix<float>(2 * r, k_, 13);
@@ -72,8 +75,10 @@ class GmaFloor {
   void responsibilities() { mul(rq_, xq2_, w_, false); }
 
   void forward(bool causal) {
-    mul(rq_, xq2_, w_, false);
-    mul(rk_, xk2_, w_, false);
+    if (density_) {
+      mul(rq_, xq2_, w_, false);
+      mul(rk_, xk2_, w_, false);
+    }
     if (!causal) {
       mul(vz_, gk_.transpose(), v1_, false);
       mul(oq_, gq_, vz_, false);
@@ -121,6 +126,7 @@ class GmaFloor {
       }
     }
     // Through the log-density, both paths (dS has the shape of Γ; its values do not matter here).
+    if (!density_) return;
     mul(dxq_, dgq_, pm_, false);
     mul(dxk_, dgk_, pm_, false);
     mul(dpq_, dgq_.transpose(), xq2_, false);
@@ -132,9 +138,10 @@ class GmaFloor {
   static double responsibilities_flops(Index n, Index components, Index r) {
     return 4.0 * static_cast<double>(n) * static_cast<double>(r) * static_cast<double>(components);
   }
-  static double forward_flops(Index n, Index kc, Index r, Index dv, Index chunk, bool causal) {
+  static double forward_flops(Index n, Index kc, Index r, Index dv, Index chunk, bool causal,
+                              bool density = true) {
     const double K = static_cast<double>(kc), D = static_cast<double>(dv + 1);
-    double f = 2 * responsibilities_flops(n, kc, r);
+    double f = density ? 2 * responsibilities_flops(n, kc, r) : 0;
     if (!causal) return f + 4.0 * static_cast<double>(n) * K * D;
     for (Index c0 = 0; c0 < n; c0 += chunk) {
       const double c = static_cast<double>(std::min(chunk, n - c0));
@@ -142,10 +149,12 @@ class GmaFloor {
     }
     return f;
   }
-  static double backward_flops(Index n, Index kc, Index r, Index dv, Index chunk, bool causal) {
+  static double backward_flops(Index n, Index kc, Index r, Index dv, Index chunk, bool causal,
+                               bool density = true) {
     const double N = static_cast<double>(n), K = static_cast<double>(kc),
                  D = static_cast<double>(dv + 1), Dv = static_cast<double>(dv);
-    double f = 2 * (2 * N * K * 2.0 * static_cast<double>(r)) * 2;  // B5 + B6, both paths
+    // B5 + B6, both paths
+    double f = density ? 2 * (2 * N * K * 2.0 * static_cast<double>(r)) * 2 : 0;
     if (!causal) return f + 6 * N * K * D + 2 * N * K * Dv;
     for (Index c0 = 0; c0 < n; c0 += chunk) {
       const double c = static_cast<double>(std::min(chunk, n - c0));
@@ -177,6 +186,7 @@ class GmaFloor {
   }
 
   Index n_, k_, dv_, chunk_;
+  bool density_;
   double flops_ = 0;
   Matrix<float> xq2_, xk2_, w_, pm_, gq_, gk_, v1_, gh_;
   Matrix<float> rq_, rk_, vz_, dvz_, state_, suffix_, oq_, dgq_, dgk_, dv_out_;

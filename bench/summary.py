@@ -512,6 +512,21 @@ DECODE_TARGETS = [
 ]
 
 
+# Linear attention (bench_linear, SPEC §4): its floor is GMA's GEMMs with K = r features and no
+# responsibilities; its causal form runs GMA's scan, with elementwise features instead of Γ.
+LINEAR_TARGETS = [
+    *[Target(f"linear attention {mode} {label} / its GEMM floor (N={N})",
+             (lambda op: lambda m: m.time(op) / m.time("floor_" + op))(f"linear_{kind}_{mode}"),
+             ("<=", goal))
+      for kind, label, mode, goal in (("forward", "forward", "bidir", 2.0),
+                                      ("fwd_bwd", "fwd+bwd", "bidir", 2.0),
+                                      ("forward", "forward", "causal", 1.5),
+                                      ("fwd_bwd", "fwd+bwd", "causal", 1.5))],
+    Target(f"linear attention causal forward / GMA causal forward, r = K = 64 (N={N})",
+           lambda m: m.time("linear_forward_causal") / m.time("gma_forward_causal"), ("<=", 1)),
+]
+
+
 TARGETS = [
     Target(f"GMA bidir forward / its GEMM floor (N={N})",
            lambda m: m.time("gma_forward_bidir") / m.time("floor_gma_forward_bidir"),
@@ -577,6 +592,7 @@ TARGETS = [
              thread_speedup(f"gma_heads_{kind}_bidir"), (">=", 1.7), bound=thread_bound(2))
       for kind in ("forward", "fwd_bwd")],
     *DECODE_TARGETS,
+    *LINEAR_TARGETS,
 ]
 
 # Which binary writes which operator (first matching prefix), to tell "did not build" from
@@ -584,6 +600,7 @@ TARGETS = [
 PRODUCERS = [
     ("gma_heads_", ["bench_batched"]),
     ("gma_", ["bench_gma"]), ("floor_gma_", ["bench_gma"]),
+    ("linear_", ["bench_linear"]), ("floor_linear_", ["bench_linear"]),
     ("ovq_", ["bench_ovq"]), ("floor_ovq_", ["bench_ovq"]),
     ("flash_forward_causal", ["bench_reference", "bench_ovq"]),
     ("naive_", ["bench_reference"]), ("flash_", ["bench_reference"]),
@@ -783,6 +800,10 @@ HEADLINE = [  # (label, operator, N)
     ("flash forward+backward (bidirectional)", "flash_fwd_bwd_bidir", N),
     ("OVQ forward, T = 65 536", "ovq_forward", T_OVQ),
     ("OVQ forward+backward, T = 65 536", "ovq_fwd_bwd", T_OVQ),
+    ("linear attention bidirectional forward", "linear_forward_bidir", N),
+    ("linear attention bidirectional forward+backward", "linear_fwd_bwd_bidir", N),
+    ("linear attention causal forward", "linear_forward_causal", N),
+    ("linear attention causal forward+backward", "linear_fwd_bwd_causal", N),
 ]
 HEADLINE_HEADER = ["operator (N = 4096 unless said)", "time [min – max]", "ratio to GEMM floor",
                    "fraction of FMA peak (GFLOP/s)", "speed-up vs flash", "peak extra heap"]

@@ -32,6 +32,10 @@ OPERATORS = [
     ("flash causal", "#999933", "flash_forward_causal", "floor_softmax_forward_causal",
      "flash_fwd_bwd_causal", "floor_softmax_fwd_bwd_causal"),
     ("naive bidir", "#000000", "naive_forward_bidir", None, "naive_fwd_bwd_bidir", None),
+    ("linear bidir", "#56B4E9", "linear_forward_bidir", "floor_linear_forward_bidir",
+     "linear_fwd_bwd_bidir", "floor_linear_fwd_bwd_bidir"),
+    ("linear causal", "#E69F00", "linear_forward_causal", "floor_linear_forward_causal",
+     "linear_fwd_bwd_causal", "floor_linear_fwd_bwd_causal"),
 ]
 GUIDE = "#9a9a9a"
 # Decoding is causal: a decode_* benchmark takes the colour of the causal operator it names.

@@ -7,7 +7,9 @@ results.json is a synthetic, well-sampled run: every point warm, 3 repetitions a
 1.03 times its time, every ratio within its physical bound. Times are the README's 2026-11-29
 figures where it has them; FLOP counts, heap sizes and the rest are plausible made-up values (the
 tests below derive every expected verdict from them by hand). The decode_* points (bench_decode's
-per-token counters mean_s, p99_s, max_s, ...) are made up too, each within its target. Each test breaks one thing in a copy
+per-token counters mean_s, p99_s, max_s, ...) are made up too, each within its target. So are the
+linear_* and floor_linear_* points (bench_linear, N = 4096), whose FLOP counts are the floor's closed
+form. Each test breaks one thing in a copy
 of it and runs summary.py as bench/run.sh does, checking the exit status and the rows.
 """
 
