@@ -248,7 +248,11 @@ TEST(LinearEdges, EmptySequences) {
   }
   // Keys without queries are fine in the bidirectional form.
   const Matrix<double> k = random_matrix<double>(4, 3, 1), v = random_matrix<double>(4, 2, 2);
-  EXPECT_EQ(linear::forward<double>(none, k, v).rows(), 0);
+  linear::Saved<double> s;
+  EXPECT_EQ(linear::forward<double>(none, k, v, {}, &s).rows(), 0);
+  const linear::Grad<double> g = linear::backward<double>(none, k, v, Matrix<double>(0, 2), s);
+  EXPECT_TRUE(g.k == Matrix<double>::Zero(4, 3) && g.v == Matrix<double>::Zero(4, 2));
+  EXPECT_EQ(g.q.rows(), 0);
 }
 
 class LinearErrors : public ::testing::Test {

@@ -260,6 +260,12 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
   static constexpr const char* fn = "mixattn::linear::backward";
   detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved, opt);
   Grad<T> grad;
+  if (q.rows() == 0) {  // no query reads anything (and a column of an empty matrix has no data)
+    grad.q.resize(0, q.cols());
+    grad.k.setZero(k.rows(), k.cols());
+    grad.v.setZero(v.rows(), v.cols());
+    return grad;
+  }
   grad.v.resize(v.rows(), v.cols());
   if (opt.causal)
     detail::linear_backward_causal<T>(v, grad_out, saved, grad.q, grad.k, grad.v);
