@@ -224,7 +224,8 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
     // write KV = Phi_K^T V, z = Phi_K^T 1; read numerators by GEMM, denominators by GEMV
     kv.resize(r, dv);
     kv.noalias() = phi_k.transpose() * v;
-    ksum = phi_k.colwise().sum().transpose();
+    ksum.setZero(r);
+    if (phi_k.rows() > 0) ksum = phi_k.colwise().sum().transpose();  // (no columns of empty data)
     out.noalias() = phi_q * kv;
     den.noalias() = phi_q * ksum;
     den.array() += eps;
