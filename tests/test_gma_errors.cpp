@@ -12,22 +12,8 @@
 namespace {
 
 using namespace mixattn;
+using mixattn::testing::expect_throw;
 using mixattn::testing::random_matrix;
-
-/// Runs f, expects exception E whose message contains every fragment.
-template <class E, class F>
-void expect_throw(F&& f, std::initializer_list<const char*> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no exception";
-  } catch (const E& e) {
-    const std::string what = e.what();
-    for (const char* frag : fragments)
-      EXPECT_NE(what.find(frag), std::string::npos) << "'" << frag << "' not in: " << what;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "wrong exception type: " << e.what();
-  }
-}
 
 class GmaErrors : public ::testing::Test {
  protected:

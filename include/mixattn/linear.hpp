@@ -91,20 +91,14 @@ void linear_check_inputs(const char* fn, const ConstMatrixRef<T>& q, const Const
           " (k: ", shape_str(k), ", v: ", shape_str(v), ")");
   require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
           ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
-  require(!opt.causal || q.rows() == k.rows(), fn,
-          "causal needs as many queries as keys, but q has ", q.rows(), " rows and k has ",
-          k.rows());
-  // eps is applied in T: one that rounds to 0 there (1e-300 in float) would let 0 / 0 through
-  // for a query whose features underflow.
-  require(opt.eps > 0 && std::isfinite(opt.eps) && static_cast<T>(opt.eps) > T(0) &&
-              std::isfinite(static_cast<T>(opt.eps)),
-          fn, "options.eps is ", opt.eps, "; it must be positive and finite in the scalar type");
-  require(opt.chunk >= 0, fn, "options.chunk is ", opt.chunk, "; it must be >= 0 (0: default)");
-  if (opt.check_finite) {
-    require_finite(q, fn, "q");
-    require_finite(k, fn, "k");
-    require_finite(v, fn, "v");
-  }
+  // The rest (v's rows, causal shapes, eps, chunk, finite values) is checked as for GMA, whose
+  // options these mirror; r = q.cols() plays the mixture's dimension.
+  gma::Options g;
+  g.causal = opt.causal;
+  g.eps = opt.eps;
+  g.check_finite = opt.check_finite;
+  g.chunk = opt.chunk;
+  gma_check_qkv<T>(fn, q.cols(), q, k, v, g);
 }
 
 template <class T>
