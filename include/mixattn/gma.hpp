@@ -16,6 +16,7 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/gemm.hpp"
 #include "mixattn/detail/gma_scan.hpp"
 #include "mixattn/detail/log_density.hpp"
 #include "mixattn/detail/simd.hpp"
@@ -100,7 +101,62 @@ struct StateGrad {
   Vector<detail::wide_t<T>> z;  // K
 };
 
+}  // namespace gma
+MIXATTN_END_NAMESPACE
+
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// Scratch of a forward call: the mixture's packed constants, the bidirectional read-out's
+/// buffers (when no Saved holds them), the causal scan's state and the GEMM packing buffers.
+template <class T>
+struct GmaForwardScratch {
+  MixtureConstants<wide_t<T>> constants;
+  PackedDensity<T> packed;
+  Vector<T> den, z, ones;
+  Matrix<T> vt;
+  GmaScanScratch<T> scan;
+  GemmSpace<T> gemm;
+};
+
+/// Rows per panel of the backward: the panel's dGamma/dS (panel x K), [g | h] (panel x (d_v+1))
+/// and padded x / dx tiles stay in L2 while the log-density kernel streams them once per tile of
+/// components, and the kernel's in-panel float sums stay short. Measured on Zen 4 (float,
+/// K = r = 64, 4096 tokens of one path, best of 40): kernel 1.57 ms with panels of 64, 1.30 (128),
+/// 1.20 (256), 1.31 (512); the two floor GEMMs dS [P | P mu] and dS^T [x | x.x] take 1.67 ms.
+constexpr Index gma_backward_panel = 256;
+
+/// Scratch of one backward call, reused by every panel and, through Grad, by later calls.
+template <class T>
+struct GmaBackwardScratch {
+  using W = wide_t<T>;
+  Matrix<T> gh;    // panel x (d_v + 1): [g | h] (bidirectional)
+  Matrix<T> ds;    // panel x K: dGamma, then dS in place (bidirectional)
+  Matrix<T> xpad;  // panel x padded r: x, zero beyond r
+  Matrix<T> acc;   // panel x padded r: -dx / 2
+  Matrix<T> upd;   // K x (d_v + 1): one panel's [dVt | dZ]
+  Matrix<T> vz, dvz;  // K x (d_v + 1): [Vt | Z] and the summed [dVt | dZ]
+  Matrix<W> dvz_wide;
+  Matrix<T> g, dgq, dgk;  // causal: N x d_v, N x K, M x K
+  Vector<T> h, inv_den;   // causal: N
+  Matrix<W> dmu, dvar;    // K x r
+  MixtureConstants<W> constants;
+  PackedDensityDims<T> packed;
+  DensityGradSums<W> sums;
+  Matrix<W> G;  // causal: K x d_v, the suffix state dL/dS (when grad.state does not hold it)
+  Vector<W> u;  // causal: K, dL/dz
+  GmaScanScratch<T> scan;
+  GemmSpace<T> gemm;
+};
+
+}  // namespace detail
+MIXATTN_END_NAMESPACE
+
+MIXATTN_BEGIN_NAMESPACE
+namespace gma {
+
 /// What forward keeps for backward: O((N + M) K + N d_v), never O(N M).
+/// Reusable: forward_into overwrites it and keeps its capacity when shapes repeat.
 template <class T>
 struct Saved {
   Matrix<T> gamma_q;  // N x K
@@ -118,13 +174,17 @@ struct Saved {
   bool continued = false;
   Matrix<detail::wide_t<T>> start_S;  // K x d_v
   Vector<detail::wide_t<T>> start_z;  // K
+  detail::GmaForwardScratch<T> scratch;  // the forward's working memory, kept for reuse
 };
 
+/// Gradients (N x r, M x r, M x d_v and the mixture's); backward_into overwrites them and
+/// keeps `scratch` (the backward's working memory) for the next call.
 template <class T>
 struct Grad {
   Matrix<T> q, k, v;  // N x r, M x r, M x d_v
   MixtureGrad<T> mixture;
   StateGrad<T> state;  // dS0, dz0 of the start state (continued forward only; else empty)
+  detail::GmaBackwardScratch<T> scratch;
 };
 
 /// A mixture reduced once to what its responsibilities need (variances, log priors, the packed
@@ -281,134 +341,6 @@ Matrix<T> gma_gamma(const PackedDensity<T>& p, const ConstMatrixRef<T>& x) {
   return out;
 }
 
-/// Fills what backward needs from one forward call (fingerprints of the call's own inputs).
-template <class T>
-void gma_save(gma::Saved<T>& saved, Matrix<T>&& gq, Matrix<T>&& gk, Vector<T>&& den,
-              const Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-              const ConstMatrixRef<T>& v, const gma::Options& opt, double mixture_fingerprint) {
-  saved.gamma_q = std::move(gq);
-  saved.gamma_k = std::move(gk);
-  saved.den = std::move(den);
-  saved.out = out;
-  saved.causal = opt.causal;
-  saved.eps = opt.eps;
-  saved.chunk = gma_chunk(opt);
-  saved.fingerprint[0] = content_sum(q);
-  saved.fingerprint[1] = content_sum(k);
-  saved.fingerprint[2] = content_sum(v);
-  saved.fingerprint[3] = mixture_fingerprint;
-  saved.continued = false;
-  saved.start_S.resize(0, 0);
-  saved.start_z.resize(0);
-  saved.valid = true;
-}
-
-/// Wide scratch of the one-token decode kernel, per thread (d_v + 2K).
-template <class W>
-Vector<W>& gma_decode_scratch() {
-  thread_local Vector<W> buffer;
-  return buffer;
-}
-
-/// Causal forward continuing `st` (SPEC 1.4) for a mixture already packed; validated by the
-/// caller. Short pieces (fewer tokens than a chunk: decoding) take the one-token recurrence on
-/// the wide state, longer ones the chunked scan; both are the same sums up to rounding.
-template <class Arch, class T>
-Matrix<T> gma_forward_continued(const PackedDensity<T>& p, const ConstMatrixRef<T>& q,
-                                const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                                const gma::Options& opt, gma::State<T>& st, gma::Saved<T>* saved,
-                                double mixture_fingerprint) {
-  using W = wide_t<T>;
-  const Index N = q.rows(), K = p.components, dv = v.cols(), chunk = gma_chunk(opt);
-  Matrix<T> own_q, own_k;
-  Matrix<T>& gq = saved ? own_q : gma_workspace<T>(0);
-  Matrix<T>& gk = saved ? own_k : gma_workspace<T>(1);
-  gq.resize(N, K);
-  gk.resize(N, K);
-  responsibilities_into(Arch{}, p, q.data(), q.outerStride(), N, gq.data(), K);
-  responsibilities_into(Arch{}, p, k.data(), k.outerStride(), N, gk.data(), K);
-  Matrix<T> out(N, dv);
-  Vector<T> den(N);
-  Matrix<W> start_S;
-  Vector<W> start_z;
-  if (saved) {
-    start_S = st.S;
-    start_z = st.z;
-  }
-  if (N < chunk) {
-    Vector<W>& w = gma_decode_scratch<W>();
-    w.resize(dv + 2 * K);
-    gma_causal_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, dv,
-                         static_cast<T>(opt.eps), st.S, st.z, w, out.data(), dv, den.data());
-  } else {
-    gma_causal_forward<T>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z);
-  }
-  st.tokens_seen += N;
-  if (saved) {
-    gma_save(*saved, std::move(gq), std::move(gk), std::move(den), out, q, k, v, opt,
-             mixture_fingerprint);
-    saved->continued = true;
-    saved->start_S = std::move(start_S);
-    saved->start_z = std::move(start_z);
-  }
-  return out;
-}
-
-/// dL/d(end state) is only meaningful for a forward that continued a State.
-template <class T>
-void gma_check_state_grad(const char* fn, const gma::Saved<T>& saved, const gma::StateGrad<T>& gs,
-                          Index K, Index dv, bool check_finite) {
-  require(saved.continued, fn,
-          "grad_state_out is given but saved is from a forward without a State");
-  require(gs.S.rows() == K && gs.S.cols() == dv && gs.z.size() == K, fn, "grad_state_out.S is ",
-          shape_str(gs.S), " and grad_state_out.z has ", gs.z.size(), " entries, but the state is ",
-          K, " x ", dv, " and ", K);
-  if (check_finite) {
-    require_finite(gs.S, fn, "grad_state_out.S");
-    require_finite(gs.z, fn, "grad_state_out.z");
-  }
-}
-
-/// The causal backward's two boundary states: the prefix starts from the forward's start state
-/// (S0, z0; zero for a whole sequence) and the suffix from dL/d(end state) (G, u; zero if none).
-template <class T>
-void gma_state_grad_init(const gma::Saved<T>& saved, const gma::StateGrad<T>* gs, Index K, Index dv,
-                         Matrix<wide_t<T>>& S0, Vector<wide_t<T>>& z0, Matrix<wide_t<T>>& G,
-                         Vector<wide_t<T>>& u) {
-  using W = wide_t<T>;
-  if (saved.continued) {
-    S0 = saved.start_S;
-    z0 = saved.start_z;
-  } else {
-    S0 = Matrix<W>::Zero(K, dv);
-    z0 = Vector<W>::Zero(K);
-  }
-  if (gs != nullptr) {
-    G = gs->S;
-    u = gs->z;
-  } else {
-    G = Matrix<W>::Zero(K, dv);
-    u = Vector<W>::Zero(K);
-  }
-}
-
-/// Rows per panel of the backward: the panel's dGamma/dS (panel x K), [g | h] (panel x (d_v+1))
-/// and padded x / dx tiles stay in L2 while the log-density kernel streams them once per tile of
-/// components, and the kernel's in-panel float sums stay short. Measured on Zen 4 (float,
-/// K = r = 64, 4096 tokens of one path, best of 40): kernel 1.57 ms with panels of 64, 1.30 (128),
-/// 1.20 (256), 1.31 (512); the two floor GEMMs dS [P | P mu] and dS^T [x | x.x] take 1.67 ms.
-constexpr Index gma_backward_panel = 256;
-
-/// Scratch of one backward call, allocated once and reused by every panel.
-template <class T>
-struct GmaBackwardScratch {
-  Matrix<T> gh;    // panel x (d_v + 1): [g | h] (bidirectional)
-  Matrix<T> ds;    // panel x K: dGamma, then dS in place (bidirectional)
-  Matrix<T> xpad;  // panel x padded r: x, zero beyond r
-  Matrix<T> acc;   // panel x padded r: -dx / 2
-  Matrix<T> upd;   // K x (d_v + 1): one panel's [dVt | dZ]
-};
-
 /// Through the softmax and the log-density (SPEC 1.5) for n <= panel tokens x (stride ldx) with
 /// responsibilities gamma (n x K, stride ldg): ds holds dGamma on entry and dS on exit (n x K,
 /// stride ldds); dx (n x r, stride lddx) is written; the mixture's token sums go to `sums`.
@@ -441,9 +373,9 @@ void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T
 /// d prior_logit = dlogpi - pi sum(dlogpi).
 template <class T, class W>
 void gma_mixture_grad(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
-                      const DensityGradSums<W>& sums, gma::MixtureGrad<T>& grad) {
+                      const DensityGradSums<W>& sums, Matrix<W>& dmu, Matrix<W>& dvar,
+                      gma::MixtureGrad<T>& grad) {
   const Index K = mix.mean.rows(), r = mix.mean.cols();
-  Matrix<W> dmu, dvar;
   density_grad_finish(c, sums, dmu, dvar);
   grad.mean = dmu.template cast<T>();
   grad.var_raw.resize(K, r);
@@ -499,55 +431,352 @@ Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixRef<T>& x,
   return detail::gma_gamma<Arch, T>(p, x);
 }
 
+}  // namespace gma
+MIXATTN_END_NAMESPACE
+
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// Bidirectional read-out (SPEC 1.3): Vt = Gamma_K^T V, z = Gamma_K^T 1, then numerators by
+/// GEMM and denominators by GEMV (cheaper than copying V into [V | 1] for the ones column).
+template <class T>
+void gma_bidirectional_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
+                               T eps, Matrix<T>& vt, Vector<T>& z, Matrix<T>& out, Vector<T>& den,
+                               GmaForwardScratch<T>& s) {
+  const Index K = gq.cols(), dv = v.cols();
+  vt.resize(K, dv);
+  gemm<T>(vt, transposed<T>(gk), plain<T>(v), T(1), false, s.gemm);
+  z.resize(K);
+  s.ones.setOnes(gk.rows());  // a stored vector: the GEMV reads it in place, no temporary
+  z.noalias() = gk.transpose() * s.ones;
+  gemm<T>(out, plain<T>(gq), plain<T>(vt), T(1), false, s.gemm);
+  den.noalias() = gq * z;
+  den.array() += eps;
+  out.array().colwise() /= den.array();
+}
+
+/// This thread's forward scratch, for calls without `saved` (kept for the thread's lifetime).
+template <class T>
+GmaForwardScratch<T>& gma_thread_scratch() {
+  thread_local GmaForwardScratch<T> scratch;
+  return scratch;
+}
+
+/// Completes a Saved record whose gamma_q, gamma_k and den the forward wrote in place: the
+/// output, the options and the fingerprints of the call's own inputs.
+template <class T>
+void gma_save(gma::Saved<T>& saved, const Matrix<T>& out, const ConstMatrixRef<T>& q,
+              const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const gma::Options& opt,
+              double mixture_fingerprint) {
+  saved.out = out;
+  saved.causal = opt.causal;
+  saved.eps = opt.eps;
+  saved.chunk = gma_chunk(opt);
+  saved.fingerprint[0] = content_sum(q);
+  saved.fingerprint[1] = content_sum(k);
+  saved.fingerprint[2] = content_sum(v);
+  saved.fingerprint[3] = mixture_fingerprint;
+  saved.valid = true;
+}
+
+/// forward_into's body; `fn` names the public entry point in messages.
+template <class Arch, class T>
+void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
+                 const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 const gma::Options& opt, gma::Saved<T>* saved) {
+  gma_check_inputs(fn, mix, q, k, v, opt);
+  using W = wide_t<T>;
+  const Index N = q.rows(), K = mix.components(), dv = v.cols();
+  const T eps = static_cast<T>(opt.eps);
+  // Without `saved` the responsibilities and the rest are scratch: this thread's buffers, so a
+  // steady stream of calls neither page-faults fresh memory nor returns it to the OS each time.
+  GmaForwardScratch<T>& s = saved ? saved->scratch : gma_thread_scratch<T>();
+  if (saved) saved->valid = false;
+  mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
+  pack_density_into<Arch>(s.packed, mix.mean, s.constants);
+  Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
+  Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
+  gq.resize(N, K);
+  gk.resize(k.rows(), K);
+  responsibilities_into(Arch{}, s.packed, q.data(), q.outerStride(), N, gq.data(), K);
+  responsibilities_into(Arch{}, s.packed, k.data(), k.outerStride(), k.rows(), gk.data(), K);
+  out.resize(N, dv);
+  Vector<T>& den = saved ? saved->den : s.den;
+  den.resize(N);
+  if (opt.causal) {
+    s.scan.S.setZero(K, dv);
+    s.scan.z.setZero(K);
+    gma_causal_forward<T>(gq, gk, v, eps, gma_chunk(opt), out, den, s.scan.S, s.scan.z, s.scan);
+  } else {
+    gma_bidirectional_forward<T>(gq, gk, v, eps, saved ? saved->vt : s.vt, saved ? saved->z : s.z,
+                                 out, den, s);
+  }
+  if (saved) {
+    if (opt.causal) {
+      saved->vt.resize(0, 0);
+      saved->z.resize(0);
+    }
+    saved->continued = false;
+    saved->start_S.resize(0, 0);
+    saved->start_z.resize(0);
+    gma_save(*saved, out, q, k, v, opt, mixture_sum(mix));
+  }
+}
+
+/// Wide scratch of the one-token decode kernel, per thread (d_v + 2K).
+template <class W>
+Vector<W>& gma_decode_scratch() {
+  thread_local Vector<W> buffer;
+  return buffer;
+}
+
+/// Causal forward continuing `st` (SPEC 1.4) for a mixture already packed, into out (n x d_v);
+/// validated by the caller. Short pieces (fewer tokens than a chunk: decoding) take the
+/// one-token recurrence on the wide state, longer ones the chunked scan; both are the same sums
+/// up to rounding. Working memory lives in `saved` (or this thread's scratch without it).
+template <class Arch, class T>
+void gma_forward_continued(Matrix<T>& out, const PackedDensity<T>& p, const ConstMatrixRef<T>& q,
+                           const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                           const gma::Options& opt, gma::State<T>& st, gma::Saved<T>* saved,
+                           double mixture_fingerprint) {
+  using W = wide_t<T>;
+  const Index N = q.rows(), K = p.components, dv = v.cols(), chunk = gma_chunk(opt);
+  GmaForwardScratch<T>& s = saved ? saved->scratch : gma_thread_scratch<T>();
+  if (saved) saved->valid = false;
+  Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
+  Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
+  gq.resize(N, K);
+  gk.resize(N, K);
+  responsibilities_into(Arch{}, p, q.data(), q.outerStride(), N, gq.data(), K);
+  responsibilities_into(Arch{}, p, k.data(), k.outerStride(), N, gk.data(), K);
+  out.resize(N, dv);
+  Vector<T>& den = saved ? saved->den : s.den;
+  den.resize(N);
+  if (saved) {  // the start state, for backward (capacity reused when shapes repeat)
+    saved->start_S = st.S;
+    saved->start_z = st.z;
+  }
+  if (N < chunk) {
+    Vector<W>& w = gma_decode_scratch<W>();
+    w.resize(dv + 2 * K);
+    gma_causal_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, dv,
+                         static_cast<T>(opt.eps), st.S, st.z, w, out.data(), dv, den.data());
+  } else {
+    gma_causal_forward<T>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z, s.scan);
+  }
+  st.tokens_seen += N;
+  if (saved) {
+    saved->vt.resize(0, 0);
+    saved->z.resize(0);
+    saved->continued = true;
+    gma_save(*saved, out, q, k, v, opt, mixture_fingerprint);
+  }
+}
+
+/// dL/d(end state) is only meaningful for a forward that continued a State.
+template <class T>
+void gma_check_state_grad(const char* fn, const gma::Saved<T>& saved, const gma::StateGrad<T>& gs,
+                          Index K, Index dv, bool check_finite) {
+  require(saved.continued, fn,
+          "grad_state_out is given but saved is from a forward without a State");
+  require(gs.S.rows() == K && gs.S.cols() == dv && gs.z.size() == K, fn, "grad_state_out.S is ",
+          shape_str(gs.S), " and grad_state_out.z has ", gs.z.size(), " entries, but the state is ",
+          K, " x ", dv, " and ", K);
+  if (check_finite) {
+    require_finite(gs.S, fn, "grad_state_out.S");
+    require_finite(gs.z, fn, "grad_state_out.z");
+  }
+}
+
+/// Validates backward's arguments against the inputs and the Saved record.
+template <class T>
+void gma_check_backward(const char* fn, const gma::Mixture<T>& mix, const ConstMatrixRef<T>& q,
+                        const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                        const ConstMatrixRef<T>& grad_out, const gma::Saved<T>& saved,
+                        const gma::Options& opt, const gma::StateGrad<T>* grad_state_out) {
+  gma_check_inputs(fn, mix, q, k, v, opt);
+  const Index N = q.rows(), M = k.rows(), K = mix.components(), dv = v.cols();
+  require(grad_out.rows() == N && grad_out.cols() == dv, fn, "grad_out is ", shape_str(grad_out),
+          " but the output is ", N, " x ", dv);
+  if (opt.check_finite) require_finite(grad_out, fn, "grad_out");
+  require(saved.valid, fn, "saved was not filled by forward");
+  require(saved.gamma_q.rows() == N && saved.gamma_q.cols() == K && saved.gamma_k.rows() == M &&
+              saved.gamma_k.cols() == K && saved.den.size() == N && saved.out.rows() == N &&
+              saved.out.cols() == dv,
+          fn, "saved is for N = ", saved.gamma_q.rows(), ", M = ", saved.gamma_k.rows(),
+          ", K = ", saved.gamma_q.cols(), ", d_v = ", saved.out.cols(),
+          " but the inputs have N = ", N, ", M = ", M, ", K = ", K, ", d_v = ", dv);
+  require(saved.causal == opt.causal && saved.eps == opt.eps, fn,
+          "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
+          " but options have causal = ", opt.causal, ", eps = ", opt.eps);
+  require(same_fingerprint(saved.fingerprint[0], content_sum(q)) &&
+              same_fingerprint(saved.fingerprint[1], content_sum(k)) &&
+              same_fingerprint(saved.fingerprint[2], content_sum(v)) &&
+              same_fingerprint(saved.fingerprint[3], mixture_sum(mix)),
+          fn, "saved was made from different q, k, v or mixture values");
+  require(!saved.continued || (saved.start_S.rows() == K && saved.start_S.cols() == dv &&
+                               saved.start_z.size() == K),
+          fn, "saved.start_S is ", shape_str(saved.start_S), " but the state is ", K, " x ", dv);
+  if (grad_state_out != nullptr)
+    gma_check_state_grad(fn, saved, *grad_state_out, K, dv, opt.check_finite);
+}
+
+/// Causal backward (SPEC 1.5): g_i = dO_i / den_i, h_i = -(dO_i . O_i) / den_i through the
+/// chunked scans, then through the softmax and log-density panel by panel. The prefix starts
+/// from the forward's start state (zero for a whole sequence), the suffix from dL/d(end state)
+/// (zero if none); for a continued forward, grad.state receives dL/d(start state).
+template <class Arch, class T>
+void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef<T>& q,
+                             const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                             const ConstMatrixRef<T>& grad_out, const gma::Saved<T>& saved,
+                             const gma::StateGrad<T>* grad_state_out, Index panel,
+                             gma::Grad<T>& grad) {
+  using W = wide_t<T>;
+  GmaBackwardScratch<T>& s = grad.scratch;
+  const Index N = q.rows(), M = k.rows(), K = p.components, r = p.dim, dv = v.cols();
+  s.inv_den = saved.den.cwiseInverse();
+  s.g = grad_out;
+  s.g.array().colwise() *= s.inv_den.array();
+  s.h.resize(N);
+  s.h.noalias() =
+      -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * s.inv_den.array()).matrix();
+  s.dgq.resize(N, K);
+  s.dgk.resize(M, K);
+  // The suffix state runs in grad.state when it is returned (a continued forward), else in s.
+  Matrix<W>& G = saved.continued ? grad.state.S : s.G;
+  Vector<W>& u = saved.continued ? grad.state.z : s.u;
+  if (grad_state_out != nullptr) {  // may be grad.state itself: then these are no-ops
+    G = grad_state_out->S;
+    u = grad_state_out->z;
+  } else {
+    G.setZero(K, dv);
+    u.setZero(K);
+  }
+  if (!saved.continued) {
+    grad.state.S.resize(0, 0);
+    grad.state.z.resize(0);
+  }
+  gma_causal_backward<T>(saved.gamma_q, saved.gamma_k, v, s.g, s.h, saved.chunk, s.dgq, s.dgk,
+                         grad.v, saved.continued ? &saved.start_S : nullptr,
+                         saved.continued ? &saved.start_z : nullptr, G, u, s.scan);
+  for (Index i0 = 0; i0 < N; i0 += panel) {
+    const Index n = std::min(panel, N - i0);
+    gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),
+                              saved.gamma_q.data() + i0 * K, K, s.dgq.data() + i0 * K, K, n, s,
+                              s.sums, grad.q.data() + i0 * r, r);
+    gma_density_backward_rows(Arch{}, p, k.data() + i0 * k.outerStride(), k.outerStride(),
+                              saved.gamma_k.data() + i0 * K, K, s.dgk.data() + i0 * K, K, n, s,
+                              s.sums, grad.k.data() + i0 * r, r);
+  }
+}
+
+/// Bidirectional backward, panel by panel, nothing N x K: with [g | h] (g_i = dO_i / den_i,
+/// h_i = -(dO_i . O_i) / den_i) and [Vt | Z] (the ones-column trick),
+///   dGamma_Q = [g | h] [Vt | Z]^T,  [dVt | dZ] = Gamma_Q^T [g | h],
+///   dGamma_K = V dVt^T + 1 dZ^T,    dV = Gamma_K dVt.
+/// [dVt | dZ] sums over all N queries; each panel's GEMM result is added in W.
+template <class Arch, class T>
+void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrixRef<T>& q,
+                                const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                                const ConstMatrixRef<T>& grad_out, const gma::Saved<T>& saved,
+                                Index panel, gma::Grad<T>& grad) {
+  GmaBackwardScratch<T>& s = grad.scratch;
+  const Index N = q.rows(), M = k.rows(), K = p.components, r = p.dim, dv = v.cols();
+  s.gh.resize(panel, dv + 1);
+  s.ds.resize(panel, K);
+  s.upd.resize(K, dv + 1);
+  s.vz.resize(K, dv + 1);
+  s.vz.leftCols(dv) = saved.vt;
+  s.vz.col(dv) = saved.z;
+  s.dvz_wide.setZero(K, dv + 1);
+  for (Index i0 = 0; i0 < N; i0 += panel) {
+    const Index n = std::min(panel, N - i0);
+    Eigen::Map<Matrix<T>> gh(s.gh.data(), n, dv + 1), ds(s.ds.data(), n, K);
+    for (Index i = 0; i < n; ++i) {
+      const T inv = T(1) / saved.den(i0 + i);
+      gh.row(i).head(dv) = grad_out.row(i0 + i) * inv;
+      gh(i, dv) = -grad_out.row(i0 + i).dot(saved.out.row(i0 + i)) * inv;
+    }
+    gemm<T>(s.upd, transposed<T>(saved.gamma_q.middleRows(i0, n)), plain<T>(gh), T(1), false,
+            s.gemm);
+    s.dvz_wide += s.upd.template cast<wide_t<T>>();
+    gemm<T>(ds, plain<T>(gh), transposed<T>(s.vz), T(1), false, s.gemm);
+    gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),
+                              saved.gamma_q.data() + i0 * K, K, ds.data(), K, n, s, s.sums,
+                              grad.q.data() + i0 * r, r);
+  }
+  s.dvz = s.dvz_wide.template cast<T>();
+  gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz.leftCols(dv)), T(1), false, s.gemm);
+  for (Index j0 = 0; j0 < M; j0 += panel) {
+    const Index n = std::min(panel, M - j0);
+    Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
+    gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz.leftCols(dv)), T(1), false,
+            s.gemm);
+    ds.rowwise() += s.dvz.col(dv).transpose();
+    gma_density_backward_rows(Arch{}, p, k.data() + j0 * k.outerStride(), k.outerStride(),
+                              saved.gamma_k.data() + j0 * K, K, ds.data(), K, n, s, s.sums,
+                              grad.k.data() + j0 * r, r);
+  }
+}
+
+/// backward_into's body; `fn` names the public entry point in messages.
+template <class Arch, class T>
+void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix,
+                  const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                  const gma::Saved<T>& saved, const gma::Options& opt,
+                  const gma::StateGrad<T>* grad_state_out) {
+  gma_check_backward(fn, mix, q, k, v, grad_out, saved, opt, grad_state_out);
+  using W = wide_t<T>;
+  const Index N = q.rows(), M = k.rows(), K = mix.components(), dv = v.cols(), r = mix.dim();
+  GmaBackwardScratch<T>& s = grad.scratch;
+  mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
+  pack_density_dims_into<Arch>(s.packed, mix.mean, s.constants);
+  const Index panel = std::max<Index>(1, std::min(gma_backward_panel, std::max(N, M)));
+  s.xpad.setZero(panel, s.packed.padded_dim);
+  s.acc.resize(panel, s.packed.padded_dim);
+  s.sums.reset(K, s.packed.padded_dim);
+  grad.q.resize(N, r);
+  grad.k.resize(M, r);
+  grad.v.resize(M, dv);
+  if (opt.causal) {
+    gma_causal_backward_all<Arch>(s.packed, q, k, v, grad_out, saved, grad_state_out, panel,
+                                  grad);
+  } else {
+    grad.state.S.resize(0, 0);
+    grad.state.z.resize(0);
+    gma_bidirectional_backward<Arch>(s.packed, q, k, v, grad_out, saved, panel, grad);
+  }
+  gma_mixture_grad(mix, s.constants, s.sums, s.dmu, s.dvar, grad.mixture);
+}
+
+}  // namespace detail
+MIXATTN_END_NAMESPACE
+
+MIXATTN_BEGIN_NAMESPACE
+namespace gma {
+
+/// GMA forward (SPEC 1.3 bidirectional, 1.4 causal) into caller-owned memory.
+/// q: N x r, k: M x r, v: M x d_v (M == N when causal); out is resized to N x d_v.
+/// If `saved` is given it receives what backward needs (O((N + M) K + N d_v)) and keeps the
+/// call's working memory: with a reused `out` and `saved`, a call whose shapes repeat performs
+/// no heap allocation. Without `saved`, this thread's scratch (kept for the thread's lifetime)
+/// is used instead.
+template <class T, class Arch = detail::simd_arch>
+void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
+                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+                  Saved<T>* saved) {
+  detail::gma_forward<Arch, T>("mixattn::gma::forward_into", out, mix, q, k, v, opt, saved);
+}
+
 /// GMA forward (SPEC 1.3 bidirectional, 1.4 causal).
 /// q: N x r, k: M x r, v: M x d_v (M == N when causal). Returns N x d_v.
 /// If `saved` is given it receives what backward needs (O((N + M) K + N d_v)).
 template <class T, class Arch = detail::simd_arch>
 Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
-  static constexpr const char* fn = "mixattn::gma::forward";
-  detail::gma_check_inputs(fn, mix, q, k, v, opt);
-  using W = detail::wide_t<T>;
-  const Index N = q.rows(), K = mix.components(), dv = v.cols();
-  const T eps = static_cast<T>(opt.eps);
-  const detail::MixtureConstants<W> c =
-      detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
-  const detail::PackedDensity<T> p = detail::pack_density<Arch, T>(mix.mean, c);
-  // Without `saved` the responsibilities are scratch: reuse this thread's buffers so that a
-  // steady stream of calls neither page-faults fresh memory nor returns it to the OS each time.
-  Matrix<T> own_q, own_k;
-  Matrix<T>& gq = saved ? own_q : detail::gma_workspace<T>(0);
-  Matrix<T>& gk = saved ? own_k : detail::gma_workspace<T>(1);
-  gq.resize(N, K);
-  gk.resize(k.rows(), K);
-  detail::responsibilities_into(Arch{}, p, q.data(), q.outerStride(), N, gq.data(), K);
-  detail::responsibilities_into(Arch{}, p, k.data(), k.outerStride(), k.rows(), gk.data(), K);
-  Matrix<T> out(N, dv);
-  Vector<T> den(N);
-  Matrix<T> vt;
-  Vector<T> z;
-  if (opt.causal) {
-    Matrix<W> S = Matrix<W>::Zero(K, dv);
-    Vector<W> zs = Vector<W>::Zero(K);
-    detail::gma_causal_forward<T>(gq, gk, v, eps, detail::gma_chunk(opt), out, den, S, zs);
-  } else {
-    // write: Vt = Gamma_K^T V, Z = Gamma_K^T 1; read: numerators by GEMM, denominators by GEMV
-    // (a GEMV costs less than copying V into [V | 1] for the ones-column trick).
-    vt.resize(K, dv);
-    vt.noalias() = gk.transpose() * v;
-    z.resize(K);
-    z.noalias() = gk.transpose() * Vector<T>::Ones(gk.rows());
-    out.noalias() = gq * vt;
-    den.noalias() = gq * z;
-    den.array() += eps;
-    out.array().colwise() /= den.array();
-  }
-  if (saved) {
-    detail::gma_save(*saved, std::move(gq), std::move(gk), std::move(den), out, q, k, v, opt,
-                     detail::mixture_sum(mix));
-    saved->vt = std::move(vt);
-    saved->z = std::move(z);
-  }
+  Matrix<T> out;
+  detail::gma_forward<Arch, T>("mixattn::gma::forward", out, mix, q, k, v, opt, saved);
   return out;
 }
 
@@ -559,13 +788,31 @@ Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
   mixture_sum_ = detail::mixture_sum(mix);
 }
 
-/// Causal GMA forward continuing `state` (SPEC 1.4): q, k (n x r) and v (n x d_v) are the next
-/// n tokens after state.tokens_seen; returns n x d_v and advances `state` past them. Feeding a
-/// sequence in any pieces (down to one token) gives the one-call outputs up to rounding.
-/// opt.causal must be true; state must be K x d_v (State<T>::empty(K, d_v)). `saved` receives
-/// what backward needs, the start state included (O(n K + n d_v + K d_v)).
-/// On a throw (bad shapes or options: invalid_argument; non-finite q, k, v or state:
-/// domain_error) `state` is untouched.
+/// Causal GMA forward continuing `state` (SPEC 1.4) into caller-owned memory: q, k (n x r) and
+/// v (n x d_v) are the next n tokens after state.tokens_seen; out is resized to n x d_v and
+/// `state` advances past them. Feeding a sequence in any pieces (down to one token) gives the
+/// one-call outputs up to rounding. opt.causal must be true; state must be K x d_v
+/// (State<T>::empty(K, d_v)). `saved` receives what backward needs, the start state included
+/// (O(n K + n d_v + K d_v)), and keeps the working memory: with a reused `out` and `saved`, a
+/// call whose shapes repeat performs no heap allocation (it packs the mixture each call; the
+/// Prepared overload does not). On a throw (bad shapes or options: invalid_argument; non-finite
+/// q, k, v or state: domain_error) `state` is untouched.
+template <class T, class Arch = detail::simd_arch>
+void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
+                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+                  State<T>& state, Saved<T>* saved) {
+  static constexpr const char* fn = "mixattn::gma::forward_into";
+  detail::gma_check_inputs(fn, mix, q, k, v, opt);
+  detail::gma_check_state(fn, state, mix.components(), v.cols(), q.rows(), opt);
+  using W = detail::wide_t<T>;
+  detail::GmaForwardScratch<T>& s = saved ? saved->scratch : detail::gma_thread_scratch<T>();
+  detail::mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
+  detail::pack_density_into<Arch>(s.packed, mix.mean, s.constants);
+  detail::gma_forward_continued<Arch, T>(out, s.packed, q, k, v, opt, state, saved,
+                                         detail::mixture_sum(mix));
+}
+
+/// The value-returning form of the above. Returns n x d_v.
 template <class T, class Arch = detail::simd_arch>
 Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, const Options& opt, State<T>& state,
@@ -577,12 +824,26 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const Const
   const detail::MixtureConstants<W> c =
       detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
   const detail::PackedDensity<T> p = detail::pack_density<Arch, T>(mix.mean, c);
-  return detail::gma_forward_continued<Arch, T>(p, q, k, v, opt, state, saved,
-                                                detail::mixture_sum(mix));
+  Matrix<T> out;
+  detail::gma_forward_continued<Arch, T>(out, p, q, k, v, opt, state, saved,
+                                         detail::mixture_sum(mix));
+  return out;
 }
 
 /// The same with the mixture prepared once (Prepared): the decode path, which spends per token
 /// only the responsibilities of q and k and one pass over the state (O(K (r + d_v))).
+template <class T, class Arch = detail::simd_arch>
+void forward_into(Matrix<T>& out, const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
+                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+                  State<T>& state, Saved<T>* saved) {
+  static constexpr const char* fn = "mixattn::gma::forward_into";
+  detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
+  detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
+  detail::gma_forward_continued<Arch, T>(out, prep.packed(), q, k, v, opt, state, saved,
+                                         prep.mixture_sum());
+}
+
+/// The value-returning form of the above. Returns n x d_v.
 template <class T, class Arch = detail::simd_arch>
 Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
@@ -590,8 +851,33 @@ Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
   static constexpr const char* fn = "mixattn::gma::forward";
   detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
   detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
-  return detail::gma_forward_continued<Arch, T>(prep.packed(), q, k, v, opt, state, saved,
-                                                prep.mixture_sum());
+  Matrix<T> out;
+  detail::gma_forward_continued<Arch, T>(out, prep.packed(), q, k, v, opt, state, saved,
+                                         prep.mixture_sum());
+  return out;
+}
+
+/// GMA backward (SPEC 1.5) into caller-owned gradients: the same as backward, with grad's
+/// matrices resized (no-op when shapes repeat) and its scratch reused, so a call whose shapes
+/// repeat performs no heap allocation.
+template <class T, class Arch = detail::simd_arch>
+void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
+                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+  detail::gma_backward<Arch, T>("mixattn::gma::backward_into", grad, mix, q, k, v, grad_out, saved,
+                                opt, static_cast<const StateGrad<T>*>(nullptr));
+}
+
+/// Backward of a piece of a longer sequence into caller-owned gradients (see the backward
+/// overload with grad_state_out); grad_state_out may be grad.state itself, so one Grad can run
+/// the pieces' backwards in reverse, each fed the grad.state its successor left.
+template <class T, class Arch = detail::simd_arch>
+void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
+                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
+                   const StateGrad<T>* grad_state_out) {
+  detail::gma_backward<Arch, T>("mixattn::gma::backward_into", grad, mix, q, k, v, grad_out, saved,
+                                opt, grad_state_out);
 }
 
 /// Backward of a piece of a longer sequence (SPEC 1.5, pieces): saved comes from the State
@@ -604,117 +890,9 @@ template <class T, class Arch = detail::simd_arch>
 Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                  const Saved<T>& saved, const Options& opt, const StateGrad<T>* grad_state_out) {
-  static constexpr const char* fn = "mixattn::gma::backward";
-  detail::gma_check_inputs(fn, mix, q, k, v, opt);
-  const Index N = q.rows(), M = k.rows(), K = mix.components(), dv = v.cols();
-  detail::require(grad_out.rows() == N && grad_out.cols() == dv, fn, "grad_out is ",
-                  detail::shape_str(grad_out), " but the output is ", N, " x ", dv);
-  if (opt.check_finite) detail::require_finite(grad_out, fn, "grad_out");
-  detail::require(saved.valid, fn, "saved was not filled by forward");
-  detail::require(saved.gamma_q.rows() == N && saved.gamma_q.cols() == K &&
-                      saved.gamma_k.rows() == M && saved.gamma_k.cols() == K &&
-                      saved.den.size() == N && saved.out.rows() == N && saved.out.cols() == dv,
-                  fn, "saved is for N = ", saved.gamma_q.rows(), ", M = ", saved.gamma_k.rows(),
-                  ", K = ", saved.gamma_q.cols(), ", d_v = ", saved.out.cols(),
-                  " but the inputs have N = ", N, ", M = ", M, ", K = ", K, ", d_v = ", dv);
-  detail::require(saved.causal == opt.causal && saved.eps == opt.eps, fn,
-                  "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
-                  " but options have causal = ", opt.causal, ", eps = ", opt.eps);
-  detail::require(detail::same_fingerprint(saved.fingerprint[0], detail::content_sum(q)) &&
-                      detail::same_fingerprint(saved.fingerprint[1], detail::content_sum(k)) &&
-                      detail::same_fingerprint(saved.fingerprint[2], detail::content_sum(v)) &&
-                      detail::same_fingerprint(saved.fingerprint[3], detail::mixture_sum(mix)),
-                  fn, "saved was made from different q, k, v or mixture values");
-  detail::require(!saved.continued || (saved.start_S.rows() == K && saved.start_S.cols() == dv &&
-                                       saved.start_z.size() == K),
-                  fn, "saved.start_S is ", detail::shape_str(saved.start_S), " but the state is ",
-                  K, " x ", dv);
-  if (grad_state_out != nullptr)
-    detail::gma_check_state_grad(fn, saved, *grad_state_out, K, dv, opt.check_finite);
-  using W = detail::wide_t<T>;
-  const Index r = mix.dim();
-  const detail::MixtureConstants<W> c =
-      detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
-  const detail::PackedDensityDims<T> p = detail::pack_density_dims<Arch, T>(mix.mean, c);
-  const Index panel = std::max<Index>(1, std::min(detail::gma_backward_panel, std::max(N, M)));
-  detail::GmaBackwardScratch<T> s;
-  s.xpad.setZero(panel, p.padded_dim);
-  s.acc.resize(panel, p.padded_dim);
-  detail::DensityGradSums<W> sums;
-  sums.reset(K, p.padded_dim);
-
   Grad<T> grad;
-  grad.q.resize(N, r);
-  grad.k.resize(M, r);
-  grad.v.resize(M, dv);
-  if (opt.causal) {
-    // g_i = dO_i / den_i, h_i = -(dO_i . O_i) / den_i
-    const Vector<T> inv_den = saved.den.cwiseInverse();
-    Matrix<T> g = grad_out;
-    g.array().colwise() *= inv_den.array();
-    const Vector<T> h =
-        -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
-    Matrix<T> dgq(N, K), dgk(M, K);
-    // Prefix from the start state (zero for a whole sequence); suffix from dL/d(end state).
-    Matrix<W> S0, G;
-    Vector<W> z0, u;
-    detail::gma_state_grad_init(saved, grad_state_out, K, dv, S0, z0, G, u);
-    detail::gma_causal_backward<T>(saved.gamma_q, saved.gamma_k, v, g, h, saved.chunk, dgq, dgk,
-                                   grad.v, S0, z0, G, u);
-    if (saved.continued) {
-      grad.state.S = std::move(G);
-      grad.state.z = std::move(u);
-    }
-    for (Index i0 = 0; i0 < N; i0 += panel) {
-      const Index n = std::min(panel, N - i0);
-      detail::gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),
-                                        saved.gamma_q.data() + i0 * K, K, dgq.data() + i0 * K, K, n,
-                                        s, sums, grad.q.data() + i0 * r, r);
-      detail::gma_density_backward_rows(Arch{}, p, k.data() + i0 * k.outerStride(), k.outerStride(),
-                                        saved.gamma_k.data() + i0 * K, K, dgk.data() + i0 * K, K, n,
-                                        s, sums, grad.k.data() + i0 * r, r);
-    }
-  } else {
-    // Panel by panel, nothing N x K: with [g | h] (g_i = dO_i / den_i, h_i = -(dO_i . O_i) /
-    // den_i) and [Vt | Z] (the ones-column trick),
-    //   dGamma_Q = [g | h] [Vt | Z]^T,  [dVt | dZ] = Gamma_Q^T [g | h],
-    //   dGamma_K = V dVt^T + 1 dZ^T,    dV = Gamma_K dVt.
-    // [dVt | dZ] sums over all N queries; each panel's GEMM result is added in W.
-    s.gh.resize(panel, dv + 1);
-    s.ds.resize(panel, K);
-    s.upd.resize(K, dv + 1);
-    Matrix<T> vz(K, dv + 1);
-    vz.leftCols(dv) = saved.vt;
-    vz.col(dv) = saved.z;
-    Matrix<W> dvz_wide = Matrix<W>::Zero(K, dv + 1);
-    for (Index i0 = 0; i0 < N; i0 += panel) {
-      const Index n = std::min(panel, N - i0);
-      Eigen::Map<Matrix<T>> gh(s.gh.data(), n, dv + 1), ds(s.ds.data(), n, K);
-      for (Index i = 0; i < n; ++i) {
-        const T inv = T(1) / saved.den(i0 + i);
-        gh.row(i).head(dv) = grad_out.row(i0 + i) * inv;
-        gh(i, dv) = -grad_out.row(i0 + i).dot(saved.out.row(i0 + i)) * inv;
-      }
-      s.upd.noalias() = saved.gamma_q.middleRows(i0, n).transpose() * gh;
-      dvz_wide += s.upd.template cast<W>();
-      ds.noalias() = gh * vz.transpose();
-      detail::gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),
-                                        saved.gamma_q.data() + i0 * K, K, ds.data(), K, n, s, sums,
-                                        grad.q.data() + i0 * r, r);
-    }
-    const Matrix<T> dvz = dvz_wide.template cast<T>();
-    grad.v.noalias() = saved.gamma_k * dvz.leftCols(dv);
-    for (Index j0 = 0; j0 < M; j0 += panel) {
-      const Index n = std::min(panel, M - j0);
-      Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
-      ds.noalias() = v.middleRows(j0, n) * dvz.leftCols(dv).transpose();
-      ds.rowwise() += dvz.col(dv).transpose();
-      detail::gma_density_backward_rows(Arch{}, p, k.data() + j0 * k.outerStride(), k.outerStride(),
-                                        saved.gamma_k.data() + j0 * K, K, ds.data(), K, n, s, sums,
-                                        grad.k.data() + j0 * r, r);
-    }
-  }
-  detail::gma_mixture_grad(mix, c, sums, grad.mixture);
+  detail::gma_backward<Arch, T>("mixattn::gma::backward", grad, mix, q, k, v, grad_out, saved, opt,
+                                grad_state_out);
   return grad;
 }
 
@@ -731,6 +909,5 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
   return backward<T, Arch>(mix, q, k, v, grad_out, saved, opt,
                            static_cast<const StateGrad<T>*>(nullptr));
 }
-
 }  // namespace gma
 MIXATTN_END_NAMESPACE

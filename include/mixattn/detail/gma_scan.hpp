@@ -25,18 +25,41 @@ namespace detail {
 /// Small chunks waste less of the masked C x C block; below 32 the GEMMs get too thin to gain.
 constexpr Index gma_default_chunk = 32;
 
+/// Scratch of the causal scans, reused across calls (capacity kept when shapes repeat).
+template <class T>
+struct GmaScanScratch {
+  Matrix<wide_t<T>> S;      // K x d_v: a whole-sequence forward's state; backward's prefix state
+  Vector<wide_t<T>> z;      // K
+  Matrix<T> s_t, update;    // K x d_v: the state in T, one chunk's contribution
+  Vector<T> z_t, z_update;  // K
+  Matrix<T> a_buf, b_buf;   // chunk x chunk
+  /// Sizes the T buffers (the wide states are set by the callers).
+  void reset(Index K, Index dv, Index chunk) {
+    s_t.resize(K, dv);
+    update.resize(K, dv);
+    z_t.resize(K);
+    z_update.resize(K);
+    a_buf.resize(chunk, chunk);
+    b_buf.resize(chunk, chunk);
+  }
+};
+
 /// Causal forward (SPEC 1.4). gq, gk: N x K responsibilities; v: N x d_v. [S | z] (K x d_v, K,
 /// wide) is the prefix state before the first token on entry (zero for a whole sequence) and
 /// after the last on exit. Writes out (N x d_v) and den (N) = gamma_q,i . z_i + eps.
 template <class T>
 void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v, T eps,
                         Index chunk, Matrix<T>& out, Vector<T>& den, Matrix<wide_t<T>>& S,
-                        Vector<wide_t<T>>& z) {
+                        Vector<wide_t<T>>& z, GmaScanScratch<T>& scratch) {
   using W = wide_t<T>;
   const Index N = gq.rows(), K = gq.cols(), dv = v.cols();
-  Matrix<T> s_t = S.template cast<T>(), update(K, dv);
-  Vector<T> z_t = z.template cast<T>();
-  Matrix<T> a_buf(chunk, chunk);
+  scratch.reset(K, dv, chunk);
+  Matrix<T>& s_t = scratch.s_t;
+  Matrix<T>& update = scratch.update;
+  Vector<T>& z_t = scratch.z_t;
+  Matrix<T>& a_buf = scratch.a_buf;
+  s_t = S.template cast<T>();
+  z_t = z.template cast<T>();
   for (Index s = 0; s < N; s += chunk) {
     const Index c = std::min(chunk, N - s);
     const ConstMatrixRef<T> gqc = gq.middleRows(s, c), gkc = gk.middleRows(s, c);
@@ -111,7 +134,7 @@ void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n,
 
 /// Causal backward to Gamma_Q, Gamma_K and V (SPEC 1.5). g = dO / den (N x d_v), h (N).
 /// Query side: a forward pass over chunks with the prefix state (S, z), starting from the
-/// forward's start state (S0, z0); key side: a backward pass with the suffix state
+/// forward's start state (S0, z0; null: zero); key side: a backward pass with the suffix state
 /// (G, u) = (dS_T, dz_T) + sum_{i >= j} (gamma_q,i g_i^T, h_i gamma_q,i), starting from the
 /// gradient of the end state [G | u] on entry; on exit [G | u] = (dS0, dz0), the gradient of the
 /// start state (SPEC 1.5, pieces). In a chunk, B_ij = [j <= i] (g_i . v_j + h_i) gives
@@ -119,15 +142,28 @@ void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n,
 template <class T>
 void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
                          const Matrix<T>& g, const Vector<T>& h, Index chunk, Matrix<T>& dgq,
-                         Matrix<T>& dgk, Matrix<T>& dv_out, const Matrix<wide_t<T>>& S0,
-                         const Vector<wide_t<T>>& z0, Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u) {
+                         Matrix<T>& dgk, Matrix<T>& dv_out, const Matrix<wide_t<T>>* S0,
+                         const Vector<wide_t<T>>* z0, Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u,
+                         GmaScanScratch<T>& scratch) {
   using W = wide_t<T>;
   const Index N = gq.rows(), K = gq.cols(), dv = v.cols();
-  Matrix<T> b_buf(chunk, chunk), a_buf(chunk, chunk), update(K, dv);
-  Matrix<W> S = S0;
-  Vector<W> z = z0;
-  Matrix<T> s_t = S.template cast<T>();
-  Vector<T> z_t = z.template cast<T>();
+  scratch.reset(K, dv, chunk);
+  Matrix<T>& b_buf = scratch.b_buf;
+  Matrix<T>& a_buf = scratch.a_buf;
+  Matrix<T>& update = scratch.update;
+  Matrix<W>& S = scratch.S;
+  Vector<W>& z = scratch.z;
+  Matrix<T>& s_t = scratch.s_t;
+  Vector<T>& z_t = scratch.z_t;
+  if (S0 != nullptr) {
+    S = *S0;
+    z = *z0;
+  } else {
+    S.setZero(K, dv);
+    z.setZero(K);
+  }
+  s_t = S.template cast<T>();
+  z_t = z.template cast<T>();
 
   // Query side, prefix order: dgamma_q,i = S_i g_i + h_i z_i.
   for (Index s = 0; s < N; s += chunk) {
@@ -173,7 +209,8 @@ void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMa
     dvc.noalias() += a.transpose() * gc;
     update.noalias() = gqc.transpose() * gc;
     G += update.template cast<W>();
-    u.noalias() += (gqc.transpose() * h.segment(s, c)).template cast<W>();
+    scratch.z_update.noalias() = gqc.transpose() * h.segment(s, c);
+    u += scratch.z_update.template cast<W>();
     g_t = G.template cast<T>();
     u_t = u.template cast<T>();
   }

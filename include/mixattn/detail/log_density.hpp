@@ -51,23 +51,30 @@ struct MixtureConstants {
   Vector<W> offset;  // K, log pi_k - 1/2 sum_m log var_km
 };
 
+/// Fills c in place (its capacity is reused when the mixture's shape repeats).
 template <class W, class T>
-MixtureConstants<W> mixture_constants(const Matrix<T>& mean, const Matrix<T>& var_raw,
-                                      const Vector<T>& prior_logit, T var_floor) {
-  (void)mean;
-  MixtureConstants<W> c;
+void mixture_constants_into(MixtureConstants<W>& c, const Matrix<T>& var_raw,
+                            const Vector<T>& prior_logit, T var_floor) {
   const Index K = var_raw.rows(), r = var_raw.cols();
   c.var.resize(K, r);
   for (Index k = 0; k < K; ++k)
     for (Index m = 0; m < r; ++m)
       c.var(k, m) = softplus(static_cast<W>(var_raw(k, m))) + static_cast<W>(var_floor);
-  const Vector<W> alpha = prior_logit.template cast<W>();
-  const W amax = alpha.maxCoeff();
-  const W lse = amax + std::log((alpha.array() - amax).exp().sum());
-  c.log_pi = alpha.array() - lse;
+  // prior_logit cast to W as expressions (no temporary vector)
+  const W amax = prior_logit.template cast<W>().maxCoeff();
+  const W lse = amax + std::log((prior_logit.template cast<W>().array() - amax).exp().sum());
+  c.log_pi = prior_logit.template cast<W>().array() - lse;
   c.offset.resize(K);
   for (Index k = 0; k < K; ++k)
     c.offset(k) = c.log_pi(k) - W(0.5) * c.var.row(k).array().log().sum();
+}
+
+template <class W, class T>
+MixtureConstants<W> mixture_constants(const Matrix<T>& mean, const Matrix<T>& var_raw,
+                                      const Vector<T>& prior_logit, T var_floor) {
+  (void)mean;
+  MixtureConstants<W> c;
+  mixture_constants_into(c, var_raw, prior_logit, var_floor);
   return c;
 }
 
@@ -91,9 +98,9 @@ inline void density_coefficients(const Matrix<T>& mean, const MixtureConstants<W
   b = static_cast<T>(static_cast<W>(mean(k, m)) * aw);
 }
 
+/// Packs into p, reusing its capacity.
 template <class Arch, class T, class W>
-PackedDensity<T> pack_density(const Matrix<T>& mean, const MixtureConstants<W>& c) {
-  PackedDensity<T> p;
+void pack_density_into(PackedDensity<T>& p, const Matrix<T>& mean, const MixtureConstants<W>& c) {
   const Index K = mean.rows(), r = mean.cols();
   const Index width = static_cast<Index>(simd_width<Arch, T>::value);
   p.components = K;
@@ -111,6 +118,12 @@ PackedDensity<T> pack_density(const Matrix<T>& mean, const MixtureConstants<W>& 
       density_coefficients(mean, c, k, m, slot[lane], slot[width + lane]);
     }
   }
+}
+
+template <class Arch, class T, class W>
+PackedDensity<T> pack_density(const Matrix<T>& mean, const MixtureConstants<W>& c) {
+  PackedDensity<T> p;
+  pack_density_into<Arch>(p, mean, c);
   return p;
 }
 
@@ -292,8 +305,8 @@ struct PackedDensityDims {
 
 /// Same a and b values as pack_density (bit for bit), so the backward sees the forward's t.
 template <class Arch, class T, class W>
-PackedDensityDims<T> pack_density_dims(const Matrix<T>& mean, const MixtureConstants<W>& c) {
-  PackedDensityDims<T> p;
+void pack_density_dims_into(PackedDensityDims<T>& p, const Matrix<T>& mean,
+                            const MixtureConstants<W>& c) {
   const Index K = mean.rows(), r = mean.cols();
   const Index width = static_cast<Index>(simd_width<Arch, T>::value);
   p.components = K;
@@ -306,6 +319,12 @@ PackedDensityDims<T> pack_density_dims(const Matrix<T>& mean, const MixtureConst
       const std::size_t at = static_cast<std::size_t>(k * p.padded_dim + m);
       density_coefficients(mean, c, k, m, p.a[at], p.b[at]);
     }
+}
+
+template <class Arch, class T, class W>
+PackedDensityDims<T> pack_density_dims(const Matrix<T>& mean, const MixtureConstants<W>& c) {
+  PackedDensityDims<T> p;
+  pack_density_dims_into<Arch>(p, mean, c);
   return p;
 }
 

@@ -1,0 +1,98 @@
+// mixattn/detail/gemm.hpp — matrix products whose packing buffers are owned by the caller.
+//
+// Eigen's GEMM packs panels of both operands into buffers of kc x mc and kc x nc scalars, sized
+// from the cache sizes. Below EIGEN_STACK_ALLOCATION_LIMIT (128 KiB) they live on the stack;
+// above it, every product mallocs and frees them (measured: a 4096 x 64 by 64 x 64 float product
+// packs 132 KiB, one allocation per call; 1024 x 256 by 256 x 256, two). A loop that repeats
+// the same products would page-fault fresh memory on every call. GemmSpace keeps the buffers
+// and grows them only when a larger product comes, so products of repeated shapes allocate
+// nothing; the arithmetic is Eigen's own kernel, with the blocking Eigen itself would choose.
+#pragma once
+
+#include "mixattn/core.hpp"
+
+#include <Eigen/Core>
+
+#include <vector>
+
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// Reusable packing buffers for gemm(). Not shareable between concurrent calls; copying one
+/// copies its buffers (the pointers are set again by every product).
+template <class T>
+class GemmSpace : public Eigen::internal::level3_blocking<T, T> {
+ public:
+  /// Blocking for a row-major rows x cols destination and the given depth: Eigen computes the
+  /// transposed (column-major) product, so its m is our cols and its n our rows.
+  void plan(Index rows, Index cols, Index depth) {
+    Index kc = depth, mc = cols, nc = rows;
+    Eigen::internal::computeProductBlockingSizes<T, T, 1, Index>(kc, mc, nc, Index(1));
+    this->m_kc = kc;
+    this->m_mc = mc;
+    this->m_nc = nc;
+    grow(a_, kc * mc);
+    grow(b_, kc * nc);
+    this->m_blockA = a_.data();
+    this->m_blockB = b_.data();
+  }
+
+ private:
+  static void grow(std::vector<T, Eigen::aligned_allocator<T>>& v, Index n) {
+    if (static_cast<Index>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
+  }
+  std::vector<T, Eigen::aligned_allocator<T>> a_, b_;
+};
+
+/// One operand of gemm(): a row-major block (rows x cols, row stride `stride`) or the transpose
+/// of one (then `row_major` is false and the storage is column-major with that stride).
+template <class T>
+struct GemmOperand {
+  const T* data;
+  Index rows, cols, stride;
+  bool row_major;
+};
+
+template <class T>
+GemmOperand<T> plain(const ConstMatrixRef<T>& m) {
+  return {m.data(), m.rows(), m.cols(), m.outerStride(), true};
+}
+template <class T>
+GemmOperand<T> transposed(const ConstMatrixRef<T>& m) {
+  return {m.data(), m.cols(), m.rows(), m.outerStride(), false};
+}
+
+template <class T, int LhsOrder, int RhsOrder>
+void gemm_run(MatrixRef<T>& dst, const GemmOperand<T>& a, const GemmOperand<T>& b, T alpha,
+              GemmSpace<T>& space) {
+  Eigen::internal::general_matrix_matrix_product<Index, T, LhsOrder, false, T, RhsOrder, false,
+                                                 Eigen::RowMajor, 1>::run(dst.rows(), dst.cols(),
+                                                                          a.cols, a.data, a.stride,
+                                                                          b.data, b.stride,
+                                                                          dst.data(), 1,
+                                                                          dst.outerStride(), alpha,
+                                                                          space, nullptr);
+}
+
+/// dst = alpha a b (accumulate: dst += alpha a b) through Eigen's GEMM kernel with the packing
+/// buffers of `space`. dst: a.rows x b.cols, row-major (any outer stride).
+template <class T>
+void gemm(MatrixRef<T> dst, const GemmOperand<T>& a, const GemmOperand<T>& b, T alpha,
+          bool accumulate, GemmSpace<T>& space) {
+  MIXATTN_ASSERT(a.cols == b.rows && dst.rows() == a.rows && dst.cols() == b.cols);
+  if (!accumulate) dst.setZero();
+  if (a.rows == 0 || b.cols == 0 || a.cols == 0) return;
+  space.plan(dst.rows(), dst.cols(), a.cols);
+  constexpr int R = Eigen::RowMajor, C = Eigen::ColMajor;
+  if (a.row_major && b.row_major)
+    gemm_run<T, R, R>(dst, a, b, alpha, space);
+  else if (a.row_major)
+    gemm_run<T, R, C>(dst, a, b, alpha, space);
+  else if (b.row_major)
+    gemm_run<T, C, R>(dst, a, b, alpha, space);
+  else
+    gemm_run<T, C, C>(dst, a, b, alpha, space);
+}
+
+}  // namespace detail
+MIXATTN_END_NAMESPACE
