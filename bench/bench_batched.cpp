@@ -2,10 +2,21 @@
 // with its own mixture, N = 1024 ... 16384 tokens, K = 64, r = d_v = 64, on 1 and 2 threads.
 // Wall-clock time (the point is parallel speed-up); heads_tokens_per_s is B·H·N per second, and
 // the summary compares 2 threads with 1 (target >= 1.7x at N = 4096).
+//
+// Training-loop rows (caller-owned records reused across iterations, glibc's default malloc):
+//   gma_packed_fwd_bwd      a packed batch (packed.hpp) of 8 sequences with lengths 512, 1024,
+//                           ..., 4096, H = 4 heads, forward + backward, on 1 and 2 threads;
+//   gma_separate_fwd_bwd    the same 8 x 4 (sequence, head) pairs as separate single-head
+//                           forward_into / backward_into calls on the calling thread;
+//   layer_train_step        the layer's forward_into + backward_into on a packed batch of
+//                           B = 2 sequences of N = 1024, H = 4 GMA heads (B·H = 8), d_model = 256,
+//                           on 1 and 2 threads.
 // Needs two otherwise idle cores to mean anything: run.sh does not pin this binary to one core.
 #include "bench_common.hpp"
 
 #include <mixattn/batched.hpp>
+#include <mixattn/layer.hpp>
+#include <mixattn/packed.hpp>
 
 #include <vector>
 
@@ -76,8 +87,128 @@ void sweep(benchmark::internal::Benchmark* b) {
   if (!mb::quick()) b->MinTime(1.0)->Repetitions(3);
 }
 
+constexpr Index kPackedHeads = 4;
+
+struct PackedInputs {
+  std::vector<gma::Mixture<float>> mixtures;
+  mixattn::Offsets offsets{0};
+  Matrix<float> q, k, v, d_out;
+  PackedInputs() {
+    for (Index n = 512; n <= 4096; n += 512) offsets.push_back(offsets.back() + n);
+    const Index total = offsets.back();
+    q = mb::random_matrix<float>(total, kPackedHeads * kR, 1);
+    k = mb::random_matrix<float>(total, kPackedHeads * kR, 2);
+    v = mb::random_matrix<float>(total, kPackedHeads * kDv, 3);
+    d_out = mb::random_matrix<float>(total, kPackedHeads * kDv, 4);
+    for (Index h = 0; h < kPackedHeads; ++h)
+      mixtures.push_back(gma::Mixture<float>::random(kK, kR, 200 + static_cast<std::uint64_t>(h)));
+  }
+};
+
+void tokens_counter(benchmark::State& state, Index tokens, int threads) {
+  state.counters["worker_threads"] = benchmark::Counter(threads);
+  state.counters["heads_tokens_per_s"] = benchmark::Counter(
+      static_cast<double>(tokens), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void gma_packed_fwd_bwd(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const PackedInputs in;
+  const gma::Options opt;
+  Matrix<float> out;
+  gma::PackedSaved<float> saved;
+  gma::PackedGrad<float> grad;
+  const auto step = [&] {
+    gma::forward_packed_into(out, in.mixtures, in.q, in.k, in.v, in.offsets, in.offsets, opt,
+                             &saved, threads);
+    gma::backward_packed_into(grad, in.mixtures, in.q, in.k, in.v, in.d_out, in.offsets,
+                              in.offsets, saved, opt, threads);
+  };
+  step();  // warm-up: sizes the records
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    step();
+    benchmark::DoNotOptimize(grad.q.data());
+    benchmark::ClobberMemory();
+  }
+  tokens_counter(state, kPackedHeads * in.offsets.back(), threads);
+  mb::finish(state, in.offsets.back(), heap);
+}
+
+void gma_separate_fwd_bwd(benchmark::State& state) {
+  const PackedInputs in;
+  const gma::Options opt;
+  const std::size_t pairs = (in.offsets.size() - 1) * kPackedHeads;
+  std::vector<Matrix<float>> outs(pairs);
+  std::vector<gma::Saved<float>> saved(pairs);
+  std::vector<gma::Grad<float>> grads(pairs);
+  const auto step = [&] {
+    for (std::size_t b = 0; b + 1 < in.offsets.size(); ++b)
+      for (Index h = 0; h < kPackedHeads; ++h) {
+        const std::size_t i = b * kPackedHeads + static_cast<std::size_t>(h);
+        const Index t0 = in.offsets[b], n = in.offsets[b + 1] - t0;
+        const gma::Mixture<float>& mix = in.mixtures[static_cast<std::size_t>(h)];
+        gma::forward_into(outs[i], mix, in.q.block(t0, h * kR, n, kR),
+                          in.k.block(t0, h * kR, n, kR), in.v.block(t0, h * kDv, n, kDv), opt,
+                          &saved[i]);
+        gma::backward_into(grads[i], mix, in.q.block(t0, h * kR, n, kR),
+                           in.k.block(t0, h * kR, n, kR), in.v.block(t0, h * kDv, n, kDv),
+                           in.d_out.block(t0, h * kDv, n, kDv), saved[i], opt);
+      }
+  };
+  step();
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    step();
+    benchmark::DoNotOptimize(grads[0].q.data());
+    benchmark::ClobberMemory();
+  }
+  tokens_counter(state, kPackedHeads * in.offsets.back(), 1);
+  mb::finish(state, in.offsets.back(), heap);
+}
+
+void layer_train_step(benchmark::State& state) {
+  namespace layer = mixattn::layer;
+  const int threads = static_cast<int>(state.range(0));
+  layer::Config cfg;
+  cfg.model_dim = 256;
+  cfg.heads = 4;
+  cfg.key_dim = 64;
+  cfg.value_dim = 64;
+  cfg.components = kK;
+  cfg.threads = threads;
+  const layer::MultiHeadAttention<float> mha(cfg);
+  const mixattn::Offsets offsets = {0, 1024, 2048};  // B = 2 sequences of N = 1024
+  const Matrix<float> x = mb::random_matrix<float>(2048, 256, 5);
+  const Matrix<float> dy = mb::random_matrix<float>(2048, 256, 6);
+  Matrix<float> y;
+  layer::Cache<float> cache;
+  layer::Gradients<float> g;
+  const auto step = [&] {
+    mha.forward_packed_into(y, x, offsets, cache);
+    mha.backward_into(g, x, dy, cache);
+  };
+  step();
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    step();
+    benchmark::DoNotOptimize(g.x.data());
+    benchmark::ClobberMemory();
+  }
+  tokens_counter(state, 4 * 2048, threads);
+  mb::finish(state, 2048, heap);
+}
+
+void threads_1_2(benchmark::internal::Benchmark* b) {
+  b->Arg(1)->Arg(2)->ArgNames({"threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
+  if (!mb::quick()) b->MinTime(1.0)->Repetitions(3);
+}
+
 BENCHMARK(gma_heads_forward_bidir)->Apply(sweep);
 BENCHMARK(gma_heads_fwd_bwd_bidir)->Apply(sweep);
+BENCHMARK(gma_packed_fwd_bwd)->Apply(threads_1_2);
+BENCHMARK(gma_separate_fwd_bwd)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(layer_train_step)->Apply(threads_1_2);
 
 }  // namespace
 

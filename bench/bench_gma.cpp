@@ -3,6 +3,10 @@
 //   gma_responsibilities          Γ of N tokens (SPEC 1.2)
 //   gma_forward_{bidir,causal}    SPEC 1.3 / 1.4 (causal with the library's default chunk)
 //   gma_fwd_bwd_{bidir,causal}    forward with Saved, then backward (SPEC 1.5)
+//   gma_train_step_into_bidir     the same step through forward_into / backward_into with
+//                                 reused records (no allocation in steady state), under glibc's
+//                                 default malloc; ..._keep: the same after keep_freed_memory(),
+//                                 registered last because it changes the process's malloc policy
 //   floor_gma_*                   the Eigen GEMMs of the same shapes (gma_floor.hpp lists them)
 // N = 256 ... 65536, K = 64 components, r = d_v = 64. The FLOPS counter is the floor's GEMM
 // work for both an operator and its floor, so the counter ratio is the time ratio.
@@ -93,6 +97,36 @@ void run_forward_backward(benchmark::State& state, bool causal) {
   mb::finish(state, n, heap);
 }
 
+void run_train_step_into(benchmark::State& state, bool keep) {
+  const Index n = state.range(0);
+  if (keep) state.SetLabel(mb::keep_freed_memory());
+  const Inputs in(n);
+  const gma::Options opt;
+  Matrix<float> out;
+  gma::Saved<float> saved;
+  gma::Grad<float> g;
+  gma::forward_into(out, in.mix, in.q, in.k, in.v, opt, &saved);  // warm-up: sizes the records
+  gma::backward_into(g, in.mix, in.q, in.k, in.v, in.d_out, saved, opt);
+  mb::PeakHeap heap;
+  for (auto _ : state) {
+    gma::forward_into(out, in.mix, in.q, in.k, in.v, opt, &saved);
+    gma::backward_into(g, in.mix, in.q, in.k, in.v, in.d_out, saved, opt);
+    benchmark::DoNotOptimize(g.q.data());
+    benchmark::ClobberMemory();
+  }
+  mb::set_flops(state, mb::GmaFloor::forward_flops(n, kK, kR, kDv, kChunk, false) +
+                           mb::GmaFloor::backward_flops(n, kK, kR, kDv, kChunk, false));
+  mb::set_bytes(state, io_bytes(n, true));
+  mb::finish(state, n, heap);
+}
+
+void gma_train_step_into_bidir(benchmark::State& s) {
+  run_train_step_into(s, false);
+}
+void gma_train_step_into_bidir_keep(benchmark::State& s) {
+  run_train_step_into(s, true);
+}
+
 enum class What { responsibilities, forward, forward_backward };
 
 void run_floor(benchmark::State& state, What what, bool causal) {
@@ -169,6 +203,9 @@ BENCHMARK(gma_fwd_bwd_bidir)->Apply(sweep);
 BENCHMARK(floor_gma_fwd_bwd_bidir)->Apply(sweep);
 BENCHMARK(gma_fwd_bwd_causal)->Apply(sweep);
 BENCHMARK(floor_gma_fwd_bwd_causal)->Apply(sweep);
+// The target row compares these two at N = 4096 (glibc defaults within 1.1x of keeping memory).
+BENCHMARK(gma_train_step_into_bidir)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
+BENCHMARK(gma_train_step_into_bidir_keep)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

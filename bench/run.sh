@@ -19,9 +19,10 @@
 #                            accepts absent benchmarks)
 #   MIXATTN_BENCH_CPU        core the single-threaded binaries are pinned to (default: the last)
 #   MIXATTN_BENCH_BUILD_DIR  build directory (default build/bench)
-#   MIXATTN_BENCH_MALLOC=default  leave glibc's malloc as it is (by default the binaries, and the
-#                            PyTorch run through GLIBC_TUNABLES, keep freed memory instead of
-#                            returning it to the kernel; see bench/bench_common.hpp)
+#   MIXATTN_BENCH_MALLOC=keep  make glibc keep freed memory instead of returning it to the kernel
+#                            (the binaries through mallopt, the PyTorch run through
+#                            GLIBC_TUNABLES), as a comparison; by default everything runs under
+#                            glibc's defaults, as a user's program does (bench/bench_common.hpp)
 #   MIXATTN_BENCH_MEMORY_MANAGER=0  skip Google Benchmark's extra memory-accounting run (the
 #                            default in quick mode)
 # Results: bench/results/<binary>.json, bench/results/summary.md, time_vs_n.png, memory_vs_n.png.
@@ -97,7 +98,7 @@ main() {
 
   # The same malloc policy as the C++ binaries (bench_common.hpp: configure_malloc).
   tunables=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824
-  [[ ${MIXATTN_BENCH_MALLOC:-keep} == default ]] && tunables=${GLIBC_TUNABLES:-}
+  [[ ${MIXATTN_BENCH_MALLOC:-default} == keep ]] || tunables=${GLIBC_TUNABLES:-}
 
   # The PyTorch extension against eager PyTorch (python/, bench/torch_ext_bench.py), whenever
   # PyTorch is installed: built into a virtual environment in the build directory.

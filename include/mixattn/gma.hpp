@@ -113,6 +113,7 @@ template <class T>
 struct GmaForwardScratch {
   MixtureConstants<wide_t<T>> constants;
   PackedDensity<T> packed;
+  std::vector<T> scores;  // the density kernel's rows of scores
   Vector<T> den, z, ones;
   Matrix<T> vt;
   GmaScanScratch<T> scan;
@@ -498,8 +499,9 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
   Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
   gq.resize(N, K);
   gk.resize(k.rows(), K);
-  responsibilities_into(Arch{}, s.packed, q.data(), q.outerStride(), N, gq.data(), K);
-  responsibilities_into(Arch{}, s.packed, k.data(), k.outerStride(), k.rows(), gk.data(), K);
+  responsibilities_into(Arch{}, s.packed, q.data(), q.outerStride(), N, gq.data(), K, &s.scores);
+  responsibilities_into(Arch{}, s.packed, k.data(), k.outerStride(), k.rows(), gk.data(), K,
+                        &s.scores);
   out.resize(N, dv);
   Vector<T>& den = saved ? saved->den : s.den;
   den.resize(N);
@@ -765,7 +767,7 @@ namespace gma {
 template <class T, class Arch = detail::simd_arch>
 void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
-                  Saved<T>* saved) {
+                  Saved<typename detail::identity<T>::type>* saved) {
   detail::gma_forward<Arch, T>("mixattn::gma::forward_into", out, mix, q, k, v, opt, saved);
 }
 

@@ -31,8 +31,10 @@
 #undef MIXATTN_LAYER_HPP_INCLUDING
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/gemm.hpp"
 #include "mixattn/gma.hpp"
 #include "mixattn/ovq.hpp"
+#include "mixattn/packed.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/reference.hpp"
 
@@ -225,6 +227,12 @@ struct Cache {
   std::vector<ovq::Saved<T>> ovq_saved;
   std::vector<reference::Saved<T>> softmax_saved;
   Index tokens = -1;  ///< N of the forward that filled it; -1 when empty
+  Offsets offsets;  ///< the batch's sequence offsets ({0, N} for one sequence)
+  // Working memory reused by forward_into: one output per (sequence, head), OVQ's end states.
+  std::vector<Matrix<T>> head_out;
+  std::vector<ovq::State<T>> ovq_state;
+  std::vector<Index> order;
+  ::mixattn::detail::GemmSpace<T> gemm;
 };
 
 /// Gradients of a scalar loss: x (N x d_model) and one block per parameter, params[i] matching
@@ -234,6 +242,13 @@ struct Gradients {
   Matrix<T> x;
   std::vector<std::string> names;
   std::vector<Matrix<T>> params;
+  // Working memory reused by backward_into: dM, dQ, dK, dV and one gradient record per head.
+  Matrix<T> d_mixed, dq, dk, dv;
+  std::vector<gma::Grad<T>> gma_grads;
+  std::vector<ovq::Grad<T>> ovq_grads;
+  std::vector<reference::Grad<T>> softmax_grads;
+  std::vector<Index> order;
+  ::mixattn::detail::GemmSpace<T> gemm;
   /// Named views of params (valid while this object lives and is not resized).
   std::vector<NamedBlock<T>> blocks() {
     std::vector<NamedBlock<T>> out;
@@ -348,48 +363,11 @@ class MultiHeadAttention {
   /// Y = concat_h(mixer_h(X W_Q, X W_K, X W_V)) W_O.  x: N x d_model (N >= 1); returns
   /// N x d_model. With a cache, fills it for backward; without, keeps nothing.
   Matrix<T> forward(const ConstMatrixRef<T>& x, Cache<T>* cache = nullptr) const {
-    constexpr const char* fn = "mixattn::layer::MultiHeadAttention::forward";
-    check_input(fn, x);
-    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
+    Matrix<T> y;
     Cache<T> local;
     Cache<T>& c = cache ? *cache : local;
-    c.tokens = -1;  // stays invalid if a head throws
-    c.q.noalias() = x * w_q_;
-    c.k.noalias() = x * w_k_;
-    c.v.noalias() = x * w_v_;
-    c.mixed.resize(n, heads * dv);
-    const bool keep = cache != nullptr;
-    const std::size_t hs = static_cast<std::size_t>(heads);
-    c.gma_saved.resize(keep && cfg_.mixer == MixerKind::gma ? hs : 0);
-    c.ovq_saved.resize(keep && cfg_.mixer == MixerKind::ovq ? hs : 0);
-    c.softmax_saved.resize(keep && cfg_.mixer == MixerKind::softmax ? hs : 0);
-    const gma::Options gopt = gma_options();
-    const reference::Options sopt = softmax_options();
-    parallel_for(heads, cfg_.threads, [&](Index h) {
-      const std::size_t i = static_cast<std::size_t>(h);
-      const ConstMatrixRef<T> qh = c.q.middleCols(h * r, r);
-      const ConstMatrixRef<T> kh = c.k.middleCols(h * r, r);
-      const ConstMatrixRef<T> vh = c.v.middleCols(h * dv, dv);
-      switch (cfg_.mixer) {
-        case MixerKind::gma:
-          c.mixed.middleCols(h * dv, dv) =
-              gma::forward(mixtures_[i], qh, kh, vh, gopt, keep ? &c.gma_saved[i] : nullptr);
-          break;
-        case MixerKind::ovq: {
-          ovq::State<T> state = ovq::State<T>::empty(r, dv);  // each sequence starts afresh
-          c.mixed.middleCols(h * dv, dv) =
-              ovq::forward(qh, kh, vh, beta_[h], cfg_.ovq, state, keep ? &c.ovq_saved[i] : nullptr);
-          break;
-        }
-        case MixerKind::softmax:
-          c.mixed.middleCols(h * dv, dv) =
-              reference::flash_forward<T>(qh, kh, vh, sopt, keep ? &c.softmax_saved[i] : nullptr);
-          break;
-      }
-    });
-    Matrix<T> y(n, cfg_.model_dim);
-    y.noalias() = c.mixed * w_o_;
-    if (keep) c.tokens = n;
+    c.offsets.assign({0, x.rows()});
+    run_forward("mixattn::layer::MultiHeadAttention::forward", y, x, c, cache != nullptr);
     return y;
   }
 
@@ -464,86 +442,44 @@ class MultiHeadAttention {
     return y;
   }
 
+  /// forward into a caller-owned y (resized to N x d_model) and cache (filled for backward);
+  /// both keep their capacity, so with threads = 1 a training step whose shapes repeat
+  /// performs no heap allocation.
+  void forward_into(Matrix<T>& y, const ConstMatrixRef<T>& x, Cache<T>& cache) const {
+    cache.offsets.assign({0, x.rows()});
+    run_forward("mixattn::layer::MultiHeadAttention::forward_into", y, x, cache, true);
+  }
+
+  /// A packed batch of B sequences (packed.hpp): x: total x d_model, sequence b = rows
+  /// [offsets[b], offsets[b+1]); y: resized to total x d_model. The projections run once over
+  /// all rows; the mixers run per (sequence, head) pair, largest first on Config::threads
+  /// threads, each pair equal to the layer's forward on that sequence alone bit for bit.
+  /// backward_into takes the same cache (it holds the offsets).
+  void forward_packed_into(Matrix<T>& y, const ConstMatrixRef<T>& x, const Offsets& offsets,
+                           Cache<T>& cache) const {
+    constexpr const char* fn = "mixattn::layer::MultiHeadAttention::forward_packed_into";
+    ::mixattn::detail::check_offsets(fn, "offsets", offsets, x.rows());
+    for (std::size_t b = 0; b + 1 < offsets.size(); ++b)
+      ::mixattn::detail::require(offsets[b + 1] > offsets[b], fn, "sequence ", b,
+                                 " is empty; every sequence needs N >= 1");
+    cache.offsets = offsets;
+    run_forward(fn, y, x, cache, true);
+  }
+
   /// Gradients of a scalar loss L given dY = ∂L/∂Y. x: N x d_model, the forward's input;
   /// grad_y: N x d_model; cache: filled by forward(x, &cache) with the current parameters.
   Gradients<T> backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& grad_y,
                         const Cache<T>& cache) const {
-    constexpr const char* fn = "mixattn::layer::MultiHeadAttention::backward";
-    check_input(fn, x);
-    ::mixattn::detail::require(grad_y.rows() == x.rows() && grad_y.cols() == x.cols(), fn,
-                               "grad_y is ", ::mixattn::detail::shape_str(grad_y), " but x is ",
-                               ::mixattn::detail::shape_str(x));
-    if (cfg_.check_finite) ::mixattn::detail::require_finite(grad_y, fn, "grad_y");
-    ::mixattn::detail::require(
-        cache.tokens == x.rows(), fn, "cache ",
-        cache.tokens < 0
-            ? std::string("is empty")
-            : ::mixattn::detail::concat("holds a forward of ", cache.tokens, " tokens"),
-        " but x has ", x.rows(), " rows (call forward(x, &cache) first)");
-    const std::size_t expected_saved = static_cast<std::size_t>(cfg_.heads);
-    const std::size_t saved = cfg_.mixer == MixerKind::gma   ? cache.gma_saved.size()
-                              : cfg_.mixer == MixerKind::ovq ? cache.ovq_saved.size()
-                                                             : cache.softmax_saved.size();
-    ::mixattn::detail::require(saved == expected_saved, fn, "cache holds ", saved,
-                               " head records of this mixer but the layer has ", cfg_.heads,
-                               " heads (was it filled by another layer?)");
-
-    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
     Gradients<T> g;
-    std::vector<ConstNamedBlock<T>> params = const_parameters();
-    g.names.reserve(params.size());
-    g.params.resize(params.size());
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      g.names.push_back(params[i].name);
-      g.params[i].resize(params[i].rows, params[i].cols);
-    }
-    // Y = M W_O: dW_O = Mᵀ dY, dM = dY W_Oᵀ.
-    g.params[3].noalias() = cache.mixed.transpose() * grad_y;
-    Matrix<T> d_mixed(n, heads * dv);
-    d_mixed.noalias() = grad_y * w_o_.transpose();
-
-    Matrix<T> dq(n, heads * r), dk(n, heads * r), dvv(n, heads * dv);
-    const gma::Options gopt = gma_options();
-    const reference::Options sopt = softmax_options();
-    parallel_for(heads, cfg_.threads, [&](Index h) {
-      const std::size_t i = static_cast<std::size_t>(h);
-      const ConstMatrixRef<T> qh = cache.q.middleCols(h * r, r);
-      const ConstMatrixRef<T> kh = cache.k.middleCols(h * r, r);
-      const ConstMatrixRef<T> vh = cache.v.middleCols(h * dv, dv);
-      const ConstMatrixRef<T> doh = d_mixed.middleCols(h * dv, dv);
-      switch (cfg_.mixer) {
-        case MixerKind::gma: {
-          gma::Grad<T> gh = gma::backward(mixtures_[i], qh, kh, vh, doh, cache.gma_saved[i], gopt);
-          write_head(dq, dk, dvv, h, gh.q, gh.k, gh.v);
-          const std::size_t base = 4 + 3 * i;  // mean, var_raw, prior_logit of head h
-          g.params[base] = gh.mixture.mean;
-          g.params[base + 1] = gh.mixture.var_raw;
-          g.params[base + 2] = gh.mixture.prior_logit;
-          break;
-        }
-        case MixerKind::ovq: {
-          ovq::Grad<T> gh = ovq::backward(qh, kh, vh, beta_[h], doh, cache.ovq_saved[i], cfg_.ovq);
-          write_head(dq, dk, dvv, h, gh.q, gh.k, gh.v);
-          g.params[4 + i](0, 0) = gh.beta;
-          break;
-        }
-        case MixerKind::softmax: {
-          reference::Grad<T> gh =
-              reference::flash_backward<T>(qh, kh, vh, doh, cache.softmax_saved[i], sopt);
-          write_head(dq, dk, dvv, h, gh.q, gh.k, gh.v);
-          break;
-        }
-      }
-    });
-    // Q = X W_Q etc.: dW = Xᵀ dQ, dX = dQ W_Qᵀ + dK W_Kᵀ + dV W_Vᵀ.
-    g.params[0].noalias() = x.transpose() * dq;
-    g.params[1].noalias() = x.transpose() * dk;
-    g.params[2].noalias() = x.transpose() * dvv;
-    g.x.resize(n, cfg_.model_dim);
-    g.x.noalias() = dq * w_q_.transpose();
-    g.x.noalias() += dk * w_k_.transpose();
-    g.x.noalias() += dvv * w_v_.transpose();
+    run_backward("mixattn::layer::MultiHeadAttention::backward", g, x, grad_y, cache);
     return g;
+  }
+
+  /// backward into caller-owned gradients: names and blocks are filled once, matrices resized
+  /// (no-op when shapes repeat) and the per-head records reused.
+  void backward_into(Gradients<T>& g, const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& grad_y,
+                     const Cache<T>& cache) const {
+    run_backward("mixattn::layer::MultiHeadAttention::backward_into", g, x, grad_y, cache);
   }
 
   /// Head h's query responsibilities Γ_Q = γ(X W_Q,h) (N x K) — for diagnostics (GMA only).
@@ -562,6 +498,208 @@ class MultiHeadAttention {
   void load(const std::string& path) { load_parameters<T>(path, parameters()); }
 
  private:
+  void run_forward(const char* fn, Matrix<T>& y, const ConstMatrixRef<T>& x, Cache<T>& c,
+                   bool keep) const {
+    check_input(fn, x);
+    using ::mixattn::detail::gemm;
+    using ::mixattn::detail::plain;
+    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
+    c.tokens = -1;  // stays invalid if a head throws
+    c.q.resize(n, heads * r);
+    c.k.resize(n, heads * r);
+    c.v.resize(n, heads * dv);
+    gemm<T>(c.q, plain<T>(x), plain<T>(w_q_), T(1), false, c.gemm);
+    gemm<T>(c.k, plain<T>(x), plain<T>(w_k_), T(1), false, c.gemm);
+    gemm<T>(c.v, plain<T>(x), plain<T>(w_v_), T(1), false, c.gemm);
+    c.mixed.resize(n, heads * dv);
+    const Index items = (static_cast<Index>(c.offsets.size()) - 1) * heads;
+    const std::size_t is = static_cast<std::size_t>(items);
+    c.gma_saved.resize(keep && cfg_.mixer == MixerKind::gma ? is : 0);
+    c.ovq_saved.resize(keep && cfg_.mixer == MixerKind::ovq ? is : 0);
+    c.softmax_saved.resize(keep && cfg_.mixer == MixerKind::softmax ? is : 0);
+    c.head_out.resize(is);
+    c.ovq_state.resize(cfg_.mixer == MixerKind::ovq ? is : 0);
+    ::mixattn::detail::parallel_largest_first(
+        items, cfg_.threads, [&](Index i) { return sequence_length(c.offsets, i); },
+        [&](Index i) { head_forward(c, i, keep); }, c.order);
+    y.resize(n, cfg_.model_dim);
+    gemm<T>(y, plain<T>(c.mixed), plain<T>(w_o_), T(1), false, c.gemm);
+    if (keep) c.tokens = n;
+  }
+
+  Index sequence_length(const Offsets& offsets, Index item) const {
+    const std::size_t b = static_cast<std::size_t>(item / cfg_.heads);
+    return offsets[b + 1] - offsets[b];
+  }
+
+  /// The mixer of item i = b H + h: head h on sequence b.
+  void head_forward(Cache<T>& c, Index item, bool keep) const {
+    const Index r = cfg_.key_dim, dv = cfg_.value_dim, h = item % cfg_.heads;
+    const std::size_t i = static_cast<std::size_t>(item), hi = static_cast<std::size_t>(h);
+    const Index t0 = c.offsets[static_cast<std::size_t>(item / cfg_.heads)];
+    const Index n = sequence_length(c.offsets, item);
+    const ConstMatrixRef<T> qh = c.q.block(t0, h * r, n, r);
+    const ConstMatrixRef<T> kh = c.k.block(t0, h * r, n, r);
+    const ConstMatrixRef<T> vh = c.v.block(t0, h * dv, n, dv);
+    Matrix<T>& out = c.head_out[i];
+    switch (cfg_.mixer) {
+      case MixerKind::gma:
+        gma::forward_into(out, mixtures_[hi], qh, kh, vh, gma_options(),
+                          keep ? &c.gma_saved[i] : nullptr);
+        break;
+      case MixerKind::ovq: {  // each sequence starts afresh
+        const ovq::State<T> empty = ovq::State<T>::empty(r, dv);  // 0-row: nothing allocated
+        ovq::forward_into(out, qh, kh, vh, beta_[h], cfg_.ovq, empty, c.ovq_state[i],
+                          keep ? &c.ovq_saved[i] : nullptr);
+        break;
+      }
+      case MixerKind::softmax:
+        reference::flash_forward_into<T>(out, qh, kh, vh, softmax_options(),
+                                         keep ? &c.softmax_saved[i] : nullptr);
+        break;
+    }
+    c.mixed.block(t0, h * dv, n, dv) = out;
+  }
+
+  void check_backward(const char* fn, const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& grad_y,
+                      const Cache<T>& cache) const {
+    check_input(fn, x);
+    ::mixattn::detail::require(grad_y.rows() == x.rows() && grad_y.cols() == x.cols(), fn,
+                               "grad_y is ", ::mixattn::detail::shape_str(grad_y), " but x is ",
+                               ::mixattn::detail::shape_str(x));
+    if (cfg_.check_finite) ::mixattn::detail::require_finite(grad_y, fn, "grad_y");
+    if (cache.tokens != x.rows())  // the message is built only on failure
+      ::mixattn::detail::require(
+          false, fn, "cache ",
+          cache.tokens < 0
+              ? std::string("is empty")
+              : ::mixattn::detail::concat("holds a forward of ", cache.tokens, " tokens"),
+          " but x has ", x.rows(), " rows (call forward(x, &cache) first)");
+    const std::size_t expected_saved =
+        static_cast<std::size_t>(cfg_.heads) * (cache.offsets.size() - 1);
+    const std::size_t saved = cfg_.mixer == MixerKind::gma   ? cache.gma_saved.size()
+                              : cfg_.mixer == MixerKind::ovq ? cache.ovq_saved.size()
+                                                             : cache.softmax_saved.size();
+    ::mixattn::detail::require(saved == expected_saved, fn, "cache holds ", saved,
+                               " head records of this mixer but the layer has ", cfg_.heads,
+                               " heads (was it filled by another layer?)");
+  }
+
+  /// Names and shapes of g's blocks, set once: a reused Gradients keeps them.
+  void prepare_gradients(Gradients<T>& g) const {
+    const std::size_t count = static_cast<std::size_t>(4 + (cfg_.mixer == MixerKind::gma   ? 3
+                                                            : cfg_.mixer == MixerKind::ovq ? 1
+                                                                                           : 0) *
+                                                               cfg_.heads);
+    if (g.params.size() == count && g.names.size() == count && g.params[0].rows() == w_q_.rows() &&
+        g.params[0].cols() == w_q_.cols() && g.params[2].cols() == w_v_.cols())
+      return;
+    const std::vector<ConstNamedBlock<T>> params = const_parameters();
+    g.names.clear();
+    g.params.resize(params.size());
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      g.names.push_back(params[i].name);
+      g.params[i].resize(params[i].rows, params[i].cols);
+    }
+  }
+
+  void run_backward(const char* fn, Gradients<T>& g, const ConstMatrixRef<T>& x,
+                    const ConstMatrixRef<T>& grad_y, const Cache<T>& cache) const {
+    check_backward(fn, x, grad_y, cache);
+    using ::mixattn::detail::gemm;
+    using ::mixattn::detail::plain;
+    using ::mixattn::detail::transposed;
+    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
+    prepare_gradients(g);
+    // Y = M W_O: dW_O = Mᵀ dY, dM = dY W_Oᵀ.
+    gemm<T>(g.params[3], transposed<T>(cache.mixed), plain<T>(grad_y), T(1), false, g.gemm);
+    g.d_mixed.resize(n, heads * dv);
+    gemm<T>(g.d_mixed, plain<T>(grad_y), transposed<T>(w_o_), T(1), false, g.gemm);
+    g.dq.resize(n, heads * r);
+    g.dk.resize(n, heads * r);
+    g.dv.resize(n, heads * dv);
+    const Index items = (static_cast<Index>(cache.offsets.size()) - 1) * heads;
+    const std::size_t is = static_cast<std::size_t>(items);
+    g.gma_grads.resize(cfg_.mixer == MixerKind::gma ? is : 0);
+    g.ovq_grads.resize(cfg_.mixer == MixerKind::ovq ? is : 0);
+    g.softmax_grads.resize(cfg_.mixer == MixerKind::softmax ? is : 0);
+    ::mixattn::detail::parallel_largest_first(
+        items, cfg_.threads, [&](Index i) { return sequence_length(cache.offsets, i); },
+        [&](Index i) { head_backward(g, cache, i); }, g.order);
+    sum_parameter_gradients(g, items);
+    // Q = X W_Q etc.: dW = Xᵀ dQ, dX = dQ W_Qᵀ + dK W_Kᵀ + dV W_Vᵀ.
+    gemm<T>(g.params[0], transposed<T>(x), plain<T>(g.dq), T(1), false, g.gemm);
+    gemm<T>(g.params[1], transposed<T>(x), plain<T>(g.dk), T(1), false, g.gemm);
+    gemm<T>(g.params[2], transposed<T>(x), plain<T>(g.dv), T(1), false, g.gemm);
+    g.x.resize(n, cfg_.model_dim);
+    gemm<T>(g.x, plain<T>(g.dq), transposed<T>(w_q_), T(1), false, g.gemm);
+    gemm<T>(g.x, plain<T>(g.dk), transposed<T>(w_k_), T(1), true, g.gemm);
+    gemm<T>(g.x, plain<T>(g.dv), transposed<T>(w_v_), T(1), true, g.gemm);
+  }
+
+  /// The backward of item i = b H + h into its own record and its rows of dQ, dK, dV.
+  void head_backward(Gradients<T>& g, const Cache<T>& cache, Index item) const {
+    const Index r = cfg_.key_dim, dv = cfg_.value_dim, h = item % cfg_.heads;
+    const std::size_t i = static_cast<std::size_t>(item), hi = static_cast<std::size_t>(h);
+    const Index t0 = cache.offsets[static_cast<std::size_t>(item / cfg_.heads)];
+    const Index n = sequence_length(cache.offsets, item);
+    const ConstMatrixRef<T> qh = cache.q.block(t0, h * r, n, r);
+    const ConstMatrixRef<T> kh = cache.k.block(t0, h * r, n, r);
+    const ConstMatrixRef<T> vh = cache.v.block(t0, h * dv, n, dv);
+    const ConstMatrixRef<T> doh = g.d_mixed.block(t0, h * dv, n, dv);
+    const Matrix<T>*gq = nullptr, *gk = nullptr, *gv = nullptr;
+    switch (cfg_.mixer) {
+      case MixerKind::gma: {
+        gma::Grad<T>& gh = g.gma_grads[i];
+        gma::backward_into(gh, mixtures_[hi], qh, kh, vh, doh, cache.gma_saved[i], gma_options());
+        gq = &gh.q, gk = &gh.k, gv = &gh.v;
+        break;
+      }
+      case MixerKind::ovq: {
+        ovq::Grad<T>& gh = g.ovq_grads[i];
+        ovq::backward_into(gh, qh, kh, vh, beta_[h], doh, cache.ovq_saved[i], cfg_.ovq);
+        gq = &gh.q, gk = &gh.k, gv = &gh.v;
+        break;
+      }
+      case MixerKind::softmax: {
+        reference::Grad<T>& gh = g.softmax_grads[i];
+        reference::flash_backward_into<T>(gh, qh, kh, vh, doh, cache.softmax_saved[i],
+                                          softmax_options());
+        gq = &gh.q, gk = &gh.k, gv = &gh.v;
+        break;
+      }
+    }
+    g.dq.block(t0, h * r, n, r) = *gq;
+    g.dk.block(t0, h * r, n, r) = *gk;
+    g.dv.block(t0, h * dv, n, dv) = *gv;
+  }
+
+  /// Per-head parameters' gradients: the items' summed in sequence order.
+  void sum_parameter_gradients(Gradients<T>& g, Index items) const {
+    const Index heads = cfg_.heads;
+    for (Index h = 0; h < heads; ++h)
+      for (Index item = h; item < items; item += heads) {
+        const std::size_t i = static_cast<std::size_t>(item), hi = static_cast<std::size_t>(h);
+        const bool first = item == h;
+        if (cfg_.mixer == MixerKind::gma) {
+          const gma::MixtureGrad<T>& m = g.gma_grads[i].mixture;
+          const std::size_t base = 4 + 3 * hi;  // mean, var_raw, prior_logit of head h
+          if (first) {
+            g.params[base] = m.mean;
+            g.params[base + 1] = m.var_raw;
+            g.params[base + 2] = m.prior_logit;
+          } else {
+            g.params[base] += m.mean;
+            g.params[base + 1] += m.var_raw;
+            g.params[base + 2] += m.prior_logit;
+          }
+        } else if (cfg_.mixer == MixerKind::ovq) {
+          T& dbeta = g.params[4 + hi](0, 0);
+          dbeta = first ? g.ovq_grads[i].beta : dbeta + g.ovq_grads[i].beta;
+        }
+      }
+  }
+
   void validate_config() const {
     constexpr const char* fn = "mixattn::layer::MultiHeadAttention";
     using ::mixattn::detail::require;
@@ -614,13 +752,6 @@ class MultiHeadAttention {
     Matrix<T> proj(x.rows(), cfg_.key_dim);
     proj.noalias() = x * w.middleCols(h * cfg_.key_dim, cfg_.key_dim);
     return gma::responsibilities(mixtures_[static_cast<std::size_t>(h)], proj);
-  }
-
-  void write_head(Matrix<T>& dq, Matrix<T>& dk, Matrix<T>& dv, Index h, const Matrix<T>& gq,
-                  const Matrix<T>& gk, const Matrix<T>& gv) const {
-    dq.middleCols(h * cfg_.key_dim, cfg_.key_dim) = gq;
-    dk.middleCols(h * cfg_.key_dim, cfg_.key_dim) = gk;
-    dv.middleCols(h * cfg_.value_dim, cfg_.value_dim) = gv;
   }
 
   static Matrix<T> gaussian(Index rows, Index cols, double stddev, std::mt19937_64& rng) {

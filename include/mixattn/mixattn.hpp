@@ -8,6 +8,7 @@
 #include "mixattn/linear.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/batched.hpp"
+#include "mixattn/packed.hpp"
 #include "mixattn/diagnostics.hpp"
 #include "mixattn/layer.hpp"
 #include "mixattn/adam.hpp"

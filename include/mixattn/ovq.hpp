@@ -99,6 +99,125 @@ struct State {
   }
 };
 
+namespace detail {
+
+/// Lends a state's dictionary storage (keys, values, counts) to a Dictionary without a copy,
+/// and gives it back trimmed to the live rows (on destruction at the latest).
+template <class T>
+struct DictionaryLoan {
+  State<T>& state;
+  Dictionary<T> dict;
+  bool lent = false;
+
+  explicit DictionaryLoan(State<T>& st) : state(st) { borrow(); }
+  ~DictionaryLoan() { give_back(); }
+  DictionaryLoan(const DictionaryLoan&) = delete;
+  DictionaryLoan& operator=(const DictionaryLoan&) = delete;
+
+  void borrow() {
+    dict.keys.swap(state.keys);
+    dict.values.swap(state.values);
+    dict.counts.swap(state.counts);
+    dict.size = dict.keys.rows();
+    lent = true;
+  }
+  /// Room for `capacity` rows (the live ones kept): once per call that opens centroids.
+  void grow(Index capacity) {
+    if (capacity <= dict.capacity()) return;
+    dict.keys.conservativeResize(capacity, dict.keys.cols());
+    dict.values.conservativeResize(capacity, dict.values.cols());
+    dict.counts.conservativeResize(capacity);
+  }
+  void give_back() {
+    if (!lent) return;
+    if (dict.capacity() != dict.size) {
+      dict.keys.conservativeResize(dict.size, dict.keys.cols());
+      dict.values.conservativeResize(dict.size, dict.values.cols());
+      dict.counts.conservativeResize(dict.size);
+    }
+    dict.keys.swap(state.keys);
+    dict.values.swap(state.values);
+    dict.counts.swap(state.counts);
+    lent = false;
+  }
+};
+
+/// The absorption of one complete block (SPEC 2.3), its scratch kept between calls.
+template <class T>
+class Absorber {
+ public:
+  void reserve(const Options& opt, Index capacity, Index key_dim, Index value_dim,
+               bool own_assignment) {
+    const Index c = opt.block;
+    quant_.reserve(c, capacity, key_dim);
+    update_.reserve(capacity, key_dim, value_dim);
+    kb_.resize(c, key_dim);
+    vb_.resize(c, value_dim);
+    seeds_.resize(static_cast<std::size_t>(c));
+    if (own_assignment) assign_.resize(static_cast<std::size_t>(c));
+  }
+
+  /// Absorbs the block [ko; kn] (unit-norm keys), [vo; vn] (values) that follows t absorbed
+  /// tokens into dict (grown through `loan` when it is the state's own storage, else already of
+  /// `capacity` rows); writes the tokens' centroid rows to `assign` (C entries, or internal
+  /// scratch when null) and refreshes the changed log counts. Returns nu, the centroids opened.
+  Index run(const Options& opt, Index t, Dictionary<T>& dict, DictionaryLoan<T>* loan,
+            Index capacity, const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn,
+            const CRef<T>& vn, std::int32_t* assign, Vector<T>& logc) {
+    const Index c = opt.block, po = ko.rows();
+    MIXATTN_ASSERT(po + kn.rows() == c);
+    kb_.topRows(po) = ko;
+    kb_.bottomRows(c - po) = kn;
+    vb_.topRows(po) = vo;
+    vb_.bottomRows(c - po) = vn;
+    const double alpha =
+        opt.growth_alpha > 0 ? opt.growth_alpha : static_cast<double>(opt.max_centroids);
+    const Index nu =
+        new_centroids(t, c, dict.size, opt.max_centroids, opt.growth == Growth::plateau, alpha);
+    if (dict.size + nu > dict.capacity()) {
+      MIXATTN_ASSERT(loan != nullptr);
+      loan->grow(capacity);
+    }
+    if (assign == nullptr) assign = assign_.data();
+    quant_.plan(dict, kb_, nu, opt.seeding == Seeding::greedy_dispersion,
+                opt.assignment == Assignment::existing_only, assign, seeds_.data());
+    update_.apply(dict, kb_, vb_, assign, nu);
+    for (const Index row_n : update_.touched()) logc[row_n] = std::log(dict.counts[row_n]);
+    return nu;
+  }
+  Index seed(Index p) const { return seeds_[static_cast<std::size_t>(p)]; }
+
+ private:
+  BlockQuantizer<T> quant_;
+  MeanUpdate<T> update_;
+  Matrix<T> kb_, vb_;  // C x r, C x d_v: the whole block
+  std::vector<std::int32_t> seeds_, assign_;
+};
+
+/// A forward call's working memory (kept in Saved for reuse; capacity kept when shapes repeat).
+template <class T>
+struct ForwardScratch {
+  Dictionary<T> dict;    // the working dictionary when the end state goes to another State
+  Matrix<T> kn, vn, qh;  // one block's call tokens: normalised keys, values; normalised queries
+  Vector<T> logc;
+  AttentionScratch<T> sc;
+  Absorber<T> absorb;
+};
+
+/// A backward call's working memory (kept in Grad for reuse).
+template <class T>
+struct BackwardScratch {
+  std::vector<Dictionary<T>> checkpoints, snaps;
+  Dictionary<T> work;
+  MeanUpdate<T> update;
+  Matrix<T> kb, vb, qh, dkb, dvb, ddk, ddv;
+  Vector<T> logc;
+  AttentionScratch<T> sc;
+  std::vector<Index> hits;
+};
+
+}  // namespace detail
+
 /// What forward keeps for backward. No dictionary snapshot per block: the state the call began
 /// from plus every token's centroid assignment, from which backward replays the updates bit for
 /// bit (checkpointing sqrt(#blocks) dictionaries while it runs). Tokens are indexed by their
@@ -118,6 +237,7 @@ struct Saved {
   bool count_bias = true;
   double norm_eps = 0;
   bool recorded = false;  // set by forward
+  detail::ForwardScratch<T> scratch;  // the forward's working memory, kept for reuse
 
   /// Heap and object bytes held.
   std::size_t bytes() const {
@@ -135,6 +255,7 @@ template <class T>
 struct Grad {
   Matrix<T> q, k, v;
   T beta;
+  detail::BackwardScratch<T> scratch;  // backward_into's working memory, kept for reuse
 };
 
 namespace detail {
@@ -282,47 +403,6 @@ void log_counts(const Dictionary<T>& d, Vector<T>& logc) {
   logc.head(d.size) = d.counts.head(d.size).array().log().matrix();
 }
 
-/// Lends a state's dictionary storage (keys, values, counts) to a Dictionary without a copy,
-/// and gives it back trimmed to the live rows (on destruction at the latest).
-template <class T>
-struct DictionaryLoan {
-  State<T>& state;
-  Dictionary<T> dict;
-  bool lent = false;
-
-  explicit DictionaryLoan(State<T>& st) : state(st) { borrow(); }
-  ~DictionaryLoan() { give_back(); }
-  DictionaryLoan(const DictionaryLoan&) = delete;
-  DictionaryLoan& operator=(const DictionaryLoan&) = delete;
-
-  void borrow() {
-    dict.keys.swap(state.keys);
-    dict.values.swap(state.values);
-    dict.counts.swap(state.counts);
-    dict.size = dict.keys.rows();
-    lent = true;
-  }
-  /// Room for `capacity` rows (the live ones kept): once per call that opens centroids.
-  void grow(Index capacity) {
-    if (capacity <= dict.capacity()) return;
-    dict.keys.conservativeResize(capacity, dict.keys.cols());
-    dict.values.conservativeResize(capacity, dict.values.cols());
-    dict.counts.conservativeResize(capacity);
-  }
-  void give_back() {
-    if (!lent) return;
-    if (dict.capacity() != dict.size) {
-      dict.keys.conservativeResize(dict.size, dict.keys.cols());
-      dict.values.conservativeResize(dict.size, dict.values.cols());
-      dict.counts.conservativeResize(dict.size);
-    }
-    dict.keys.swap(state.keys);
-    dict.values.swap(state.values);
-    dict.counts.swap(state.counts);
-    lent = false;
-  }
-};
-
 /// Appends rows to a matrix (the unfinished block growing by a call's tokens).
 template <class T>
 void append_rows(Matrix<T>& m, const CRef<T>& rows) {
@@ -332,54 +412,169 @@ void append_rows(Matrix<T>& m, const CRef<T>& rows) {
   m.bottomRows(rows.rows()) = rows;
 }
 
-/// The absorption of one complete block (SPEC 2.3), with its scratch sized once per call.
+/// Validates a forward call; returns s = beta sqrt(r).
 template <class T>
-class Absorber {
- public:
-  void reserve(const Options& opt, Index capacity, Index key_dim, Index value_dim,
-               bool own_assignment) {
-    const Index c = opt.block;
-    quant_.reserve(c, capacity, key_dim);
-    update_.reserve(capacity, key_dim, value_dim);
-    kb_.resize(c, key_dim);
-    vb_.resize(c, value_dim);
-    seeds_.resize(static_cast<std::size_t>(c));
-    if (own_assignment) assign_.resize(static_cast<std::size_t>(c));
+T check_forward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                const ConstMatrixRef<T>& v, T beta, const Options& opt, const State<T>& state) {
+  check_options(opt, fn);
+  check_state(state, opt, fn);
+  const Index r = state.keys.cols(), dv = state.values.cols(), tn = q.rows();
+  check_inputs<T>(q, k, v, r, dv, "state.keys", fn);
+  require(tn <= std::numeric_limits<Index>::max() - state.tokens_seen - opt.block, fn,
+          "state.tokens_seen + q.rows() overflows the token counter");
+  if (opt.check_finite) {
+    require_finite(q, fn, "q");
+    require_finite(k, fn, "k");
+    require_finite(v, fn, "v");
+    if (!std::isfinite(beta))
+      mixattn::detail::raise_domain_error(concat(fn, ": beta is ", beta, ", not finite"));
   }
+  const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));
+  if (opt.check_finite && !std::isfinite(s))
+    mixattn::detail::raise_domain_error(
+        concat(fn, ": beta * sqrt(r) = ", beta, " * sqrt(", r, ") overflows"));
+  return s;
+}
 
-  /// Absorbs the block [ko; kn] (unit-norm keys), [vo; vn] (values) that follows t absorbed
-  /// tokens into loan.dict; writes the tokens' centroid rows to `assign` (C entries, or internal
-  /// scratch when null) and refreshes the changed log counts. Returns nu, the centroids opened.
-  Index run(const Options& opt, Index t, DictionaryLoan<T>& loan, Index capacity, const CRef<T>& ko,
-            const CRef<T>& vo, const CRef<T>& kn, const CRef<T>& vn, std::int32_t* assign,
-            Vector<T>& logc) {
-    const Index c = opt.block, po = ko.rows();
-    MIXATTN_ASSERT(po + kn.rows() == c);
-    kb_.topRows(po) = ko;
-    kb_.bottomRows(c - po) = kn;
-    vb_.topRows(po) = vo;
-    vb_.bottomRows(c - po) = vn;
-    Dictionary<T>& dict = loan.dict;
-    const double alpha =
-        opt.growth_alpha > 0 ? opt.growth_alpha : static_cast<double>(opt.max_centroids);
-    const Index nu =
-        new_centroids(t, c, dict.size, opt.max_centroids, opt.growth == Growth::plateau, alpha);
-    if (dict.size + nu > dict.capacity()) loan.grow(capacity);
-    if (assign == nullptr) assign = assign_.data();
-    quant_.plan(dict, kb_, nu, opt.seeding == Seeding::greedy_dispersion,
-                opt.assignment == Assignment::existing_only, assign, seeds_.data());
-    update_.apply(dict, kb_, vb_, assign, nu);
-    for (const Index row_n : update_.touched()) logc[row_n] = std::log(dict.counts[row_n]);
-    return nu;
+/// Starts the record of a forward call in `saved` (its capacity reused): the start state and
+/// the options; the assignments and seeds follow block by block.
+template <class T>
+void begin_record(Saved<T>& saved, const State<T>& start, const Options& opt, const Blocks& blocks,
+                  Index tn, T beta) {
+  saved.recorded = false;
+  saved.start = start;
+  saved.assignment.assign(static_cast<std::size_t>(blocks.total), -1);
+  saved.new_centroids.clear();
+  saved.new_centroids.reserve(static_cast<std::size_t>(blocks.complete));
+  saved.seeds.clear();
+  saved.tokens = tn;
+  saved.beta = beta;
+  saved.block = opt.block;
+  saved.count_bias = opt.count_bias;
+  saved.norm_eps = opt.norm_eps;
+}
+
+/// The blocks of one call (SPEC 2.2-2.3) over `dict`, which holds the start state's dictionary
+/// on entry and the end state's on exit: the state's own storage lent through `loan` (grown
+/// there when a block opens centroids), or scratch of `capacity` rows (loan null). Block
+/// positions [0, po) are the start state's pending tokens (block 0 only); this call's tokens of
+/// the block are w.kn / w.vn rows [0, m), at positions po + row.
+template <class T>
+void forward_blocks(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+                    const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T s, const Options& opt,
+                    const State<T>& start, const Blocks& blocks, Index capacity,
+                    Dictionary<T>& dict, DictionaryLoan<T>* loan, ForwardScratch<T>& w,
+                    Saved<T>* saved) {
+  const Index t_start = start.tokens_seen - blocks.p0;  // tokens absorbed before the call
+  log_counts(dict, w.logc);
+  for (Index u = 0; u < blocks.count; ++u) {
+    const Index pq = blocks.query_offset(u), m = blocks.queries(u), row = blocks.call_row(u);
+    const Index po = u == 0 ? blocks.p0 : 0;
+    const CRef<T> ko = start.pending_keys.topRows(po), vo = start.pending_values.topRows(po);
+    normalize_rows<T>(q.middleRows(row, m), w.qh.topRows(m), opt.norm_eps);
+    normalize_rows<T>(k.middleRows(row, m), w.kn.topRows(m), opt.norm_eps);
+    w.vn.topRows(m) = v.middleRows(row, m);
+    const T* lc = opt.count_bias ? w.logc.data() : nullptr;
+    for (Index t0 = 0; t0 < m; t0 += query_tile) {
+      const Index mt = std::min(query_tile, m - t0);
+      const bool check = opt.check_finite && u == 0 && t0 == 0;
+      MatrixRef<T> o = out.middleRows(row + t0, mt);
+      const bool finite = tile_forward<T>(
+          w.qh.middleRows(t0, mt), dict.keys.topRows(dict.size), dict.values.topRows(dict.size),
+          lc, ko, vo, w.kn.topRows(t0 + mt), w.vn.topRows(t0 + mt), pq + t0, s, w.sc, o, check);
+      if (check && !(finite && (o.array() * T(0)).sum() == T(0))) {
+        if (loan != nullptr) loan->give_back();  // nothing changed yet
+        check_state_values(start, fn);           // throws if the state is to blame
+        if (loan != nullptr) loan->borrow();     // else: finite inputs that overflowed
+      }
+    }
+    if (!blocks.is_complete(u)) continue;
+    // Absorb the block (SPEC 2.3): grow, seed, assign, update the running means.
+    std::int32_t* assign = saved != nullptr ? saved->assignment.data() + blocks.begin(u) : nullptr;
+    const Index nu = w.absorb.run(opt, t_start + blocks.begin(u), dict, loan, capacity, ko, vo,
+                                  w.kn.topRows(m), w.vn.topRows(m), assign, w.logc);
+    if (saved != nullptr) {
+      saved->new_centroids.push_back(static_cast<std::int32_t>(nu));
+      for (Index p = 0; p < nu; ++p) saved->seeds.push_back(blocks.begin(u) + w.absorb.seed(p));
+    }
   }
-  Index seed(Index p) const { return seeds_[static_cast<std::size_t>(p)]; }
+}
 
- private:
-  BlockQuantizer<T> quant_;
-  MeanUpdate<T> update_;
-  Matrix<T> kb_, vb_;  // C x r, C x d_v: the whole block
-  std::vector<std::int32_t> seeds_, assign_;
-};
+/// The unfinished block after the call into `next`: the start state's pending tokens then this
+/// call's (no block absorbed), or the last partial block's tokens (capacity kept when its shapes
+/// repeat). `next` may be `start`.
+template <class T>
+void store_pending(const ForwardScratch<T>& w, const State<T>& start, const Blocks& blocks,
+                   Index tn, State<T>& next) {
+  const Index pending = blocks.total - blocks.complete * blocks.c, p0 = blocks.p0;
+  if (blocks.complete > 0) {
+    next.pending_keys = w.kn.topRows(pending);
+    next.pending_values = w.vn.topRows(pending);
+  } else if (&start == &next) {
+    append_rows<T>(next.pending_keys, w.kn.topRows(tn));
+    append_rows<T>(next.pending_values, w.vn.topRows(tn));
+  } else {
+    next.pending_keys.resize(p0 + tn, start.pending_keys.cols());
+    next.pending_values.resize(p0 + tn, start.pending_values.cols());
+    next.pending_keys.topRows(p0) = start.pending_keys;
+    next.pending_values.topRows(p0) = start.pending_values;
+    next.pending_keys.bottomRows(tn) = w.kn.topRows(tn);
+    next.pending_values.bottomRows(tn) = w.vn.topRows(tn);
+  }
+}
+
+/// The forward (SPEC 2.2-2.3) from `start` into `out` and `next` (which may be `start`).
+/// In place (next is start), the dictionary is worked on where it lies (its storage lent to a
+/// Dictionary and given back at the end, grown only when a block opens centroids) and the
+/// unfinished block is read from the state, so a decoding call copies nothing of size N_t or C.
+/// Into another State, the dictionary is worked on in scratch and copied out (no allocation
+/// when shapes repeat: the training loop). Nothing in `next` or `*saved` changes before the
+/// state's values are vouched for (by the first query's attention, or by a scan when there is
+/// no query or a record to fill).
+template <class T>
+void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+             const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T beta, const Options& opt,
+             const State<T>& start, State<T>& next, Saved<T>* saved) {
+  const T s = check_forward<T>(fn, q, k, v, beta, opt, start);
+  const Index r = start.keys.cols(), dv = start.values.cols(), tn = q.rows();
+  if (opt.check_finite && (tn == 0 || saved != nullptr))
+    check_state_values(start, fn);
+  const Index c = opt.block, n_start = start.keys.rows();
+  const Blocks blocks(c, start.pending_keys.rows(), tn);
+  const Index capacity =
+      std::max(n_start, std::min(opt.max_centroids, n_start + blocks.complete * c));
+  const Index rows_new = std::min(c, std::max<Index>(tn, 1));  // call tokens of one block
+  const Index tokens_after = start.tokens_seen + tn;
+
+  thread_local ForwardScratch<T> thread_scratch;  // calls without `saved`
+  ForwardScratch<T>& w = saved != nullptr ? saved->scratch : thread_scratch;
+  if (saved != nullptr) begin_record(*saved, start, opt, blocks, tn, beta);
+  w.kn.resize(rows_new, r);
+  w.vn.resize(rows_new, dv);
+  w.qh.resize(rows_new, r);
+  w.logc.resize(capacity);
+  w.sc.reserve(capacity, c, r, false, rows_new);
+  if (blocks.complete > 0) w.absorb.reserve(opt, capacity, r, dv, saved == nullptr);
+  out.resize(tn, dv);
+  if (&start == &next) {
+    DictionaryLoan<T> loan(next);
+    forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, loan.dict, &loan, w,
+                      saved);
+    store_pending<T>(w, start, blocks, tn, next);
+    loan.give_back();
+  } else {
+    w.dict.allocate(capacity, r, dv);
+    w.dict.load(start.keys, start.values, start.counts);
+    forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, w.dict, nullptr, w,
+                      saved);
+    store_pending<T>(w, start, blocks, tn, next);
+    next.keys = w.dict.keys.topRows(w.dict.size);
+    next.values = w.dict.values.topRows(w.dict.size);
+    next.counts = w.dict.counts.head(w.dict.size);
+  }
+  next.tokens_seen = tokens_after;
+  if (saved != nullptr) saved->recorded = true;
+}
 
 }  // namespace detail
 
@@ -394,113 +589,217 @@ template <class T>
 Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
                   const Options& opt, State<T>& state, Saved<T>* saved = nullptr) {
-  constexpr const char* fn = "mixattn::ovq::forward";
-  using detail::require;
-  detail::check_options(opt, fn);
-  detail::check_state(state, opt, fn);
-  const Index r = state.keys.cols(), dv = state.values.cols(), tn = q.rows();
-  detail::check_inputs<T>(q, k, v, r, dv, "state.keys", fn);
-  require(tn <= std::numeric_limits<Index>::max() - state.tokens_seen - opt.block, fn,
-          "state.tokens_seen + q.rows() overflows the token counter");
-  if (opt.check_finite) {
-    detail::require_finite(q, fn, "q");
-    detail::require_finite(k, fn, "k");
-    detail::require_finite(v, fn, "v");
-    if (!std::isfinite(beta))
-      mixattn::detail::raise_domain_error(detail::concat(fn, ": beta is ", beta, ", not finite"));
-  }
-  const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));
-  if (opt.check_finite && !std::isfinite(s))
-    mixattn::detail::raise_domain_error(
-        detail::concat(fn, ": beta * sqrt(r) = ", beta, " * sqrt(", r, ") overflows"));
-
-  if (opt.check_finite && tn == 0) detail::check_state_values(state, fn);
-
-  // The dictionary is worked on in place (its storage is lent to a Dictionary and given back at
-  // the end, grown only when a block opens centroids) and the unfinished block is read from the
-  // state where it lies, so a decoding call copies nothing of size N_t or C. Nothing in `state`
-  // changes before the first query's attention has vouched for its values (check_state_values);
-  // `*saved` changes only at the end.
-  const Index c = opt.block, n_start = state.keys.rows();
-  const detail::Blocks blocks(c, state.pending_keys.rows(), tn);
-  const Index capacity = std::min(opt.max_centroids, n_start + blocks.complete * c);
-  const Index rows_new = std::min(c, std::max<Index>(tn, 1));  // call tokens of one block
-  const Index t_start = state.tokens_seen - blocks.p0;         // tokens absorbed before the call
-
-  Saved<T> rec;
-  if (saved != nullptr) {
-    rec.start = state;
-    rec.assignment.assign(static_cast<std::size_t>(blocks.total), -1);
-    rec.new_centroids.reserve(static_cast<std::size_t>(blocks.complete));
-    rec.tokens = tn;
-    rec.beta = beta;
-    rec.block = c;
-    rec.count_bias = opt.count_bias;
-    rec.norm_eps = opt.norm_eps;
-    rec.recorded = true;
-  }
-
-  detail::DictionaryLoan<T> loan(state);
-  detail::Dictionary<T>& dict = loan.dict;
-  Matrix<T> kn(rows_new, r), vn(rows_new, dv), qh(rows_new, r);
-  Vector<T> logc(std::max(capacity, n_start));
-  detail::log_counts(dict, logc);
-  detail::AttentionScratch<T> sc;
-  sc.reserve(std::max(capacity, n_start), c, r, false, rows_new);
-  detail::Absorber<T> absorb;
-  if (blocks.complete > 0) absorb.reserve(opt, capacity, r, dv, saved == nullptr);
-
-  Matrix<T> out(tn, dv);
-  for (Index u = 0; u < blocks.count; ++u) {
-    // Block positions [0, po) are the state's pending tokens (block 0 only); this call's tokens
-    // of the block are kn / vn rows [0, m), at positions po + row.
-    const Index pq = blocks.query_offset(u), m = blocks.queries(u), row = blocks.call_row(u);
-    const Index po = u == 0 ? blocks.p0 : 0;
-    const detail::CRef<T> ko = state.pending_keys.topRows(po),
-                          vo = state.pending_values.topRows(po);
-    detail::normalize_rows<T>(q.middleRows(row, m), qh.topRows(m), opt.norm_eps);
-    detail::normalize_rows<T>(k.middleRows(row, m), kn.topRows(m), opt.norm_eps);
-    vn.topRows(m) = v.middleRows(row, m);
-    const T* lc = opt.count_bias ? logc.data() : nullptr;
-    for (Index t0 = 0; t0 < m; t0 += detail::query_tile) {
-      const Index mt = std::min(detail::query_tile, m - t0);
-      const bool check = opt.check_finite && u == 0 && t0 == 0;
-      MatrixRef<T> o = out.middleRows(row + t0, mt);
-      const bool finite = detail::tile_forward<T>(
-          qh.middleRows(t0, mt), dict.keys.topRows(dict.size), dict.values.topRows(dict.size), lc,
-          ko, vo, kn.topRows(t0 + mt), vn.topRows(t0 + mt), pq + t0, s, sc, o, check);
-      if (check && !(finite && (o.array() * T(0)).sum() == T(0))) {
-        loan.give_back();                       // nothing changed yet
-        detail::check_state_values(state, fn);  // throws if the state is to blame
-        loan.borrow();                          // else: finite inputs that overflowed
-      }
-    }
-    if (!blocks.is_complete(u)) continue;
-    // Absorb the block (SPEC 2.3): grow, seed, assign, update the running means.
-    std::int32_t* assign = saved != nullptr ? rec.assignment.data() + blocks.begin(u) : nullptr;
-    const Index nu = absorb.run(opt, t_start + blocks.begin(u), loan, capacity, ko, vo,
-                                kn.topRows(m), vn.topRows(m), assign, logc);
-    if (saved != nullptr) {
-      rec.new_centroids.push_back(static_cast<std::int32_t>(nu));
-      for (Index p = 0; p < nu; ++p) rec.seeds.push_back(blocks.begin(u) + absorb.seed(p));
-    }
-  }
-
-  // The unfinished block: this call's tokens after the state's pending ones, or the last
-  // (partial) block's tokens when a block was absorbed.
-  const Index pending = blocks.total - blocks.complete * c;
-  if (blocks.complete == 0) {
-    detail::append_rows<T>(state.pending_keys, kn.topRows(tn));
-    detail::append_rows<T>(state.pending_values, vn.topRows(tn));
-  } else {
-    state.pending_keys = kn.topRows(pending);
-    state.pending_values = vn.topRows(pending);
-  }
-  loan.give_back();
-  state.tokens_seen += tn;
-  if (saved != nullptr) *saved = std::move(rec);
+  Matrix<T> out;
+  detail::forward<T>("mixattn::ovq::forward", out, q, k, v, beta, opt, state, state, saved);
   return out;
 }
+
+/// forward into a caller-owned `out` (resized to T x d_v); `state` is continued and updated as
+/// in forward, and `saved` keeps the call's working memory, so calls whose shapes repeat reuse
+/// it. Without `saved`, per-thread scratch is used.
+template <class T>
+void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
+                  const Options& opt, State<T>& state,
+                  Saved<typename mixattn::detail::identity<T>::type>* saved) {
+  detail::forward<T>("mixattn::ovq::forward_into", out, q, k, v, beta, opt, state, state, saved);
+}
+
+/// forward_into from a constant `start` state, writing the final state into `next` (its capacity
+/// kept when its shapes repeat). The training-loop form: every step starts from the same state
+/// (usually State::empty) and, with reused out, next and saved, allocates nothing in steady
+/// state. `next` may be `start`.
+template <class T>
+void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
+                  const Options& opt, const State<T>& start, State<T>& next,
+                  Saved<typename mixattn::detail::identity<T>::type>* saved) {
+  detail::forward<T>("mixattn::ovq::forward_into", out, q, k, v, beta, opt, start, next, saved);
+}
+
+namespace detail {
+
+/// Validates a backward call.
+template <class T>
+void check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                    const ConstMatrixRef<T>& v, T beta, const ConstMatrixRef<T>& grad_out,
+                    const Saved<T>& saved, const Options& opt) {
+  check_options(opt, fn);
+  require(saved.recorded, fn, "saved was not filled by mixattn::ovq::forward");
+  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols(), tn = saved.tokens;
+  check_inputs<T>(q, k, v, r, dv, "saved", fn);
+  require(q.rows() == tn, fn, "q has ", q.rows(), " rows but saved is for ", tn, " tokens");
+  require(grad_out.rows() == tn && grad_out.cols() == dv, fn, "grad_out is ", shape_str(grad_out),
+          " but the output is ", tn, " x ", dv);
+  require(opt.block == saved.block && opt.count_bias == saved.count_bias &&
+              opt.norm_eps == saved.norm_eps,
+          fn, "options (block ", opt.block, ", count_bias ", opt.count_bias, ", norm_eps ",
+          opt.norm_eps, ") differ from the forward's (block ", saved.block, ", count_bias ",
+          saved.count_bias, ", norm_eps ", saved.norm_eps, ")");
+  require(beta == saved.beta, fn, "beta is ", beta, " but the forward ran with ", saved.beta);
+  if (opt.check_finite) {
+    require_finite(q, fn, "q");
+    require_finite(k, fn, "k");
+    require_finite(v, fn, "v");
+    require_finite(grad_out, fn, "grad_out");
+  }
+}
+
+/// Sizes the backward's scratch (no allocation when the shapes repeat).
+template <class T>
+void prepare_backward(BackwardScratch<T>& w, Index groups, Index snaps, Index capacity, Index c,
+                      Index r, Index dv) {
+  w.checkpoints.resize(static_cast<std::size_t>(groups));
+  w.snaps.resize(static_cast<std::size_t>(snaps));
+  for (auto& d : w.checkpoints) d.allocate(capacity, r, dv);
+  for (auto& d : w.snaps) d.allocate(capacity, r, dv);
+  w.work.allocate(capacity, r, dv);
+  w.update.reserve(capacity, r, dv);
+  w.kb.resize(c, r);
+  w.vb.resize(c, dv);
+  w.qh.resize(c, r);
+  w.dkb.resize(c, r);
+  w.dvb.resize(c, dv);
+  w.ddk.setZero(capacity, r);
+  w.ddv.setZero(capacity, dv);
+  w.logc.resize(capacity);
+  w.sc.reserve(capacity, c, r, true);
+  w.hits.assign(static_cast<std::size_t>(capacity), 0);
+}
+
+/// Through the running means of block u's update (grad_through_dictionary): token j -> n
+/// receives dD_new[n] / c_new; a surviving row keeps (c_old / c_new) dD_new[n]; rows the block
+/// opened did not exist before it.
+template <class T>
+void through_update(BackwardScratch<T>& w, const Dictionary<T>& d, const Saved<T>& saved,
+                    const Blocks& blocks, Index u, Grad<T>& g) {
+  using W = wide_t<T>;
+  const Index c = saved.block, n = d.size, b0 = blocks.begin(u);
+  const std::int32_t* a = saved.assignment.data() + b0;
+  const Index nu = saved.new_centroids[static_cast<std::size_t>(u)];
+  for (Index j = 0; j < c; ++j) ++w.hits[a[j]];
+  for (Index j = 0; j < c; ++j) {
+    if (b0 + j < blocks.p0) continue;  // the start state's pending tokens are constants
+    const Index nn = a[j], i = b0 + j - blocks.p0;
+    const W c_old = nn < n ? static_cast<W>(d.counts[nn]) : W(0);
+    const T inv = static_cast<T>(W(1) / (c_old + static_cast<W>(w.hits[nn])));
+    g.k.row(i) += inv * w.ddk.row(nn);
+    g.v.row(i) += inv * w.ddv.row(nn);
+  }
+  for (Index j = 0; j < c; ++j) {
+    const Index nn = a[j];
+    if (w.hits[nn] == 0) continue;
+    if (nn < n) {
+      const W c_old = static_cast<W>(d.counts[nn]);
+      const T keep = static_cast<T>(c_old / (c_old + static_cast<W>(w.hits[nn])));
+      w.ddk.row(nn) *= keep;
+      w.ddv.row(nn) *= keep;
+    }
+    w.hits[nn] = 0;
+  }
+  w.ddk.middleRows(n, nu).setZero();
+  w.ddv.middleRows(n, nu).setZero();
+}
+
+/// The backward of one block u from the dictionary d it attended to.
+template <class T>
+void block_backward(BackwardScratch<T>& w, const Dictionary<T>& d, const ConstMatrixRef<T>& q,
+                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
+                    const Blocks& blocks, Index u, T s, wide_t<T>& ds, Grad<T>& g) {
+  const Index n = d.size, pq = blocks.query_offset(u), m = blocks.queries(u);
+  const Index row = blocks.call_row(u);
+  const bool through = opt.grad_through_dictionary;
+  normalize_rows<T>(q.middleRows(row, m), w.qh.topRows(m), opt.norm_eps);
+  if (through && blocks.is_complete(u)) through_update(w, d, saved, blocks, u, g);
+  log_counts(d, w.logc);
+  const T* lc = opt.count_bias ? w.logc.data() : nullptr;
+  const Index l_all = pq + m;
+  w.dkb.topRows(l_all).setZero();
+  w.dvb.topRows(l_all).setZero();
+  for (Index t0 = 0; t0 < m; t0 += query_tile) {
+    const Index mt = std::min(query_tile, m - t0), l = pq + t0 + mt;
+    tile_backward<T>(w.qh.middleRows(t0, mt), d.keys.topRows(n), d.values.topRows(n), lc,
+                     w.kb.topRows(l), w.vb.topRows(l), pq + t0, s,
+                     grad_out.middleRows(row + t0, mt), w.sc, g.q.middleRows(row + t0, mt), ds,
+                     w.dkb.topRows(l), w.dvb.topRows(l), through, w.ddk.topRows(n),
+                     w.ddv.topRows(n));
+  }
+  g.k.middleRows(row, m) += w.dkb.middleRows(pq, m);
+  g.v.middleRows(row, m) += w.dvb.middleRows(pq, m);
+}
+
+/// backward_into's body.
+template <class T>
+void backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+              const ConstMatrixRef<T>& v, T beta, const ConstMatrixRef<T>& grad_out,
+              const Saved<T>& saved, const Options& opt) {
+  using W = wide_t<T>;
+  check_backward<T>(fn, q, k, v, beta, grad_out, saved, opt);
+  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols(), tn = saved.tokens;
+  g.q.setZero(tn, r);
+  g.k.setZero(tn, r);
+  g.v.setZero(tn, dv);
+  g.beta = T(0);
+  if (tn == 0) return;
+  const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));
+  const Index c = saved.block;
+  const State<T>& st = saved.start;
+  const Blocks blocks(c, st.pending_keys.rows(), tn);
+  MIXATTN_ASSERT(static_cast<Index>(saved.new_centroids.size()) == blocks.complete);
+  MIXATTN_ASSERT(static_cast<Index>(saved.assignment.size()) == blocks.total);
+  const Index n_final = st.keys.rows() + static_cast<Index>(saved.seeds.size());
+  const Index capacity = std::max<Index>(n_final, 1);
+
+  // Dictionaries before each block come from replaying the recorded updates: a first pass keeps
+  // one checkpoint every S blocks; then, group by group from the end, the S dictionaries of the
+  // group are rebuilt from its checkpoint and its blocks are differentiated in reverse.
+  const Index group = std::max<Index>(
+      1, static_cast<Index>(std::ceil(std::sqrt(static_cast<double>(blocks.count)))));
+  const Index groups = (blocks.count + group - 1) / group;
+  BackwardScratch<T>& w = g.scratch;
+  prepare_backward(w, groups, std::min(group, blocks.count), capacity, c, r, dv);
+  W ds = 0;
+
+  // Loads block u's normalised keys and values (the start state's pending ones first).
+  const auto load_block = [&](Index u) {
+    const Index pq = blocks.query_offset(u), m = blocks.queries(u), row = blocks.call_row(u);
+    if (u == 0 && blocks.p0 > 0) {
+      w.kb.topRows(blocks.p0) = st.pending_keys;
+      w.vb.topRows(blocks.p0) = st.pending_values;
+    }
+    normalize_rows<T>(k.middleRows(row, m), w.kb.middleRows(pq, m), opt.norm_eps);
+    w.vb.middleRows(pq, m) = v.middleRows(row, m);
+  };
+  const auto replay = [&](Index u) {
+    load_block(u);
+    w.update.apply(w.work, w.kb, w.vb, saved.assignment.data() + blocks.begin(u),
+                   saved.new_centroids[static_cast<std::size_t>(u)]);
+  };
+
+  w.work.load(st.keys, st.values, st.counts);
+  for (Index u = 0; u < blocks.count; ++u) {
+    if (u % group == 0) w.checkpoints[static_cast<std::size_t>(u / group)].copy_from(w.work);
+    if (blocks.is_complete(u) && u + 1 < blocks.count) replay(u);
+  }
+  for (Index gi = groups - 1; gi >= 0; --gi) {
+    const Index lo = gi * group, hi = std::min(blocks.count, lo + group);
+    w.work.copy_from(w.checkpoints[static_cast<std::size_t>(gi)]);
+    for (Index u = lo; u < hi; ++u) {
+      w.snaps[static_cast<std::size_t>(u - lo)].copy_from(w.work);
+      if (blocks.is_complete(u) && u + 1 < hi) replay(u);
+    }
+    for (Index u = hi - 1; u >= lo; --u) {
+      load_block(u);
+      block_backward<T>(w, w.snaps[static_cast<std::size_t>(u - lo)], q, grad_out, saved, opt,
+                        blocks, u, s, ds, g);
+    }
+  }
+  normalize_backward<T>(q, g.q, opt.norm_eps);
+  normalize_backward<T>(k, g.k, opt.norm_eps);
+  g.beta = static_cast<T>(ds * std::sqrt(static_cast<W>(r)));
+}
+
+}  // namespace detail
 
 /// Gradients of a scalar loss L through forward (SPEC 2.4), given grad_out = dL/d(output).
 ///   q, k, v: the forward's inputs (T x r, T x r, T x d_v); beta as in forward;
@@ -514,152 +813,18 @@ template <class T>
 Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                  typename mixattn::detail::identity<T>::type beta,
                  const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
-  constexpr const char* fn = "mixattn::ovq::backward";
-  using detail::require;
-  using W = detail::wide_t<T>;
-  detail::check_options(opt, fn);
-  require(saved.recorded, fn, "saved was not filled by mixattn::ovq::forward");
-  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols(), tn = saved.tokens;
-  detail::check_inputs<T>(q, k, v, r, dv, "saved", fn);
-  require(q.rows() == tn, fn, "q has ", q.rows(), " rows but saved is for ", tn, " tokens");
-  require(grad_out.rows() == tn && grad_out.cols() == dv, fn, "grad_out is ",
-          detail::shape_str(grad_out), " but the output is ", tn, " x ", dv);
-  require(opt.block == saved.block && opt.count_bias == saved.count_bias &&
-              opt.norm_eps == saved.norm_eps,
-          fn, "options (block ", opt.block, ", count_bias ", opt.count_bias, ", norm_eps ",
-          opt.norm_eps, ") differ from the forward's (block ", saved.block, ", count_bias ",
-          saved.count_bias, ", norm_eps ", saved.norm_eps, ")");
-  require(beta == saved.beta, fn, "beta is ", beta, " but the forward ran with ", saved.beta);
-  if (opt.check_finite) {
-    detail::require_finite(q, fn, "q");
-    detail::require_finite(k, fn, "k");
-    detail::require_finite(v, fn, "v");
-    detail::require_finite(grad_out, fn, "grad_out");
-  }
-
-  Grad<T> g{Matrix<T>::Zero(tn, r), Matrix<T>::Zero(tn, r), Matrix<T>::Zero(tn, dv), T(0)};
-  if (tn == 0) return g;
-  const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));
-  const bool through = opt.grad_through_dictionary;
-  const Index c = saved.block;
-  const State<T>& st = saved.start;
-  const detail::Blocks blocks(c, st.pending_keys.rows(), tn);
-  MIXATTN_ASSERT(static_cast<Index>(saved.new_centroids.size()) == blocks.complete);
-  MIXATTN_ASSERT(static_cast<Index>(saved.assignment.size()) == blocks.total);
-  const Index n_final = st.keys.rows() + static_cast<Index>(saved.seeds.size());
-  const Index capacity = std::max<Index>(n_final, 1);
-
-  // Dictionaries before each block come from replaying the recorded updates: a first pass keeps
-  // one checkpoint every S blocks; then, group by group from the end, the S dictionaries of the
-  // group are rebuilt from its checkpoint and its blocks are differentiated in reverse.
-  const Index group = std::max<Index>(
-      1, static_cast<Index>(std::ceil(std::sqrt(static_cast<double>(blocks.count)))));
-  const Index groups = (blocks.count + group - 1) / group;
-  std::vector<detail::Dictionary<T>> checkpoints(static_cast<std::size_t>(groups));
-  std::vector<detail::Dictionary<T>> snaps(static_cast<std::size_t>(std::min(group, blocks.count)));
-  for (auto& d : checkpoints) d.allocate(capacity, r, dv);
-  for (auto& d : snaps) d.allocate(capacity, r, dv);
-  detail::Dictionary<T> work;
-  work.allocate(capacity, r, dv);
-  detail::MeanUpdate<T> update;
-  update.reserve(capacity, r, dv);
-
-  Matrix<T> kb(c, r), vb(c, dv), qh(c, r), dkb(c, r), dvb(c, dv);
-  Matrix<T> ddk = Matrix<T>::Zero(capacity, r), ddv = Matrix<T>::Zero(capacity, dv);
-  Vector<T> logc(capacity);
-  detail::AttentionScratch<T> sc;
-  sc.reserve(capacity, c, r, true);
-  std::vector<Index> hits(static_cast<std::size_t>(capacity), 0);
-  W ds = 0;
-
-  // Loads block u's normalised keys and values (the start state's pending ones first).
-  const auto load_block = [&](Index u) {
-    const Index pq = blocks.query_offset(u), m = blocks.queries(u), row = blocks.call_row(u);
-    if (u == 0 && blocks.p0 > 0) {
-      kb.topRows(blocks.p0) = st.pending_keys;
-      vb.topRows(blocks.p0) = st.pending_values;
-    }
-    detail::normalize_rows<T>(k.middleRows(row, m), kb.middleRows(pq, m), opt.norm_eps);
-    vb.middleRows(pq, m) = v.middleRows(row, m);
-  };
-  const auto replay = [&](Index u) {
-    load_block(u);
-    update.apply(work, kb, vb, saved.assignment.data() + blocks.begin(u),
-                 saved.new_centroids[static_cast<std::size_t>(u)]);
-  };
-
-  work.load(st.keys, st.values, st.counts);
-  for (Index u = 0; u < blocks.count; ++u) {
-    if (u % group == 0) checkpoints[static_cast<std::size_t>(u / group)].copy_from(work);
-    if (blocks.is_complete(u) && u + 1 < blocks.count) replay(u);
-  }
-
-  for (Index gi = groups - 1; gi >= 0; --gi) {
-    const Index lo = gi * group, hi = std::min(blocks.count, lo + group);
-    work.copy_from(checkpoints[static_cast<std::size_t>(gi)]);
-    for (Index u = lo; u < hi; ++u) {
-      snaps[static_cast<std::size_t>(u - lo)].copy_from(work);
-      if (blocks.is_complete(u) && u + 1 < hi) replay(u);
-    }
-    for (Index u = hi - 1; u >= lo; --u) {
-      const detail::Dictionary<T>& d = snaps[static_cast<std::size_t>(u - lo)];
-      const Index n = d.size, pq = blocks.query_offset(u), m = blocks.queries(u);
-      const Index row = blocks.call_row(u), b0 = blocks.begin(u);
-      load_block(u);
-      detail::normalize_rows<T>(q.middleRows(row, m), qh.topRows(m), opt.norm_eps);
-
-      if (through && blocks.is_complete(u)) {
-        // Through the running means of this block's update: token j -> n receives
-        // dD_new[n] / c_new; a surviving row keeps (c_old / c_new) dD_new[n]; rows the block
-        // opened did not exist before it.
-        const std::int32_t* a = saved.assignment.data() + b0;
-        const Index nu = saved.new_centroids[static_cast<std::size_t>(u)];
-        for (Index j = 0; j < c; ++j) ++hits[a[j]];
-        for (Index j = 0; j < c; ++j) {
-          if (b0 + j < blocks.p0) continue;  // the start state's pending tokens are constants
-          const Index nn = a[j], i = b0 + j - blocks.p0;
-          const W c_old = nn < n ? static_cast<W>(d.counts[nn]) : W(0);
-          const T inv = static_cast<T>(W(1) / (c_old + static_cast<W>(hits[nn])));
-          g.k.row(i) += inv * ddk.row(nn);
-          g.v.row(i) += inv * ddv.row(nn);
-        }
-        for (Index j = 0; j < c; ++j) {
-          const Index nn = a[j];
-          if (hits[nn] == 0) continue;
-          if (nn < n) {
-            const W c_old = static_cast<W>(d.counts[nn]);
-            const T keep = static_cast<T>(c_old / (c_old + static_cast<W>(hits[nn])));
-            ddk.row(nn) *= keep;
-            ddv.row(nn) *= keep;
-          }
-          hits[nn] = 0;
-        }
-        ddk.middleRows(n, nu).setZero();
-        ddv.middleRows(n, nu).setZero();
-      }
-
-      detail::log_counts(d, logc);
-      const T* lc = opt.count_bias ? logc.data() : nullptr;
-      const Index l_all = pq + m;
-      dkb.topRows(l_all).setZero();
-      dvb.topRows(l_all).setZero();
-      for (Index t0 = 0; t0 < m; t0 += detail::query_tile) {
-        const Index mt = std::min(detail::query_tile, m - t0), l = pq + t0 + mt;
-        detail::tile_backward<T>(qh.middleRows(t0, mt), d.keys.topRows(n), d.values.topRows(n), lc,
-                                 kb.topRows(l), vb.topRows(l), pq + t0, s,
-                                 grad_out.middleRows(row + t0, mt), sc,
-                                 g.q.middleRows(row + t0, mt), ds, dkb.topRows(l), dvb.topRows(l),
-                                 through, ddk.topRows(n), ddv.topRows(n));
-      }
-      g.k.middleRows(row, m) += dkb.middleRows(pq, m);
-      g.v.middleRows(row, m) += dvb.middleRows(pq, m);
-    }
-  }
-
-  detail::normalize_backward<T>(q, g.q, opt.norm_eps);
-  detail::normalize_backward<T>(k, g.k, opt.norm_eps);
-  g.beta = static_cast<T>(ds * std::sqrt(static_cast<W>(r)));
+  Grad<T> g;
+  detail::backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt);
   return g;
+}
+
+/// backward into caller-owned gradients (resized; the working memory is kept in `grad`, so calls
+/// whose shapes repeat allocate nothing).
+template <class T>
+void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                   const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
+                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+  detail::backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt);
 }
 
 }  // namespace ovq

@@ -14,6 +14,7 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/detail/flash_kernels.hpp"
+#include "mixattn/detail/gemm.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -44,12 +45,18 @@ struct Saved {
   Matrix<T> probs;  // naive: P = softmax(scale Q K^T + mask), N x M
   Matrix<T> out;    // flash: O, N x d_v
   Vector<T> lse;    // flash: log sum_j exp(scale q_i . k_j) over visible j, N
+  /// The forward's working memory, kept for reuse by later calls (naive: scale * q in qs).
+  detail::FlashScratch<T> scratch;
+  mixattn::detail::GemmSpace<T> gemm;
 };
 
-/// Gradients of a scalar loss with respect to q (N x r), k (M x r) and v (M x d_v).
+/// Gradients of a scalar loss with respect to q (N x r), k (M x r) and v (M x d_v). The
+/// `_into` backwards overwrite them and keep the scratch for the next call.
 template <class T>
 struct Grad {
   Matrix<T> q, k, v;
+  detail::FlashScratch<T> scratch;  // naive: dS (N x M) in s, scale * q in qs
+  mixattn::detail::GemmSpace<T> gemm;
 };
 
 namespace detail {
@@ -128,25 +135,30 @@ void check_output(const char* fn, const Matrix<T>& out, const Options& opt) {
 
 }  // namespace detail
 
-/// Naive softmax attention (SPEC §3): forms S = (scale Q) K^T (N x M), masks it (causal: j > i is
-/// -inf), applies a max-subtracted row softmax and returns P V.
-///   q: N x r, k: M x r, v: M x d_v (row-major, rows are tokens)  ->  N x d_v.
-/// N == 0 gives a 0 x d_v result. `saved` (optional) receives P for naive_backward.
-/// Throws std::invalid_argument on bad shapes/options, std::domain_error on non-finite input.
-template <class T>
-Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                        const ConstMatrixRef<T>& v, const Options& opt = {},
-                        Saved<T>* saved = nullptr) {
-  constexpr const char* fn = "mixattn::reference::naive_forward";
-  const double scale = detail::check_inputs<T>(fn, q, k, v, opt);
-  const Index n = q.rows(), m = k.rows();
+namespace detail {
 
+using mixattn::detail::gemm;
+using mixattn::detail::plain;
+using mixattn::detail::transposed;
+
+/// naive_forward_into's body (`fn` names the entry point in messages).
+template <class T>
+void naive_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+                   Saved<T>* saved) {
+  const double scale = check_inputs<T>(fn, q, k, v, opt);
+  const Index n = q.rows(), m = k.rows();
+  thread_local Saved<T> thread_record;  // the scratch of calls without `saved`
+  Saved<T>& rec = saved ? *saved : thread_record;
+  rec.source = Saved<T>::Source::none;
   // S = (scale Q) K^T, associated as flash_forward does: with an extreme scale, Q K^T alone could
-  // overflow or underflow where the scaled product does not. Materialised so that Eigen does not
-  // fold the scalar back into the GEMM's alpha (applied after the products).
-  const Matrix<T> qs = static_cast<T>(scale) * q;
-  Matrix<T> p(n, m);
-  p.noalias() = qs * k.transpose();
+  // overflow or underflow where the scaled product does not. Materialised so that the scalar is
+  // not folded into the GEMM's alpha (applied after the products).
+  Matrix<T>& qs = rec.scratch.qs;
+  qs = static_cast<T>(scale) * q;
+  Matrix<T>& p = rec.probs;
+  p.resize(n, m);
+  gemm<T>(p, plain<T>(qs), transposed<T>(k), T(1), false, rec.gemm);
   for (Index i = 0; i < n; ++i) {
     // Causal: keys j > i get probability 0, set explicitly (Eigen's vectorised exp clamps its
     // argument, so exp(-inf) would be a denormal, not 0).
@@ -156,16 +168,110 @@ Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
     p.row(i).tail(m - visible).setZero();
     p.row(i) /= p.row(i).sum();
   }
-  Matrix<T> out(n, v.cols());
-  out.noalias() = p * v;
-  detail::check_output(fn, out, opt);
+  out.resize(n, v.cols());
+  gemm<T>(out, plain<T>(p), plain<T>(v), T(1), false, rec.gemm);
+  check_output(fn, out, opt);
   if (saved) {
-    detail::record(*saved, Saved<T>::Source::naive, q, k, v, opt, scale);
-    saved->probs = std::move(p);
+    record(*saved, Saved<T>::Source::naive, q, k, v, opt, scale);
     saved->out.resize(0, 0);
     saved->lse.resize(0);
   }
+}
+
+/// naive_backward_into's body.
+template <class T>
+void naive_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
+                    const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+  const double scale =
+      check_backward<T>(fn, q, k, v, grad_out, saved, opt, Saved<T>::Source::naive, "naive_forward");
+  const Matrix<T>& p = saved.probs;
+  require(p.rows() == q.rows() && p.cols() == k.rows(), fn, "saved.probs is ", shape_str(p),
+          " but should be ", q.rows(), " x ", k.rows());
+  g.v.resize(k.rows(), v.cols());
+  gemm<T>(g.v, transposed<T>(p), plain<T>(grad_out), T(1), false, g.gemm);
+  Matrix<T>& ds = g.scratch.s;
+  ds.resize(q.rows(), k.rows());
+  gemm<T>(ds, plain<T>(grad_out), transposed<T>(v), T(1), false, g.gemm);
+  for (Index i = 0; i < ds.rows(); ++i) {
+    const T d = p.row(i).dot(ds.row(i));
+    ds.row(i) = (p.row(i).array() * (ds.row(i).array() - d)).matrix();
+  }
+  g.q.resize(q.rows(), q.cols());
+  gemm<T>(g.q, plain<T>(ds), plain<T>(k), T(1), false, g.gemm);
+  g.q *= static_cast<T>(scale);
+  // dK = dS^T (scale Q), associated as flash_backward does (scaling the product afterwards would
+  // let dS^T Q underflow first when q is tiny and the scale large).
+  Matrix<T>& qs = g.scratch.qs;
+  qs = static_cast<T>(scale) * q;
+  g.k.resize(k.rows(), k.cols());
+  gemm<T>(g.k, transposed<T>(ds), plain<T>(qs), T(1), false, g.gemm);
+}
+
+/// flash_forward_into's body.
+template <class T>
+void flash_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+                   Saved<T>* saved) {
+  const double scale = check_inputs<T>(fn, q, k, v, opt);
+  using Tiles = FlashTiles<T>;
+  thread_local Saved<T> thread_record;  // the scratch of calls without `saved`
+  Saved<T>& rec = saved ? *saved : thread_record;
+  rec.source = Saved<T>::Source::none;
+  out.resize(q.rows(), v.cols());
+  rec.lse.resize(q.rows());
+  flash_forward_tiles<T, Tiles::forward_queries, Tiles::forward_keys>(
+      q, k, v, static_cast<T>(scale), opt.causal, out, rec.lse, rec.scratch);
+  check_output(fn, out, opt);
+  if (saved) {
+    record(*saved, Saved<T>::Source::flash, q, k, v, opt, scale);
+    saved->out = out;
+    saved->probs.resize(0, 0);
+  }
+}
+
+/// flash_backward_into's body.
+template <class T>
+void flash_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
+                    const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+  const double scale =
+      check_backward<T>(fn, q, k, v, grad_out, saved, opt, Saved<T>::Source::flash, "flash_forward");
+  require(saved.out.rows() == q.rows() && saved.out.cols() == v.cols() &&
+              saved.lse.size() == q.rows(),
+          fn, "saved.out is ", shape_str(saved.out), " and saved.lse has ", saved.lse.size(),
+          " entries but q has ", q.rows(), " rows and v has ", v.cols(), " columns");
+  using Tiles = FlashTiles<T>;
+  g.q.resize(q.rows(), q.cols());
+  g.k.resize(k.rows(), k.cols());
+  g.v.resize(v.rows(), v.cols());
+  flash_backward_tiles<T, Tiles::backward_queries, Tiles::backward_keys>(
+      q, k, v, saved.out, grad_out, saved.lse, static_cast<T>(scale), opt.causal, g.q, g.k, g.v,
+      g.scratch);
+}
+
+}  // namespace detail
+
+/// Naive softmax attention (SPEC §3): forms S = (scale Q) K^T (N x M), masks it (causal: j > i is
+/// -inf), applies a max-subtracted row softmax and returns P V.
+///   q: N x r, k: M x r, v: M x d_v (row-major, rows are tokens)  ->  N x d_v.
+/// N == 0 gives a 0 x d_v result. `saved` (optional) receives P for naive_backward.
+/// Throws std::invalid_argument on bad shapes/options, std::domain_error on non-finite input.
+template <class T>
+Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                        const ConstMatrixRef<T>& v, const Options& opt = {},
+                        Saved<T>* saved = nullptr) {
+  Matrix<T> out;
+  detail::naive_forward<T>("mixattn::reference::naive_forward", out, q, k, v, opt, saved);
   return out;
+}
+
+/// naive_forward into a caller-owned `out` (resized to N x d_v); `saved` keeps P and the call's
+/// scratch, so repeated shapes allocate nothing. Without `saved`, per-thread scratch is used.
+template <class T>
+void naive_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                        const ConstMatrixRef<T>& v, const Options& opt, Saved<T>* saved) {
+  detail::naive_forward<T>("mixattn::reference::naive_forward_into", out, q, k, v, opt, saved);
 }
 
 /// Backward of naive_forward, from the saved probabilities P (N x M):
@@ -177,30 +283,18 @@ template <class T>
 Grad<T> naive_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                        const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
-  constexpr const char* fn = "mixattn::reference::naive_backward";
-  const double scale = detail::check_backward<T>(fn, q, k, v, grad_out, saved, opt,
-                                                 Saved<T>::Source::naive, "naive_forward");
-  const Matrix<T>& p = saved.probs;
-  mixattn::detail::require(p.rows() == q.rows() && p.cols() == k.rows(), fn, "saved.probs is ",
-                           detail::shape_str(p), " but should be ", q.rows(), " x ", k.rows());
   Grad<T> g;
-  g.v.resize(k.rows(), v.cols());
-  g.v.noalias() = p.transpose() * grad_out;
-  Matrix<T> ds(q.rows(), k.rows());
-  ds.noalias() = grad_out * v.transpose();
-  for (Index i = 0; i < ds.rows(); ++i) {
-    const T d = p.row(i).dot(ds.row(i));
-    ds.row(i) = (p.row(i).array() * (ds.row(i).array() - d)).matrix();
-  }
-  g.q.resize(q.rows(), q.cols());
-  g.q.noalias() = ds * k;
-  g.q *= static_cast<T>(scale);
-  // dK = dS^T (scale Q), associated as flash_backward does (scaling the product afterwards would
-  // let dS^T Q underflow first when q is tiny and the scale large).
-  const Matrix<T> qs = static_cast<T>(scale) * q;
-  g.k.resize(k.rows(), k.cols());
-  g.k.noalias() = ds.transpose() * qs;
+  detail::naive_backward<T>("mixattn::reference::naive_backward", g, q, k, v, grad_out, saved, opt);
   return g;
+}
+
+/// naive_backward into caller-owned gradients (resized; scratch kept in `grad`).
+template <class T>
+void naive_backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                         const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                         const Saved<T>& saved, const Options& opt) {
+  detail::naive_backward<T>("mixattn::reference::naive_backward_into", grad, q, k, v, grad_out,
+                            saved, opt);
 }
 
 /// Tiled softmax attention with an online softmax (SPEC §3; FlashAttention-2 forward): the same
@@ -214,21 +308,18 @@ template <class T>
 Matrix<T> flash_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                         const ConstMatrixRef<T>& v, const Options& opt = {},
                         Saved<T>* saved = nullptr) {
-  constexpr const char* fn = "mixattn::reference::flash_forward";
-  const double scale = detail::check_inputs<T>(fn, q, k, v, opt);
-  using Tiles = detail::FlashTiles<T>;
-  Matrix<T> out(q.rows(), v.cols());
-  Vector<T> lse(q.rows());
-  detail::flash_forward_tiles<T, Tiles::forward_queries, Tiles::forward_keys>(
-      q, k, v, static_cast<T>(scale), opt.causal, out, lse);
-  detail::check_output(fn, out, opt);
-  if (saved) {
-    detail::record(*saved, Saved<T>::Source::flash, q, k, v, opt, scale);
-    saved->out = out;
-    saved->lse = std::move(lse);
-    saved->probs.resize(0, 0);
-  }
+  Matrix<T> out;
+  detail::flash_forward<T>("mixattn::reference::flash_forward", out, q, k, v, opt, saved);
   return out;
+}
+
+/// flash_forward into a caller-owned `out` (resized to N x d_v); `saved` keeps the output, the
+/// log-sum-exps and the call's scratch, so repeated shapes allocate nothing. Without `saved`,
+/// per-thread scratch is used.
+template <class T>
+void flash_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                        const ConstMatrixRef<T>& v, const Options& opt, Saved<T>* saved) {
+  detail::flash_forward<T>("mixattn::reference::flash_forward_into", out, q, k, v, opt, saved);
 }
 
 /// Backward of flash_forward (FlashAttention-2 backward): recomputes each probability tile from
@@ -242,22 +333,20 @@ template <class T>
 Grad<T> flash_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                        const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
-  constexpr const char* fn = "mixattn::reference::flash_backward";
-  const double scale = detail::check_backward<T>(fn, q, k, v, grad_out, saved, opt,
-                                                 Saved<T>::Source::flash, "flash_forward");
-  mixattn::detail::require(
-      saved.out.rows() == q.rows() && saved.out.cols() == v.cols() && saved.lse.size() == q.rows(),
-      fn, "saved.out is ", detail::shape_str(saved.out), " and saved.lse has ", saved.lse.size(),
-      " entries but q has ", q.rows(), " rows and v has ", v.cols(), " columns");
-  using Tiles = detail::FlashTiles<T>;
   Grad<T> g;
-  g.q.resize(q.rows(), q.cols());
-  g.k.resize(k.rows(), k.cols());
-  g.v.resize(v.rows(), v.cols());
-  detail::flash_backward_tiles<T, Tiles::backward_queries, Tiles::backward_keys>(
-      q, k, v, saved.out, grad_out, saved.lse, static_cast<T>(scale), opt.causal, g.q, g.k, g.v);
+  detail::flash_backward<T>("mixattn::reference::flash_backward", g, q, k, v, grad_out, saved, opt);
   return g;
 }
+
+/// flash_backward into caller-owned gradients (resized; scratch kept in `grad`).
+template <class T>
+void flash_backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                         const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                         const Saved<T>& saved, const Options& opt) {
+  detail::flash_backward<T>("mixattn::reference::flash_backward_into", grad, q, k, v, grad_out,
+                            saved, opt);
+}
+
 
 /// The key/value cache of causal softmax decoding (SPEC §3, causal mask): the keys (size x r)
 /// and values (size x d_v) of every token seen so far, in buffers whose capacity at least

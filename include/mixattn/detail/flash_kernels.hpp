@@ -33,6 +33,15 @@ struct FlashTiles {
   static constexpr Index backward_keys = std::is_same<T, double>::value ? 128 : 256;
 };
 
+/// Working memory of the tiled kernels, reused across calls (capacity kept when shapes repeat).
+template <class T>
+struct FlashScratch {
+  Matrix<T> qs;                // forward: scale * one query tile; backward: scale * q (N x r)
+  Matrix<T> s, dp;             // one score / probability tile and its gradient
+  Vector<T> row_max, row_sum;  // forward: per row of a query tile
+  Vector<T> delta;             // backward: D_i = dO_i . O_i (N)
+};
+
 /// Columns c of a score tile whose key j0 + c lies after query i (causal mask, inclusive j <= i)
 /// start at c = i - j0 + 1. Returns how many leading columns of the row are visible, in [0, bc].
 inline Index visible_columns(Index i, Index j0, Index bc) {
@@ -49,16 +58,21 @@ inline Index visible_columns(Index i, Index j0, Index bc) {
 template <class T, Index BlockQ, Index BlockK>
 void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                          const ConstMatrixRef<T>& v, T scale, bool causal, Matrix<T>& out,
-                         Vector<T>& lse) {
+                         Vector<T>& lse, FlashScratch<T>& scratch) {
   const Index n = q.rows(), m_keys = k.rows(), r = q.cols();
   const T neg_inf = -std::numeric_limits<T>::infinity();
   MIXATTN_ASSERT(out.rows() == n && out.cols() == v.cols() && lse.size() == n);
   MIXATTN_ASSERT(!causal || n == m_keys);
 
   using RowMap = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
-  Matrix<T> qs(BlockQ, r);      // scale * query tile, so the score GEMM needs no rescale
-  Matrix<T> s(BlockQ, BlockK);  // scores, then probabilities, of one tile
-  Vector<T> row_max(BlockQ), row_sum(BlockQ);
+  Matrix<T>& qs = scratch.qs;  // scale * query tile, so the score GEMM needs no rescale
+  Matrix<T>& s = scratch.s;    // scores, then probabilities, of one tile
+  Vector<T>& row_max = scratch.row_max;
+  Vector<T>& row_sum = scratch.row_sum;
+  qs.resize(BlockQ, r);
+  s.resize(BlockQ, BlockK);
+  row_max.resize(BlockQ);
+  row_sum.resize(BlockQ);
 
   for (Index i0 = 0; i0 < n; i0 += BlockQ) {
     const Index br = std::min(BlockQ, n - i0);
@@ -123,7 +137,8 @@ template <class T, Index BlockQ, Index BlockK>
 void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                           const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& out,
                           const ConstMatrixRef<T>& grad_out, const Vector<T>& lse, T scale,
-                          bool causal, Matrix<T>& dq, Matrix<T>& dk, Matrix<T>& dv) {
+                          bool causal, Matrix<T>& dq, Matrix<T>& dk, Matrix<T>& dv,
+                          FlashScratch<T>& scratch) {
   using W = mixattn::detail::wide_t<T>;
   const Index n = q.rows(), m_keys = k.rows();
   MIXATTN_ASSERT(!causal || n == m_keys);
@@ -131,14 +146,19 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
   dk.setZero();
   dv.setZero();
 
-  const Matrix<T> qs = scale * q;  // O(N r), once per call
-  Vector<T> delta(n);              // D_i, summed in the wide type (d_v terms of either sign)
+  Matrix<T>& qs = scratch.qs;  // scale * q: O(N r), once per call
+  qs = scale * q;
+  Vector<T>& delta = scratch.delta;  // D_i, summed in the wide type (d_v terms of either sign)
+  delta.resize(n);
   for (Index i = 0; i < n; ++i)
     delta[i] = static_cast<T>(
         (grad_out.row(i).template cast<W>().array() * out.row(i).template cast<W>().array()).sum());
 
   using RowMap = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
-  Matrix<T> p(BlockQ, BlockK), dp(BlockQ, BlockK);
+  Matrix<T>& p = scratch.s;
+  Matrix<T>& dp = scratch.dp;
+  p.resize(BlockQ, BlockK);
+  dp.resize(BlockQ, BlockK);
 
   for (Index j0 = 0; j0 < m_keys; j0 += BlockK) {
     const Index bc = std::min(BlockK, m_keys - j0);

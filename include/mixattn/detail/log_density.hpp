@@ -249,15 +249,18 @@ struct DensityTile {
   static constexpr int vectors = simd_registers<Arch>() >= 32 ? 4 : 2;
 };
 
-/// gamma (n x K, row-major, stride ldo) of the n rows of x (stride ldx).
+/// gamma (n x K, row-major, stride ldo) of the n rows of x (stride ldx). `reuse` (optional)
+/// holds the score rows between calls, so that repeated calls allocate nothing.
 template <class Arch, class T>
 inline void responsibilities_into(Arch arch, const PackedDensity<T>& p, const T* x, Index ldx,
-                                  Index n, T* out, Index ldo) {
+                                  Index n, T* out, Index ldo, std::vector<T>* reuse = nullptr) {
   const Index K = p.components, P = p.padded;
+  std::vector<T> own;
+  std::vector<T>& scratch = reuse != nullptr ? *reuse : own;
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
     constexpr int TI = DensityTile<Arch>::tokens, TK = DensityTile<Arch>::vectors;
-    std::vector<T> scratch(static_cast<std::size_t>(TI * P));
+    scratch.resize(static_cast<std::size_t>(TI * P));
     Index i = 0;
     for (; i + TI <= n; i += TI) {
       log_density_rows<TI, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
@@ -272,7 +275,7 @@ inline void responsibilities_into(Arch arch, const PackedDensity<T>& p, const T*
   }
 #endif
   (void)arch;
-  std::vector<T> scratch(static_cast<std::size_t>(P));
+  scratch.resize(static_cast<std::size_t>(P));
   for (Index i = 0; i < n; ++i) {
     log_density_row_scalar(p, x + i * ldx, scratch.data());
     softmax_row_scalar(scratch.data(), K, out + i * ldo);

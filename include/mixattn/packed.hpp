@@ -1,0 +1,465 @@
+// mixattn/packed.hpp — packed variable-length batches: B sequences of different lengths stacked
+// along the rows, H heads side by side in the columns, one call.
+//
+// Layout (the cu_seqlens convention of FlashAttention and PyTorch's nested tensors):
+//   offsets: B + 1 nondecreasing row indices, offsets[0] = 0, offsets[B] = total rows;
+//            sequence b is rows [offsets[b], offsets[b+1]).
+//   q: total_q x (H_q r), k: total_k x (H_kv r), v: total_k x (H_kv d_v), out: total_q x (H_q d_v);
+//   head h reads and writes column block h (as in batched.hpp).
+// Cross-attention gives keys their own offsets (k_offsets); self-attention passes the same
+// vector twice. Grouped-query attention (flash and OVQ): H_q query heads share H_kv key/value
+// heads, H_q a multiple of H_kv; query head h reads key/value head h / (H_q / H_kv).
+//
+// Every (sequence, head) pair is one independent call of the single-sequence operator, so the
+// results equal B x H separate calls bit for bit whatever the thread count; gradients of shared
+// parameters (a head's mixture, OVQ's beta, a shared key/value head) are the separate calls'
+// gradients summed in sequence order (then query-head order). Pairs run on up to `threads`
+// threads (0: all cores) of the library's pool, the most expensive first, each thread taking the
+// next pair when it finishes one, so mixed lengths balance.
+//
+// Records (PackedSaved, PackedGrad) keep one record per pair and are reused: with the same
+// offsets and shapes, a step allocates nothing in steady state (one thread; the pool's
+// scheduling aside).
+#pragma once
+
+#include "mixattn/core.hpp"
+#include "mixattn/gma.hpp"
+#include "mixattn/ovq.hpp"
+#include "mixattn/parallel.hpp"
+#include "mixattn/reference.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+namespace mixattn {
+
+/// Row offsets of a packed batch (B + 1 entries).
+using Offsets = std::vector<Index>;
+
+namespace detail {
+
+/// Checks that `offsets` describes `rows` rows: B + 1 >= 2 entries, 0 first, nondecreasing,
+/// `rows` last.
+inline void check_offsets(const char* fn, const char* name, const Offsets& offsets, Index rows) {
+  require(offsets.size() >= 2, fn, name, " has ", offsets.size(),
+          " entries; it needs B + 1 >= 2 (one more than the number of sequences)");
+  require(offsets.front() == 0, fn, name, "[0] is ", offsets.front(), "; it must be 0");
+  for (std::size_t b = 0; b + 1 < offsets.size(); ++b)
+    require(offsets[b] <= offsets[b + 1], fn, name, " decreases at ", b, ": ", offsets[b],
+            " > ", offsets[b + 1]);
+  require(offsets.back() == rows, fn, name, " ends at ", offsets.back(), " but the input has ",
+          rows, " rows");
+}
+
+/// Head layout of a packed call: H_q query heads of width r and H_kv key/value heads.
+struct PackedHeads {
+  Index batch = 0, heads = 0, kv_heads = 0, r = 0, dv = 0;
+  Index items() const { return batch * heads; }
+  Index kv_of(Index h) const { return h / (heads / kv_heads); }
+};
+
+/// Validates the packed shapes; `heads` query heads, `kv_heads` key/value heads.
+inline PackedHeads check_packed(const char* fn, Index heads, Index kv_heads, Index qc, Index kc,
+                                Index vc, Index q_rows, Index k_rows, Index v_rows,
+                                const Offsets& q_offsets, const Offsets& k_offsets, int threads) {
+  require(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, fn, "heads is ", heads,
+          " and key/value heads is ", kv_heads, "; both >= 1 and heads a multiple of them");
+  require(qc % heads == 0 && qc > 0, fn, "q has ", qc, " columns, not a positive multiple of ",
+          heads, " heads");
+  const Index r = qc / heads;
+  require(kc == kv_heads * r, fn, "k has ", kc, " columns but ", kv_heads,
+          " key heads of dimension ", r, " need ", kv_heads * r);
+  require(vc % kv_heads == 0 && vc > 0, fn, "v has ", vc, " columns, not a positive multiple of ",
+          kv_heads, " value heads");
+  require(v_rows == k_rows, fn, "v has ", v_rows, " rows but k has ", k_rows);
+  require(threads >= 0, fn, "threads must be >= 0, got ", threads);
+  check_offsets(fn, "q_offsets", q_offsets, q_rows);
+  check_offsets(fn, "k_offsets", k_offsets, k_rows);
+  require(q_offsets.size() == k_offsets.size(), fn, "q_offsets has ", q_offsets.size(),
+          " entries but k_offsets has ", k_offsets.size(), " (both B + 1)");
+  return {static_cast<Index>(q_offsets.size()) - 1, heads, kv_heads, r, vc / kv_heads};
+}
+
+/// dk, dv of the key/value heads from the per-item gradients: a key/value head's is the sum over
+/// the query heads that share it, in query-head order (one term without grouping).
+template <class Grad, class T>
+void packed_sum_kv(const std::vector<Grad>& items, const PackedHeads& ph, const Offsets& k_offsets,
+                   Index k_cols, Index v_cols, Matrix<T>& dk, Matrix<T>& dv) {
+  dk.resize(k_offsets.back(), k_cols);
+  dv.resize(k_offsets.back(), v_cols);
+  const Index group = ph.heads / ph.kv_heads, r = ph.r, d = ph.dv;
+  for (Index b = 0; b < ph.batch; ++b)
+    for (Index g = 0; g < ph.kv_heads; ++g) {
+      const Index k0 = k_offsets[static_cast<std::size_t>(b)];
+      const Index nk = k_offsets[static_cast<std::size_t>(b) + 1] - k0;
+      const std::size_t first = static_cast<std::size_t>(b * ph.heads + g * group);
+      dk.block(k0, g * r, nk, r) = items[first].k;
+      dv.block(k0, g * d, nk, d) = items[first].v;
+      for (Index j = 1; j < group; ++j) {
+        dk.block(k0, g * r, nk, r) += items[first + static_cast<std::size_t>(j)].k;
+        dv.block(k0, g * d, nk, d) += items[first + static_cast<std::size_t>(j)].v;
+      }
+    }
+}
+
+/// Runs fn(item) for every item in [0, count), the largest cost(item) first (ties by index),
+/// on up to `threads` threads that each take the next item when done. `order` is scratch.
+template <class Cost, class Fn>
+void parallel_largest_first(Index count, int threads, Cost&& cost, Fn&& fn,
+                            std::vector<Index>& order) {
+  order.resize(static_cast<std::size_t>(count));
+  for (Index i = 0; i < count; ++i) order[static_cast<std::size_t>(i)] = i;
+  std::sort(order.begin(), order.end(), [&](Index a, Index b) {
+    const Index ca = cost(a), cb = cost(b);
+    return ca != cb ? ca > cb : a < b;
+  });
+  std::atomic<Index> next{0};
+  const Index workers = std::min<Index>(threads == 0 ? Index(1) << 20 : threads, count);
+  parallel_for(workers, threads, [&](Index) {
+    for (Index i = next++; i < count; i = next++) fn(order[static_cast<std::size_t>(i)]);
+  });
+}
+
+}  // namespace detail
+
+namespace gma {
+
+/// What forward_packed keeps for backward_packed: one Saved per (sequence b, head h), item
+/// b H + h, and the call's scratch.
+template <class T>
+struct PackedSaved {
+  std::vector<Saved<T>> items;
+  std::vector<Matrix<T>> outs;  // per item: its output before it is copied into place
+  std::vector<Index> order;
+  Offsets q_offsets, k_offsets;
+};
+
+/// Gradients of forward_packed: q, k, v like the inputs, one MixtureGrad per head (summed over
+/// the sequences in order), and the per-item records kept for reuse.
+template <class T>
+struct PackedGrad {
+  Matrix<T> q, k, v;
+  std::vector<MixtureGrad<T>> mixtures;
+  std::vector<Grad<T>> items;
+  std::vector<Index> order;
+};
+
+/// Packed GMA forward. mixtures: H mixtures of dimension r (one per head); q: total_q x (H r),
+/// k: total_k x (H r), v: total_k x (H d_v); q_offsets, k_offsets: B + 1 entries each (the same
+/// vector for self-attention; causal needs equal lengths per sequence). out: resized to
+/// total_q x (H d_v). saved (optional) is filled for backward_packed_into.
+template <class T>
+void forward_packed_into(Matrix<T>& out, const std::vector<Mixture<T>>& mixtures,
+                         const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                         const ConstMatrixRef<T>& v, const Offsets& q_offsets,
+                         const Offsets& k_offsets, const Options& opt,
+                         PackedSaved<typename detail::identity<T>::type>* saved, int threads = 1) {
+  constexpr const char* fn = "mixattn::gma::forward_packed_into";
+  detail::require(!mixtures.empty(), fn, "mixtures is empty (need one mixture per head)");
+  const Index heads = static_cast<Index>(mixtures.size());
+  const detail::PackedHeads ph =
+      detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(), k.rows(),
+                           v.rows(), q_offsets, k_offsets, threads);
+  PackedSaved<T> local;
+  PackedSaved<T>& rec = saved ? *saved : local;
+  const std::size_t items = static_cast<std::size_t>(ph.items());
+  rec.items.resize(items);
+  rec.outs.resize(items);
+  rec.q_offsets = q_offsets;
+  rec.k_offsets = k_offsets;
+  out.resize(q.rows(), heads * ph.dv);
+  const Index r = ph.r, dv = ph.dv;
+  detail::parallel_largest_first(
+      ph.items(), threads,
+      [&](Index i) { return q_offsets[i / heads + 1] - q_offsets[i / heads] +
+                            k_offsets[i / heads + 1] - k_offsets[i / heads]; },
+      [&](Index i) {
+        const Index b = i / heads, h = i % heads;
+        const Index q0 = q_offsets[b], nq = q_offsets[b + 1] - q0;
+        const Index k0 = k_offsets[b], nk = k_offsets[b + 1] - k0;
+        const std::size_t is = static_cast<std::size_t>(i);
+        Matrix<T>& o = rec.outs[is];
+        forward_into(o, mixtures[static_cast<std::size_t>(h)], q.block(q0, h * r, nq, r),
+                     k.block(k0, h * r, nk, r), v.block(k0, h * dv, nk, dv), opt,
+                     saved ? &rec.items[is] : nullptr);
+        out.block(q0, h * dv, nq, dv) = o;
+      },
+      rec.order);
+}
+
+/// Packed GMA backward; grad_out: total_q x (H d_v); saved from forward_packed_into with the
+/// same inputs, offsets and options.
+template <class T>
+void backward_packed_into(PackedGrad<T>& grad, const std::vector<Mixture<T>>& mixtures,
+                          const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                          const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                          const Offsets& q_offsets, const Offsets& k_offsets,
+                          const PackedSaved<T>& saved, const Options& opt, int threads = 1) {
+  constexpr const char* fn = "mixattn::gma::backward_packed_into";
+  detail::require(!mixtures.empty(), fn, "mixtures is empty (need one mixture per head)");
+  const Index heads = static_cast<Index>(mixtures.size());
+  const detail::PackedHeads ph =
+      detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(), k.rows(),
+                           v.rows(), q_offsets, k_offsets, threads);
+  detail::require(grad_out.rows() == q.rows() && grad_out.cols() == v.cols(), fn, "grad_out is ",
+                  detail::shape_str(grad_out), " but the output is ", q.rows(), " x ", v.cols());
+  detail::require(static_cast<Index>(saved.items.size()) == ph.items() &&
+                      saved.q_offsets == q_offsets && saved.k_offsets == k_offsets,
+                  fn, "saved holds ", saved.items.size(), " records for other offsets; this call has ",
+                  ph.items(), " (sequence, head) pairs");
+  const Index r = ph.r, dv = ph.dv;
+  grad.items.resize(static_cast<std::size_t>(ph.items()));
+  grad.q.resize(q.rows(), q.cols());
+  grad.k.resize(k.rows(), k.cols());
+  grad.v.resize(v.rows(), v.cols());
+  detail::parallel_largest_first(
+      ph.items(), threads,
+      [&](Index i) { return q_offsets[i / heads + 1] - q_offsets[i / heads] +
+                            k_offsets[i / heads + 1] - k_offsets[i / heads]; },
+      [&](Index i) {
+        const Index b = i / heads, h = i % heads;
+        const Index q0 = q_offsets[b], nq = q_offsets[b + 1] - q0;
+        const Index k0 = k_offsets[b], nk = k_offsets[b + 1] - k0;
+        Grad<T>& g = grad.items[static_cast<std::size_t>(i)];
+        backward_into(g, mixtures[static_cast<std::size_t>(h)], q.block(q0, h * r, nq, r),
+                      k.block(k0, h * r, nk, r), v.block(k0, h * dv, nk, dv),
+                      grad_out.block(q0, h * dv, nq, dv), saved.items[static_cast<std::size_t>(i)],
+                      opt);
+        grad.q.block(q0, h * r, nq, r) = g.q;
+        grad.k.block(k0, h * r, nk, r) = g.k;
+        grad.v.block(k0, h * dv, nk, dv) = g.v;
+      },
+      grad.order);
+  grad.mixtures.resize(static_cast<std::size_t>(heads));
+  for (Index h = 0; h < heads; ++h) {  // sequence order, as separate calls summed would be
+    MixtureGrad<T>& m = grad.mixtures[static_cast<std::size_t>(h)];
+    const MixtureGrad<T>& first = grad.items[static_cast<std::size_t>(h)].mixture;
+    m.mean = first.mean;
+    m.var_raw = first.var_raw;
+    m.prior_logit = first.prior_logit;
+    for (Index b = 1; b < ph.batch; ++b) {
+      const MixtureGrad<T>& g = grad.items[static_cast<std::size_t>(b * heads + h)].mixture;
+      m.mean += g.mean;
+      m.var_raw += g.var_raw;
+      m.prior_logit += g.prior_logit;
+    }
+  }
+}
+
+}  // namespace gma
+
+namespace reference {
+
+/// Records of flash_forward_packed_into: one Saved per (sequence, query head), item b H_q + h.
+template <class T>
+struct PackedSaved {
+  std::vector<Saved<T>> items;
+  std::vector<Matrix<T>> outs;
+  std::vector<Index> order;
+  Offsets q_offsets, k_offsets;
+};
+
+/// Gradients of flash_forward_packed_into; a shared key/value head's dk, dv are summed over its
+/// query heads in order.
+template <class T>
+struct PackedGrad {
+  Matrix<T> q, k, v;
+  std::vector<Grad<T>> items;
+  std::vector<Index> order;
+};
+
+/// Packed tiled softmax attention with grouped-query heads. q: total_q x (H_q r), k:
+/// total_k x (H_kv r), v: total_k x (H_kv d_v), H_kv = kv_heads dividing H_q = heads; offsets as
+/// at the top of this file. out: resized to total_q x (H_q d_v).
+template <class T>
+void flash_forward_packed_into(Matrix<T>& out, Index heads, Index kv_heads,
+                               const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                               const ConstMatrixRef<T>& v, const Offsets& q_offsets,
+                               const Offsets& k_offsets, const Options& opt,
+                               PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
+                               int threads = 1) {
+  constexpr const char* fn = "mixattn::reference::flash_forward_packed_into";
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
+                                    k.rows(), v.rows(), q_offsets, k_offsets, threads);
+  PackedSaved<T> local;
+  PackedSaved<T>& rec = saved ? *saved : local;
+  const std::size_t items = static_cast<std::size_t>(ph.items());
+  rec.items.resize(items);
+  rec.outs.resize(items);
+  rec.q_offsets = q_offsets;
+  rec.k_offsets = k_offsets;
+  out.resize(q.rows(), heads * ph.dv);
+  const Index r = ph.r, dv = ph.dv;
+  mixattn::detail::parallel_largest_first(
+      ph.items(), threads,
+      [&](Index i) {
+        const Index b = i / heads;
+        return (q_offsets[b + 1] - q_offsets[b]) * (k_offsets[b + 1] - k_offsets[b]);
+      },
+      [&](Index i) {
+        const Index b = i / heads, h = i % heads, g = ph.kv_of(h);
+        const Index q0 = q_offsets[b], nq = q_offsets[b + 1] - q0;
+        const Index k0 = k_offsets[b], nk = k_offsets[b + 1] - k0;
+        const std::size_t is = static_cast<std::size_t>(i);
+        Matrix<T>& o = rec.outs[is];
+        flash_forward_into<T>(o, q.block(q0, h * r, nq, r), k.block(k0, g * r, nk, r),
+                              v.block(k0, g * dv, nk, dv), opt, saved ? &rec.items[is] : nullptr);
+        out.block(q0, h * dv, nq, dv) = o;
+      },
+      rec.order);
+}
+
+/// Backward of flash_forward_packed_into; grad_out: total_q x (H_q d_v).
+template <class T>
+void flash_backward_packed_into(PackedGrad<T>& grad, Index heads, Index kv_heads,
+                                const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                                const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                                const Offsets& q_offsets, const Offsets& k_offsets,
+                                const PackedSaved<T>& saved, const Options& opt,
+                                int threads = 1) {
+  constexpr const char* fn = "mixattn::reference::flash_backward_packed_into";
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
+                                    k.rows(), v.rows(), q_offsets, k_offsets, threads);
+  mixattn::detail::require(grad_out.rows() == q.rows() && grad_out.cols() == heads * ph.dv, fn,
+                           "grad_out is ", detail::shape_str(grad_out), " but the output is ",
+                           q.rows(), " x ", heads * ph.dv);
+  mixattn::detail::require(static_cast<Index>(saved.items.size()) == ph.items() &&
+                               saved.q_offsets == q_offsets && saved.k_offsets == k_offsets,
+                           fn, "saved holds ", saved.items.size(),
+                           " records for other offsets; this call has ", ph.items(),
+                           " (sequence, head) pairs");
+  const Index r = ph.r, dv = ph.dv;
+  grad.items.resize(static_cast<std::size_t>(ph.items()));
+  grad.q.resize(q.rows(), q.cols());
+  mixattn::detail::parallel_largest_first(
+      ph.items(), threads,
+      [&](Index i) {
+        const Index b = i / heads;
+        return (q_offsets[b + 1] - q_offsets[b]) * (k_offsets[b + 1] - k_offsets[b]);
+      },
+      [&](Index i) {
+        const Index b = i / heads, h = i % heads, g = ph.kv_of(h);
+        const Index q0 = q_offsets[b], nq = q_offsets[b + 1] - q0;
+        const Index k0 = k_offsets[b], nk = k_offsets[b + 1] - k0;
+        const std::size_t is = static_cast<std::size_t>(i);
+        Grad<T>& gi = grad.items[is];
+        flash_backward_into<T>(gi, q.block(q0, h * r, nq, r), k.block(k0, g * r, nk, r),
+                               v.block(k0, g * dv, nk, dv), grad_out.block(q0, h * dv, nq, dv),
+                               saved.items[is], opt);
+        grad.q.block(q0, h * r, nq, r) = gi.q;
+      },
+      grad.order);
+  mixattn::detail::packed_sum_kv(grad.items, ph, k_offsets, k.cols(), v.cols(), grad.k, grad.v);
+}
+
+}  // namespace reference
+
+namespace ovq {
+
+/// Records of forward_packed_into: one Saved per (sequence, query head), item b H_q + h.
+template <class T>
+struct PackedSaved {
+  std::vector<Saved<T>> items;
+  std::vector<Matrix<T>> outs;
+  std::vector<Index> order;
+  Offsets offsets;
+};
+
+/// Gradients of forward_packed_into: dq, dk, dv like the inputs (a shared key/value head's
+/// summed over its query heads in order) and one dbeta per query head (summed over sequences).
+template <class T>
+struct PackedGrad {
+  Matrix<T> q, k, v;
+  std::vector<T> beta;
+  std::vector<Grad<T>> items;
+  std::vector<Index> order;
+};
+
+/// Packed OVQ attention with grouped-query heads (OVQ is causal: one offsets vector).
+/// q: total x (H_q r), k: total x (H_kv r), v: total x (H_kv d_v); beta: H_q scale factors;
+/// states: B H_q states, item b H_q + h, each continued and updated as by forward (in and out).
+/// out: resized to total x (H_q d_v).
+template <class T>
+void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixRef<T>& q,
+                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                         const std::vector<T>& beta, const Offsets& offsets, const Options& opt,
+                         std::vector<State<T>>& states,
+                         PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
+                         int threads = 1) {
+  constexpr const char* fn = "mixattn::ovq::forward_packed_into";
+  const Index heads = static_cast<Index>(beta.size());
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
+                                    k.rows(), v.rows(), offsets, offsets, threads);
+  detail::require(static_cast<Index>(states.size()) == ph.items(), fn, "states has ",
+                  states.size(), " entries but ", ph.batch, " sequences x ", heads, " heads need ",
+                  ph.items());
+  PackedSaved<T> local;
+  PackedSaved<T>& rec = saved ? *saved : local;
+  const std::size_t items = static_cast<std::size_t>(ph.items());
+  rec.items.resize(items);
+  rec.outs.resize(items);
+  rec.offsets = offsets;
+  out.resize(q.rows(), heads * ph.dv);
+  const Index r = ph.r, dv = ph.dv;
+  mixattn::detail::parallel_largest_first(
+      ph.items(), threads, [&](Index i) { return offsets[i / heads + 1] - offsets[i / heads]; },
+      [&](Index i) {
+        const Index b = i / heads, h = i % heads, g = ph.kv_of(h);
+        const Index t0 = offsets[b], n = offsets[b + 1] - t0;
+        const std::size_t is = static_cast<std::size_t>(i);
+        Matrix<T>& o = rec.outs[is];
+        forward_into(o, q.block(t0, h * r, n, r), k.block(t0, g * r, n, r),
+                     v.block(t0, g * dv, n, dv), beta[static_cast<std::size_t>(h)], opt,
+                     states[is], saved ? &rec.items[is] : nullptr);
+        out.block(t0, h * dv, n, dv) = o;
+      },
+      rec.order);
+}
+
+/// Backward of forward_packed_into; grad_out: total x (H_q d_v).
+template <class T>
+void backward_packed_into(PackedGrad<T>& grad, Index kv_heads, const ConstMatrixRef<T>& q,
+                          const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                          const std::vector<T>& beta, const ConstMatrixRef<T>& grad_out,
+                          const Offsets& offsets, const PackedSaved<T>& saved, const Options& opt,
+                          int threads = 1) {
+  constexpr const char* fn = "mixattn::ovq::backward_packed_into";
+  const Index heads = static_cast<Index>(beta.size());
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
+                                    k.rows(), v.rows(), offsets, offsets, threads);
+  detail::require(grad_out.rows() == q.rows() && grad_out.cols() == heads * ph.dv, fn,
+                  "grad_out is ", detail::shape_str(grad_out), " but the output is ", q.rows(),
+                  " x ", heads * ph.dv);
+  detail::require(static_cast<Index>(saved.items.size()) == ph.items() && saved.offsets == offsets,
+                  fn, "saved holds ", saved.items.size(), " records for other offsets; this call has ",
+                  ph.items(), " (sequence, head) pairs");
+  const Index r = ph.r, dv = ph.dv;
+  grad.items.resize(static_cast<std::size_t>(ph.items()));
+  grad.q.resize(q.rows(), q.cols());
+  mixattn::detail::parallel_largest_first(
+      ph.items(), threads, [&](Index i) { return offsets[i / heads + 1] - offsets[i / heads]; },
+      [&](Index i) {
+        const Index b = i / heads, h = i % heads, g = ph.kv_of(h);
+        const Index t0 = offsets[b], n = offsets[b + 1] - t0;
+        const std::size_t is = static_cast<std::size_t>(i);
+        Grad<T>& gi = grad.items[is];
+        backward_into(gi, q.block(t0, h * r, n, r), k.block(t0, g * r, n, r),
+                      v.block(t0, g * dv, n, dv), beta[static_cast<std::size_t>(h)],
+                      grad_out.block(t0, h * dv, n, dv), saved.items[is], opt);
+        grad.q.block(t0, h * r, n, r) = gi.q;
+      },
+      grad.order);
+  mixattn::detail::packed_sum_kv(grad.items, ph, offsets, k.cols(), v.cols(), grad.k, grad.v);
+  grad.beta.assign(static_cast<std::size_t>(heads), T(0));
+  for (Index h = 0; h < heads; ++h)
+    for (Index b = 0; b < ph.batch; ++b)
+      grad.beta[static_cast<std::size_t>(h)] += grad.items[static_cast<std::size_t>(b * heads + h)].beta;
+}
+
+}  // namespace ovq
+}  // namespace mixattn

@@ -1,0 +1,208 @@
+// Packed variable-length batches (packed.hpp): every (sequence, head) pair of one packed call
+// equals the separate single-sequence call bit for bit, on one thread and on several; shared
+// parameters' gradients equal the separate gradients summed in sequence order; grouped-query
+// heads read their shared key/value head; bad offsets are rejected.
+#include "test_util.hpp"
+
+#include <mixattn/packed.hpp>
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace {
+
+using mixattn::Index;
+using mixattn::Matrix;
+using mixattn::Offsets;
+using mixattn::testing::random_matrix;
+
+Offsets offsets_of(const std::vector<Index>& lengths) {
+  Offsets o{0};
+  for (const Index n : lengths) o.push_back(o.back() + n);
+  return o;
+}
+
+template <class T>
+class PackedTyped : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(PackedTyped, Scalars);
+
+// Mixed lengths 1, 7, 256, 1000, longest not first, so the largest-first order differs from the
+// sequence order.
+const std::vector<Index> kLengths = {256, 1, 1000, 7};
+
+TYPED_TEST(PackedTyped, GmaEqualsSeparateCalls) {
+  using T = TypeParam;
+  namespace gma = mixattn::gma;
+  const Index H = 2, r = 8, K = 8, dv = 4;
+  std::vector<gma::Mixture<T>> mix;
+  for (Index h = 0; h < H; ++h) mix.push_back(gma::Mixture<T>::random(K, r, 10 + h));
+  struct Case {
+    bool causal;
+    std::vector<Index> key_lengths;
+  };
+  for (const Case& c : {Case{false, kLengths}, Case{true, kLengths},
+                        Case{false, std::vector<Index>{5, 300, 2, 17}}}) {
+    const Offsets qo = offsets_of(kLengths), ko = offsets_of(c.key_lengths);
+    const Matrix<T> q = random_matrix<T>(qo.back(), H * r, 1), k = random_matrix<T>(ko.back(), H * r, 2);
+    const Matrix<T> v = random_matrix<T>(ko.back(), H * dv, 3);
+    const Matrix<T> dout = random_matrix<T>(qo.back(), H * dv, 4);
+    gma::Options opt;
+    opt.causal = c.causal;
+    for (const int threads : {1, 2}) {
+      Matrix<T> out;
+      gma::PackedSaved<T> saved;
+      gma::PackedGrad<T> grad;
+      gma::forward_packed_into(out, mix, q, k, v, qo, ko, opt, &saved, threads);
+      gma::backward_packed_into(grad, mix, q, k, v, dout, qo, ko, saved, opt, threads);
+      for (Index h = 0; h < H; ++h) {
+        gma::MixtureGrad<T> sum;
+        for (std::size_t b = 0; b + 1 < qo.size(); ++b) {
+          const Index q0 = qo[b], nq = qo[b + 1] - q0, k0 = ko[b], nk = ko[b + 1] - k0;
+          gma::Saved<T> s;
+          const Matrix<T> o = gma::forward(mix[h], q.block(q0, h * r, nq, r), k.block(k0, h * r, nk, r),
+                                           v.block(k0, h * dv, nk, dv), opt, &s);
+          const gma::Grad<T> g = gma::backward(mix[h], q.block(q0, h * r, nq, r),
+                                               k.block(k0, h * r, nk, r), v.block(k0, h * dv, nk, dv),
+                                               dout.block(q0, h * dv, nq, dv), s, opt);
+          EXPECT_EQ(Matrix<T>(out.block(q0, h * dv, nq, dv)), o) << "b " << b << " h " << h;
+          EXPECT_EQ(Matrix<T>(grad.q.block(q0, h * r, nq, r)), g.q);
+          EXPECT_EQ(Matrix<T>(grad.k.block(k0, h * r, nk, r)), g.k);
+          EXPECT_EQ(Matrix<T>(grad.v.block(k0, h * dv, nk, dv)), g.v);
+          if (b == 0) {
+            sum = g.mixture;
+          } else {
+            sum.mean += g.mixture.mean;
+            sum.var_raw += g.mixture.var_raw;
+            sum.prior_logit += g.mixture.prior_logit;
+          }
+        }
+        EXPECT_EQ(grad.mixtures[h].mean, sum.mean) << "threads " << threads;
+        EXPECT_EQ(grad.mixtures[h].var_raw, sum.var_raw);
+        EXPECT_EQ(grad.mixtures[h].prior_logit, sum.prior_logit);
+      }
+    }
+  }
+}
+
+TYPED_TEST(PackedTyped, FlashGroupedQueryEqualsSeparateCalls) {
+  using T = TypeParam;
+  namespace ref = mixattn::reference;
+  const Index Hq = 4, Hkv = 2, r = 8, dv = 4, group = Hq / Hkv;
+  const Offsets off = offsets_of(kLengths);
+  const Matrix<T> q = random_matrix<T>(off.back(), Hq * r, 5), k = random_matrix<T>(off.back(), Hkv * r, 6);
+  const Matrix<T> v = random_matrix<T>(off.back(), Hkv * dv, 7);
+  const Matrix<T> dout = random_matrix<T>(off.back(), Hq * dv, 8);
+  for (const bool causal : {false, true}) {
+    ref::Options opt;
+    opt.causal = causal;
+    for (const int threads : {1, 2}) {
+      Matrix<T> out;
+      ref::PackedSaved<T> saved;
+      ref::PackedGrad<T> grad;
+      ref::flash_forward_packed_into<T>(out, Hq, Hkv, q, k, v, off, off, opt, &saved, threads);
+      ref::flash_backward_packed_into<T>(grad, Hq, Hkv, q, k, v, dout, off, off, saved, opt, threads);
+      for (std::size_t b = 0; b + 1 < off.size(); ++b) {
+        const Index t0 = off[b], n = off[b + 1] - t0;
+        for (Index g = 0; g < Hkv; ++g) {
+          Matrix<T> dk_sum, dv_sum;
+          for (Index j = 0; j < group; ++j) {
+            const Index h = g * group + j;
+            ref::Saved<T> s;
+            const Matrix<T> o = ref::flash_forward<T>(q.block(t0, h * r, n, r), k.block(t0, g * r, n, r),
+                                                      v.block(t0, g * dv, n, dv), opt, &s);
+            const ref::Grad<T> gr = ref::flash_backward<T>(
+                q.block(t0, h * r, n, r), k.block(t0, g * r, n, r), v.block(t0, g * dv, n, dv),
+                dout.block(t0, h * dv, n, dv), s, opt);
+            EXPECT_EQ(Matrix<T>(out.block(t0, h * dv, n, dv)), o);
+            EXPECT_EQ(Matrix<T>(grad.q.block(t0, h * r, n, r)), gr.q);
+            if (j == 0) {
+              dk_sum = gr.k;
+              dv_sum = gr.v;
+            } else {
+              dk_sum += gr.k;
+              dv_sum += gr.v;
+            }
+          }
+          EXPECT_EQ(Matrix<T>(grad.k.block(t0, g * r, n, r)), dk_sum);
+          EXPECT_EQ(Matrix<T>(grad.v.block(t0, g * dv, n, dv)), dv_sum);
+        }
+      }
+    }
+  }
+}
+
+TYPED_TEST(PackedTyped, OvqGroupedQueryEqualsSeparateCalls) {
+  using T = TypeParam;
+  namespace ovq = mixattn::ovq;
+  const Index Hq = 2, Hkv = 1, r = 8, dv = 4;
+  const Offsets off = offsets_of(kLengths);
+  const Matrix<T> q = random_matrix<T>(off.back(), Hq * r, 9), k = random_matrix<T>(off.back(), Hkv * r, 10);
+  const Matrix<T> v = random_matrix<T>(off.back(), Hkv * dv, 11);
+  const Matrix<T> dout = random_matrix<T>(off.back(), Hq * dv, 12);
+  ovq::Options opt;
+  opt.block = 32;
+  opt.max_centroids = 64;
+  const std::vector<T> beta = {T(0.8), T(1.3)};
+  const Index B = static_cast<Index>(kLengths.size());
+  for (const int threads : {1, 2}) {
+    std::vector<ovq::State<T>> states(B * Hq, ovq::State<T>::empty(r, dv));
+    Matrix<T> out;
+    ovq::PackedSaved<T> saved;
+    ovq::PackedGrad<T> grad;
+    ovq::forward_packed_into(out, Hkv, q, k, v, beta, off, opt, states, &saved, threads);
+    ovq::backward_packed_into(grad, Hkv, q, k, v, beta, dout, off, saved, opt, threads);
+    for (Index h = 0; h < Hq; ++h) {
+      T dbeta = 0;
+      for (Index b = 0; b < B; ++b) {
+        const Index t0 = off[b], n = off[b + 1] - t0;
+        ovq::State<T> st = ovq::State<T>::empty(r, dv);
+        ovq::Saved<T> s;
+        const Matrix<T> o = ovq::forward(q.block(t0, h * r, n, r), k.block(t0, 0, n, r),
+                                         v.block(t0, 0, n, dv), beta[h], opt, st, &s);
+        const ovq::Grad<T> g = ovq::backward(q.block(t0, h * r, n, r), k.block(t0, 0, n, r),
+                                             v.block(t0, 0, n, dv), beta[h],
+                                             dout.block(t0, h * dv, n, dv), s, opt);
+        EXPECT_EQ(Matrix<T>(out.block(t0, h * dv, n, dv)), o);
+        EXPECT_EQ(states[b * Hq + h].keys, st.keys);
+        EXPECT_EQ(states[b * Hq + h].tokens_seen, st.tokens_seen);
+        EXPECT_EQ(Matrix<T>(grad.q.block(t0, h * r, n, r)), g.q);
+        EXPECT_EQ(grad.items[b * Hq + h].k, g.k);
+        dbeta += g.beta;
+      }
+      EXPECT_EQ(grad.beta[h], dbeta);
+    }
+    // the shared key head's gradient is the sum of its two query heads'
+    const Matrix<T> dk_sum = grad.items[0].k + grad.items[1].k;
+    EXPECT_EQ(Matrix<T>(grad.k.topRows(off[1])), dk_sum);
+  }
+}
+
+TEST(Packed, RejectsBadOffsetsAndHeads) {
+  namespace gma = mixattn::gma;
+  const std::vector<gma::Mixture<double>> mix = {gma::Mixture<double>::random(4, 3, 1)};
+  const Matrix<double> x = random_matrix<double>(10, 3, 1);
+  Matrix<double> out;
+  const auto fails = [&](const Offsets& qo, const Offsets& ko) {
+    try {
+      gma::forward_packed_into(out, mix, x, x, x, qo, ko, gma::Options{}, nullptr);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(fails({0, 4, 10}, {0, 4, 10}), "") << "valid offsets must not throw";
+  EXPECT_NE(fails({1, 4, 10}, {1, 4, 10}).find("q_offsets[0] is 1"), std::string::npos);
+  EXPECT_NE(fails({0, 6, 4, 10}, {0, 6, 4, 10}).find("decreases"), std::string::npos);
+  EXPECT_NE(fails({0, 4, 9}, {0, 4, 9}).find("ends at 9"), std::string::npos);
+  EXPECT_NE(fails({0, 4, 10}, {0, 10}).find("k_offsets has 2"), std::string::npos);
+  EXPECT_NE(fails({0}, {0}).find("B + 1 >= 2"), std::string::npos);
+  namespace ref = mixattn::reference;
+  const Matrix<double> q3 = random_matrix<double>(10, 9, 2);
+  EXPECT_THROW(ref::flash_forward_packed_into<double>(out, 3, 2, q3, q3, q3, {0, 10}, {0, 10}, {},
+                                                      nullptr),
+               std::invalid_argument);  // 3 query heads cannot share 2 key/value heads
+}
+
+}  // namespace

@@ -1,0 +1,298 @@
+// Training-loop steady state: after one warm-up step, a forward + backward step of every operator
+// through the `_into` forms, with the same shapes, performs zero heap allocations. The process's
+// heap entry points are replaced by the benchmarks' counting allocator (both malloc and operator
+// new, since Eigen allocates through malloc). Shapes are large enough that Eigen's GEMM would
+// heap-allocate its packing buffers (> 128 KiB) if they were not reused.
+//
+// Under the sanitizers the allocator cannot be replaced (their runtimes own malloc): the counting
+// checks are skipped there, the `_into` results are still compared with the value-returning forms.
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
+    __has_feature(memory_sanitizer)
+#define MIXATTN_TEST_SANITIZED 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define MIXATTN_TEST_SANITIZED 1
+#endif
+
+#ifndef MIXATTN_TEST_SANITIZED
+#include "../bench/counting_allocator.hpp"
+#endif
+
+#include "test_util.hpp"
+
+#include <mixattn/gma.hpp>
+#include <mixattn/layer.hpp>
+#include <mixattn/ovq.hpp>
+#include <mixattn/reference.hpp>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <dirent.h>
+
+namespace {
+
+using mixattn::Index;
+using mixattn::Matrix;
+using mixattn::testing::random_matrix;
+
+/// Heap allocations made by fn() (0 and a skip note under the sanitizers).
+template <class Fn>
+std::int64_t allocations_of(Fn&& fn) {
+#ifndef MIXATTN_TEST_SANITIZED
+  const std::int64_t before = mixattn::bench::heap_counters().allocs.load();
+  fn();
+  return mixattn::bench::heap_counters().allocs.load() - before;
+#else
+  fn();
+  return 0;
+#endif
+}
+
+/// The counting allocator really counts: a fresh matrix is one allocation.
+TEST(SteadyState, CounterSeesAllocations) {
+#ifdef MIXATTN_TEST_SANITIZED
+  GTEST_SKIP() << "allocator not replaceable under sanitizers";
+#else
+  Matrix<float> m;
+  EXPECT_EQ(allocations_of([&] { m.resize(100, 100); }), 1);
+  EXPECT_EQ(allocations_of([&] { m.resize(100, 100); }), 0);
+#endif
+}
+
+template <class T>
+class SteadyStateTyped : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(SteadyStateTyped, Scalars);
+
+/// Same bits from the value-returning and the `_into` forms, and a second `_into` step with the
+/// same shapes allocates nothing. N = 2048, K = r = d_v = 64: the N x K by K x d_v product packs
+/// more than 128 KiB.
+TYPED_TEST(SteadyStateTyped, GmaStepAllocatesNothing) {
+  using T = TypeParam;
+  namespace gma = mixattn::gma;
+  const Index N = 2048, K = 64, r = 64, dv = 64;
+  const gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, 5);
+  const Matrix<T> q = random_matrix<T>(N, r, 1), k = random_matrix<T>(N, r, 2);
+  const Matrix<T> v = random_matrix<T>(N, dv, 3), dout = random_matrix<T>(N, dv, 4);
+  for (const bool causal : {false, true}) {
+    gma::Options opt;
+    opt.causal = causal;
+    Matrix<T> out;
+    gma::Saved<T> saved;
+    gma::Grad<T> grad;
+    const auto step = [&] {
+      gma::forward_into(out, mix, q, k, v, opt, &saved);
+      gma::backward_into(grad, mix, q, k, v, dout, saved, opt);
+    };
+    step();  // warm-up: sizes every buffer
+    EXPECT_EQ(allocations_of(step), 0) << "causal = " << causal;
+    gma::Saved<T> ref_saved;
+    const Matrix<T> ref = gma::forward(mix, q, k, v, opt, &ref_saved);
+    const gma::Grad<T> ref_grad = gma::backward(mix, q, k, v, dout, ref_saved, opt);
+    EXPECT_EQ(out, ref);
+    EXPECT_EQ(grad.q, ref_grad.q);
+    EXPECT_EQ(grad.k, ref_grad.k);
+    EXPECT_EQ(grad.v, ref_grad.v);
+    EXPECT_EQ(grad.mixture.mean, ref_grad.mixture.mean);
+    EXPECT_EQ(grad.mixture.var_raw, ref_grad.mixture.var_raw);
+    EXPECT_EQ(grad.mixture.prior_logit, ref_grad.mixture.prior_logit);
+  }
+}
+
+TYPED_TEST(SteadyStateTyped, SoftmaxStepAllocatesNothing) {
+  using T = TypeParam;
+  namespace ref = mixattn::reference;
+  const Index N = 600, r = 64, dv = 64;  // naive: N x N probabilities, 1.4 MiB in float
+  const Matrix<T> q = random_matrix<T>(N, r, 11), k = random_matrix<T>(N, r, 12);
+  const Matrix<T> v = random_matrix<T>(N, dv, 13), dout = random_matrix<T>(N, dv, 14);
+  for (const bool causal : {false, true}) {
+    ref::Options opt;
+    opt.causal = causal;
+    Matrix<T> out_f, out_n;
+    ref::Saved<T> saved_f, saved_n;
+    ref::Grad<T> grad_f, grad_n;
+    const auto flash_step = [&] {
+      ref::flash_forward_into<T>(out_f, q, k, v, opt, &saved_f);
+      ref::flash_backward_into<T>(grad_f, q, k, v, dout, saved_f, opt);
+    };
+    const auto naive_step = [&] {
+      ref::naive_forward_into<T>(out_n, q, k, v, opt, &saved_n);
+      ref::naive_backward_into<T>(grad_n, q, k, v, dout, saved_n, opt);
+    };
+    flash_step();
+    naive_step();
+    EXPECT_EQ(allocations_of(flash_step), 0) << "flash, causal = " << causal;
+    EXPECT_EQ(allocations_of(naive_step), 0) << "naive, causal = " << causal;
+    ref::Saved<T> s1, s2;
+    EXPECT_EQ(out_f, ref::flash_forward<T>(q, k, v, opt, &s1));
+    EXPECT_EQ(out_n, ref::naive_forward<T>(q, k, v, opt, &s2));
+    EXPECT_EQ(grad_f.q, ref::flash_backward<T>(q, k, v, dout, s1, opt).q);
+    EXPECT_EQ(grad_n.k, ref::naive_backward<T>(q, k, v, dout, s2, opt).k);
+  }
+}
+
+/// OVQ from a constant start state: 1000 tokens in blocks of 64 with up to 256 centroids (the
+/// assignment and attention GEMMs pack more than 128 KiB in double).
+TYPED_TEST(SteadyStateTyped, OvqStepAllocatesNothing) {
+  using T = TypeParam;
+  namespace ovq = mixattn::ovq;
+  const Index N = 1000, r = 64, dv = 64;
+  const Matrix<T> q = random_matrix<T>(N, r, 21), k = random_matrix<T>(N, r, 22);
+  const Matrix<T> v = random_matrix<T>(N, dv, 23), dout = random_matrix<T>(N, dv, 24);
+  ovq::Options opt;
+  opt.block = 64;
+  opt.max_centroids = 256;
+  const ovq::State<T> start = ovq::State<T>::empty(r, dv);
+  const T beta = T(0.7);
+  Matrix<T> out;
+  ovq::State<T> next;
+  ovq::Saved<T> saved;
+  ovq::Grad<T> grad;
+  const auto step = [&] {
+    ovq::forward_into(out, q, k, v, beta, opt, start, next, &saved);
+    ovq::backward_into(grad, q, k, v, beta, dout, saved, opt);
+  };
+  step();
+  EXPECT_EQ(allocations_of(step), 0);
+  ovq::State<T> state = start;
+  ovq::Saved<T> ref_saved;
+  EXPECT_EQ(out, ovq::forward(q, k, v, beta, opt, state, &ref_saved));
+  EXPECT_EQ(next.keys, state.keys);
+  EXPECT_EQ(next.pending_values, state.pending_values);
+  EXPECT_EQ(next.tokens_seen, state.tokens_seen);
+  const ovq::Grad<T> ref_grad = ovq::backward(q, k, v, beta, dout, ref_saved, opt);
+  EXPECT_EQ(grad.q, ref_grad.q);
+  EXPECT_EQ(grad.k, ref_grad.k);
+  EXPECT_EQ(grad.v, ref_grad.v);
+  EXPECT_EQ(grad.beta, ref_grad.beta);
+}
+
+/// The layer's training step (forward_into + backward_into, one thread) for every mixer, with
+/// projections of 1024 x 128 by 128 x 128 (packing more than 128 KiB).
+TEST(SteadyState, LayerStepAllocatesNothing) {
+  namespace layer = mixattn::layer;
+  struct Case {
+    layer::MixerKind mixer;
+    bool causal;
+  };
+  for (const Case c : {Case{layer::MixerKind::gma, false}, Case{layer::MixerKind::gma, true},
+                       Case{layer::MixerKind::ovq, true}, Case{layer::MixerKind::softmax, true}}) {
+    layer::Config cfg;
+    cfg.model_dim = 128;
+    cfg.heads = 4;
+    cfg.key_dim = 32;
+    cfg.value_dim = 32;
+    cfg.mixer = c.mixer;
+    cfg.causal = c.causal;
+    cfg.ovq.block = 64;
+    cfg.ovq.max_centroids = 128;
+    const layer::MultiHeadAttention<float> mha(cfg);
+    const Matrix<float> x = random_matrix<float>(1024, 128, 31), dy = random_matrix<float>(1024, 128, 32);
+    Matrix<float> y;
+    layer::Cache<float> cache;
+    layer::Gradients<float> g;
+    const auto step = [&] {
+      mha.forward_into(y, x, cache);
+      mha.backward_into(g, x, dy, cache);
+    };
+    step();
+    EXPECT_EQ(allocations_of(step), 0) << "mixer " << static_cast<int>(c.mixer);
+    layer::Cache<float> ref_cache;
+    EXPECT_EQ(y, mha.forward(x, &ref_cache));
+    const layer::Gradients<float> ref = mha.backward(x, dy, ref_cache);
+    EXPECT_EQ(g.x, ref.x);
+    ASSERT_EQ(g.params.size(), ref.params.size());
+    for (std::size_t i = 0; i < ref.params.size(); ++i) EXPECT_EQ(g.params[i], ref.params[i]) << i;
+    EXPECT_EQ(g.names, ref.names);
+  }
+}
+
+/// Threads of this process, from /proc/self/task.
+int thread_count() {
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return -1;
+  int n = 0;
+  while (const dirent* e = readdir(dir))
+    if (e->d_name[0] != '.') ++n;
+  closedir(dir);
+  return n;
+}
+
+/// parallel_for runs on one persistent pool: many calls start no thread, every item runs once.
+TEST(SteadyState, ParallelForStartsNoThreadPerCall) {
+  std::atomic<int> sum{0};
+  mixattn::parallel_for(4, 2, [&](Index i) { sum += static_cast<int>(i); });  // creates the pool
+  const int before = thread_count();
+  ASSERT_GT(before, 1);
+  for (int call = 0; call < 300; ++call)
+    mixattn::parallel_for(8, 2, [&](Index i) { sum += static_cast<int>(i); });
+  EXPECT_EQ(thread_count(), before);
+  EXPECT_EQ(sum.load(), 6 + 300 * 28);
+}
+
+/// A caller's own pool is used instead of the default one; the lowest failing index's
+/// exception is the one rethrown, after every item ran.
+TEST(SteadyState, ParallelForOnCallerPool) {
+  mixattn::ThreadPool pool(3);
+  std::atomic<int> ran{0};
+  try {
+    mixattn::parallel_for(
+        10, 4,
+        [&](Index i) {
+          ++ran;
+          if (i == 7 || i == 3 || i == 8) throw std::runtime_error(std::to_string(i));
+        },
+        pool);
+    FAIL() << "no throw";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "3");
+  }
+  EXPECT_EQ(ran.load(), 10);
+  std::atomic<int> inside{0};
+  mixattn::parallel_for(
+      3, 3, [&](Index) { inside += pool.CurrentThreadId() >= 0 ? 1 : 0; }, pool);
+  EXPECT_EQ(inside.load(), 2);  // the caller took one range, two workers of `pool` the rest
+}
+
+/// A record reused for a different shape is resized correctly (no stale rows).
+TEST(SteadyState, RecordsFollowShapeChanges) {
+  namespace gma = mixattn::gma;
+  const gma::Mixture<double> mix = gma::Mixture<double>::random(8, 4, 7);
+  Matrix<double> out;
+  gma::Saved<double> saved;
+  gma::Grad<double> grad;
+  for (const Index n : {50, 7, 300}) {
+    const Matrix<double> q = random_matrix<double>(n, 4, 20 + n), v = random_matrix<double>(n, 3, 30);
+    const Matrix<double> dout = random_matrix<double>(n, 3, 40);
+    gma::forward_into(out, mix, q, q, v, gma::Options{}, &saved);
+    gma::backward_into(grad, mix, q, q, v, dout, saved, gma::Options{});
+    gma::Saved<double> fresh;
+    EXPECT_EQ(out, gma::forward(mix, q, q, v, gma::Options{}, &fresh));
+    EXPECT_EQ(grad.q, gma::backward(mix, q, q, v, dout, fresh, gma::Options{}).q);
+  }
+}
+
+/// The `_into` forms validate like the value-returning ones and name themselves.
+TEST(SteadyState, IntoFormsRejectBadShapes) {
+  namespace gma = mixattn::gma;
+  const gma::Mixture<double> mix = gma::Mixture<double>::random(4, 3, 1);
+  Matrix<double> out;
+  const Matrix<double> q = random_matrix<double>(5, 3, 1), bad = random_matrix<double>(5, 2, 2);
+  try {
+    gma::forward_into(out, mix, q, bad, q, gma::Options{}, nullptr);
+    FAIL() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("mixattn::gma::forward_into"), std::string::npos);
+  }
+  mixattn::reference::Grad<double> g;
+  mixattn::reference::Saved<double> empty;
+  EXPECT_THROW(mixattn::reference::flash_backward_into<double>(g, q, q, q, q, empty, {}),
+               std::invalid_argument);
+}
+
+}  // namespace
