@@ -124,13 +124,11 @@ void gma_packed_fwd_bwd(benchmark::State& state) {
     gma::backward_packed_into(grad, in.mixtures, in.q, in.k, in.v, in.d_out, in.offsets,
                               in.offsets, saved, opt, threads);
   };
-  step();  // warm-up: sizes the records
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {  // the untimed first call sizes the records
     step();
     benchmark::DoNotOptimize(grad.q.data());
-    benchmark::ClobberMemory();
-  }
+  });
   tokens_counter(state, kPackedHeads * in.offsets.back(), threads);
   mb::finish(state, in.offsets.back(), heap);
 }
@@ -156,13 +154,11 @@ void gma_separate_fwd_bwd(benchmark::State& state) {
                            in.d_out.block(t0, h * kDv, n, kDv), saved[i], opt);
       }
   };
-  step();
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {  // the untimed first call sizes the records
     step();
     benchmark::DoNotOptimize(grads[0].q.data());
-    benchmark::ClobberMemory();
-  }
+  });
   tokens_counter(state, kPackedHeads * in.offsets.back(), 1);
   mb::finish(state, in.offsets.back(), heap);
 }
@@ -188,13 +184,11 @@ void layer_train_step(benchmark::State& state) {
     mha.forward_packed_into(y, x, offsets, cache);
     mha.backward_into(g, x, dy, cache);
   };
-  step();
   mb::PeakHeap heap;
-  for (auto _ : state) {
+  mb::timed_loop(state, heap, [&] {  // the untimed first call sizes the records
     step();
     benchmark::DoNotOptimize(g.x.data());
-    benchmark::ClobberMemory();
-  }
+  });
   tokens_counter(state, 4 * 2048, threads);
   mb::finish(state, 2048, heap);
 }

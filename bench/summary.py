@@ -355,6 +355,8 @@ class Target:
 
 N = TARGET_N
 T_OVQ = 65536
+PACKED_TOKENS = sum(range(512, 4097, 512))  # bench_batched: gma_packed_fwd_bwd's total rows
+LAYER_TOKENS = 2 * 1024  # bench_batched: layer_train_step, B = 2 sequences of 1024
 
 
 def thread_bound(threads):
@@ -589,6 +591,19 @@ TARGETS = [
     *[Target(f"batched GMA {kind}, B·H = 8, 2 threads vs 1 (N={N})",
              thread_speedup(f"gma_heads_{kind}_bidir"), (">=", 1.7), bound=thread_bound(2))
       for kind in ("forward", "fwd_bwd")],
+    # Training loops (bench_gma, bench_batched): caller-owned records, glibc's default malloc.
+    Target(f"GMA bidir fwd+bwd via _into, glibc's default malloc / kept memory (N={N})",
+           lambda m: m.time("gma_train_step_into_bidir")
+                     / m.time("gma_train_step_into_bidir_keep"), ("<=", 1.1)),
+    Target("packed GMA fwd+bwd, 8 sequences of 512 … 4096, H = 4, 2 threads vs 1",
+           thread_speedup("gma_packed_fwd_bwd", n=PACKED_TOKENS), (">=", 1.85),
+           bound=thread_bound(2)),
+    Target("packed GMA fwd+bwd on 1 thread / the same pairs as separate calls",
+           lambda m: m.time("gma_packed_fwd_bwd", PACKED_TOKENS)
+                     / m.time("gma_separate_fwd_bwd", PACKED_TOKENS), ("<=", 1.0)),
+    Target("layer training step, B·H = 8, N = 1024, d_model = 256, 2 threads vs 1",
+           thread_speedup("layer_train_step", n=LAYER_TOKENS), (">=", 1.8),
+           bound=thread_bound(2)),
     *DECODE_TARGETS,
     *LINEAR_TARGETS,
 ]
@@ -596,7 +611,8 @@ TARGETS = [
 # Which binary writes which operator (first matching prefix), to tell "did not build" from
 # "missing". Extend when adding a benchmark binary.
 PRODUCERS = [
-    ("gma_heads_", ["bench_batched"]),
+    ("gma_heads_", ["bench_batched"]), ("gma_packed_", ["bench_batched"]),
+    ("gma_separate_", ["bench_batched"]), ("layer_", ["bench_batched"]),
     ("gma_", ["bench_gma"]), ("floor_gma_", ["bench_gma"]),
     ("linear_", ["bench_linear"]), ("floor_linear_", ["bench_linear"]),
     ("ovq_", ["bench_ovq"]), ("floor_ovq_", ["bench_ovq"]),
