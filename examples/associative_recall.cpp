@@ -92,7 +92,8 @@ Result train(const char* name, layer::MixerKind mixer, const Task& task, int arg
   std::printf("\n== %s: %ld parameters, %ld steps of %ld sequences of %d tokens\n", name,
               static_cast<long>(model.parameter_count()), steps, batch, task.length());
   std::mt19937_64 rng(seed * 7919 + 1);
-  std::vector<int> tokens, targets;
+  std::vector<int> tokens, targets, batch_targets;
+  std::vector<std::vector<int>> batch_tokens;
   Result res;
   res.name = name;
   Tally window;
@@ -102,11 +103,16 @@ Result train(const char* name, layer::MixerKind mixer, const Task& task, int arg
     model.zero_grad();
     Tally t;
     const float scale = 1.0f / static_cast<float>(batch * task.queries);
+    // One packed batch (mixattn/packed.hpp) per step: the attention layers see all sequences
+    // at once and reuse their records from step to step.
+    batch_tokens.resize(static_cast<std::size_t>(batch));
+    batch_targets.clear();
     for (long b = 0; b < batch; ++b) {
-      task.sample(rng, tokens, targets);
-      t += model.train_sequence(tokens, targets, scale);
+      task.sample(rng, batch_tokens[static_cast<std::size_t>(b)], targets);
+      batch_targets.insert(batch_targets.end(), targets.begin(), targets.end());
       tokens_done += task.length();
     }
+    t += model.train_batch(batch_tokens, batch_targets, scale);
     adam.step(model.gradients());
     window += t;
     if (step == 1) res.first_loss = t.loss / static_cast<double>(t.counted);

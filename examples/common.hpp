@@ -157,18 +157,16 @@ class Model {
 
   /// The input of attention layer l (after its RMSNorm) for a sequence: N x d.
   Mat layer_input(const std::vector<int>& tokens, int l) {
-    Pass pass;
-    run_forward(tokens, pass, /*keep_caches=*/false, l);
-    return pass.normed[static_cast<std::size_t>(l)];
+    run_forward({tokens}, eval_, l);
+    return eval_.normed[static_cast<std::size_t>(l)];
   }
 
   /// Forward only: returns the argmax prediction per row (one row when pooled) and tallies.
   Tally evaluate(const std::vector<int>& tokens, const std::vector<int>& targets) {
-    Pass pass;
-    run_forward(tokens, pass, false, cfg_.layers);
+    run_forward({tokens}, eval_, cfg_.layers);
     Tally t;
     Mat dlogits;
-    t.loss = softmax_cross_entropy(pass.logits, targets, dlogits, t.counted, t.correct);
+    t.loss = softmax_cross_entropy(eval_.logits, targets, dlogits, t.counted, t.correct);
     return t;
   }
 
@@ -176,69 +174,104 @@ class Model {
   /// grad_scale, e.g. 1 / rows counted in the batch).
   Tally train_sequence(const std::vector<int>& tokens, const std::vector<int>& targets,
                        float grad_scale) {
-    Pass pass;
-    run_forward(tokens, pass, true, cfg_.layers);
+    return train_batch({tokens}, targets, grad_scale);
+  }
+
+  /// Forward and backward of B sequences at once: they are packed along the rows (offsets in
+  /// the cu_seqlens convention, mixattn/packed.hpp) and every attention layer runs once over the
+  /// batch through forward_packed_into / backward_into, whose caches and gradient records are
+  /// kept from step to step. targets: per token, the sequences' concatenated; when pooled, one
+  /// per sequence. Gradients are added to gradients() scaled by grad_scale.
+  Tally train_batch(const std::vector<std::vector<int>>& batch, const std::vector<int>& targets,
+                    float grad_scale) {
+    Pass& pass = train_;
+    run_forward(batch, pass, cfg_.layers);
     Tally t;
     Mat dlogits;
     t.loss = softmax_cross_entropy(pass.logits, targets, dlogits, t.counted, t.correct);
     dlogits *= grad_scale;
-    const Index n = static_cast<Index>(tokens.size());
 
-    // Readout: logits = F W + b (F = pooled mean of the final norm, or the final norm itself).
+    // Readout: logits = F W + b (F = per-sequence mean of the final norm, or the final norm).
     grad(g_w_).noalias() += pass.readout_in.transpose() * dlogits;
     grad(g_b_) += dlogits.colwise().sum();
-    Mat d_readout_in = dlogits * w_.transpose();
-    Mat d_final =
-        cfg_.pooled ? Mat(d_readout_in.replicate(n, 1) / static_cast<float>(n)) : d_readout_in;
+    const Mat d_readout_in = dlogits * w_.transpose();
+    Mat d_final = d_readout_in;
+    if (cfg_.pooled) {
+      d_final.resize(pass.offsets.back(), d_readout_in.cols());
+      for (std::size_t b = 0; b + 1 < pass.offsets.size(); ++b) {
+        const Index t0 = pass.offsets[b], n = pass.offsets[b + 1] - t0;
+        d_final.middleRows(t0, n).rowwise() = d_readout_in.row(static_cast<Index>(b)) / static_cast<float>(n);
+      }
+    }
     Mat dx =
         RmsNorm::backward(pass.x.back(), final_norm_, pass.final_rms, d_final, grad(g_final_norm_));
     for (int l = cfg_.layers - 1; l >= 0; --l) {
       const std::size_t li = static_cast<std::size_t>(l);
       // x_{l+1} = x_l + A(N(x_l)): the residual passes dx through, plus the branch.
-      mixattn::layer::Gradients<float> ga =
-          attn_[li]->backward(pass.normed[li], dx, pass.caches[li]);
+      mixattn::layer::Gradients<float>& ga = pass.grads[li];
+      attn_[li]->backward_into(ga, pass.normed[li], dx, pass.caches[li]);
       for (std::size_t p = 0; p < ga.params.size(); ++p)
         grads_[attn_grad_offset_[li] + p] += ga.params[p];
       dx += RmsNorm::backward(pass.x[li], norm_[li], pass.rms[li], ga.x, grads_[norm_grad_[li]]);
     }
-    // Embeddings: scatter-add rows.
-    for (Index i = 0; i < n; ++i) {
-      const int tok = tokens[static_cast<std::size_t>(i)];
-      grad(g_tok_).row(tok) += dx.row(i);
-      grad(g_pos_).row(i) += dx.row(i);
-      if (cfg_.previous_token)
-        grad(g_prev_).row(i == 0 ? cfg_.vocab : tokens[static_cast<std::size_t>(i - 1)]) +=
-            dx.row(i);
+    // Embeddings: scatter-add rows (positions and previous tokens within each sequence).
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::vector<int>& tokens = batch[b];
+      const Index t0 = pass.offsets[b];
+      for (Index i = 0; i < static_cast<Index>(tokens.size()); ++i) {
+        const int tok = tokens[static_cast<std::size_t>(i)];
+        grad(g_tok_).row(tok) += dx.row(t0 + i);
+        grad(g_pos_).row(i) += dx.row(t0 + i);
+        if (cfg_.previous_token)
+          grad(g_prev_).row(i == 0 ? cfg_.vocab : tokens[static_cast<std::size_t>(i - 1)]) +=
+              dx.row(t0 + i);
+      }
     }
     return t;
   }
 
  private:
   struct Pass {
-    std::vector<Mat> x;       // residual stream x_0 .. x_L
-    std::vector<Mat> normed;  // RMSNorm_l(x_l)
+    mixattn::Offsets offsets;  // B + 1 row offsets of the packed batch
+    std::vector<Mat> x;        // residual stream x_0 .. x_L
+    std::vector<Mat> normed;   // RMSNorm_l(x_l)
     std::vector<Eigen::VectorXf> rms;
-    std::vector<mixattn::layer::Cache<float>> caches;
+    std::vector<mixattn::layer::Cache<float>> caches;     // kept from step to step
+    std::vector<mixattn::layer::Gradients<float>> grads;  // kept from step to step
+    Mat attn_out;
     Eigen::VectorXf final_rms;
     Mat readout_in, logits;
   };
 
-  void run_forward(const std::vector<int>& tokens, Pass& pass, bool keep_caches, int stop_at) {
-    const Index n = static_cast<Index>(tokens.size()), d = cfg_.attention.model_dim;
-    if (n < 1 || n > cfg_.max_len) {
-      std::fprintf(stderr, "sequence of %ld tokens, model allows 1..%ld\n", static_cast<long>(n),
-                   static_cast<long>(cfg_.max_len));
-      std::exit(2);
+  void run_forward(const std::vector<std::vector<int>>& batch, Pass& pass, int stop_at) {
+    const Index d = cfg_.attention.model_dim;
+    pass.offsets.assign(1, 0);
+    for (const std::vector<int>& tokens : batch) {
+      const Index n = static_cast<Index>(tokens.size());
+      if (n < 1 || n > cfg_.max_len) {
+        std::fprintf(stderr, "sequence of %ld tokens, model allows 1..%ld\n", static_cast<long>(n),
+                     static_cast<long>(cfg_.max_len));
+        std::exit(2);
+      }
+      pass.offsets.push_back(pass.offsets.back() + n);
     }
-    Mat x0(n, d);
-    for (Index i = 0; i < n; ++i) {
-      const int tok = tokens[static_cast<std::size_t>(i)];
-      x0.row(i) = tok_.row(tok) + pos_.row(i);
-      if (cfg_.previous_token)
-        x0.row(i) += prev_.row(i == 0 ? cfg_.vocab : tokens[static_cast<std::size_t>(i - 1)]);
+    Mat x0(pass.offsets.back(), d);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const std::vector<int>& tokens = batch[b];
+      for (Index i = 0; i < static_cast<Index>(tokens.size()); ++i) {
+        const int tok = tokens[static_cast<std::size_t>(i)];
+        const Index r = pass.offsets[b] + i;
+        x0.row(r) = tok_.row(tok) + pos_.row(i);
+        if (cfg_.previous_token)
+          x0.row(r) += prev_.row(i == 0 ? cfg_.vocab : tokens[static_cast<std::size_t>(i - 1)]);
+      }
     }
+    pass.x.clear();
+    pass.normed.clear();
+    pass.rms.clear();
     pass.x.push_back(std::move(x0));
     pass.caches.resize(static_cast<std::size_t>(cfg_.layers));
+    pass.grads.resize(static_cast<std::size_t>(cfg_.layers));
     for (int l = 0; l < cfg_.layers; ++l) {
       const std::size_t li = static_cast<std::size_t>(l);
       Mat normed;
@@ -247,12 +280,20 @@ class Model {
       pass.normed.push_back(std::move(normed));
       pass.rms.push_back(std::move(rms));
       if (l == stop_at) return;
-      Mat a = attn_[li]->forward(pass.normed[li], keep_caches ? &pass.caches[li] : nullptr);
-      pass.x.push_back(pass.x[li] + a);
+      attn_[li]->forward_packed_into(pass.attn_out, pass.normed[li], pass.offsets, pass.caches[li]);
+      pass.x.push_back(pass.x[li] + pass.attn_out);
     }
     Mat final_normed;
     RmsNorm::forward(pass.x.back(), final_norm_, final_normed, pass.final_rms);
-    pass.readout_in = cfg_.pooled ? Mat(final_normed.colwise().mean()) : final_normed;
+    if (cfg_.pooled) {
+      pass.readout_in.resize(static_cast<Index>(batch.size()), d);
+      for (std::size_t b = 0; b < batch.size(); ++b) {
+        const Index t0 = pass.offsets[b], n = pass.offsets[b + 1] - t0;
+        pass.readout_in.row(static_cast<Index>(b)) = final_normed.middleRows(t0, n).colwise().mean();
+      }
+    } else {
+      pass.readout_in = final_normed;
+    }
     pass.logits = pass.readout_in * w_;
     pass.logits.rowwise() += b_.row(0);
   }
@@ -288,6 +329,7 @@ class Model {
   std::vector<Mat> grads_;
   std::size_t g_tok_ = 0, g_pos_ = 0, g_prev_ = 0, g_final_norm_ = 0, g_w_ = 0, g_b_ = 0;
   std::vector<std::size_t> norm_grad_, attn_grad_offset_;
+  Pass train_, eval_;  // working memory of training and evaluation, reused
 };
 
 // ---- command line ----

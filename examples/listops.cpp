@@ -163,7 +163,8 @@ int main(int argc, char** argv) {
       steps, batch, ci ? " (CI configuration)" : "");
 
   std::mt19937_64 rng(seed * 7919 + 1);
-  std::vector<int> tokens, targets(1);
+  std::vector<int> tokens, targets(1), batch_targets;
+  std::vector<std::vector<int>> batch_tokens;
   Tally window;
   double first_loss = 0, last_loss = 0;
   long tokens_done = 0;
@@ -171,11 +172,15 @@ int main(int argc, char** argv) {
   for (long step = 1; step <= steps; ++step) {
     model.zero_grad();
     Tally t;
+    // One packed batch (mixattn/packed.hpp) of sequences of different lengths per step.
+    batch_tokens.resize(static_cast<std::size_t>(batch));
+    batch_targets.resize(static_cast<std::size_t>(batch));
     for (long b = 0; b < batch; ++b) {
-      targets[0] = gen.sample(rng, tokens);
-      t += model.train_sequence(tokens, targets, 1.0f / static_cast<float>(batch));
-      tokens_done += static_cast<long>(tokens.size());
+      std::vector<int>& seq = batch_tokens[static_cast<std::size_t>(b)];
+      batch_targets[static_cast<std::size_t>(b)] = gen.sample(rng, seq);
+      tokens_done += static_cast<long>(seq.size());
     }
+    t += model.train_batch(batch_tokens, batch_targets, 1.0f / static_cast<float>(batch));
     adam.step(model.gradients());
     window += t;
     if (step == 1) first_loss = t.loss / static_cast<double>(t.counted);

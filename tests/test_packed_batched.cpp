@@ -4,6 +4,7 @@
 // heads read their shared key/value head; bad offsets are rejected.
 #include "test_util.hpp"
 
+#include <mixattn/layer.hpp>
 #include <mixattn/packed.hpp>
 
 #include <gtest/gtest.h>
@@ -177,6 +178,66 @@ TYPED_TEST(PackedTyped, OvqGroupedQueryEqualsSeparateCalls) {
     const Matrix<T> dk_sum = grad.items[0].k + grad.items[1].k;
     EXPECT_EQ(Matrix<T>(grad.k.topRows(off[1])), dk_sum);
   }
+}
+
+/// The layer on a packed batch equals the layer on each sequence alone: outputs and input
+/// gradients row for row, parameter gradients as the per-sequence sum. Double; 1e-12 relative:
+/// only the projections' GEMM blocking and the order of the sums over sequences differ.
+TEST(Packed, LayerEqualsPerSequenceCalls) {
+  namespace layer = mixattn::layer;
+  for (const layer::MixerKind mixer :
+       {layer::MixerKind::gma, layer::MixerKind::ovq, layer::MixerKind::softmax}) {
+    layer::Config cfg;
+    cfg.model_dim = 12;
+    cfg.heads = 2;
+    cfg.key_dim = 4;
+    cfg.value_dim = 3;
+    cfg.mixer = mixer;
+    cfg.causal = mixer != layer::MixerKind::gma;
+    cfg.components = 4;
+    cfg.ovq.block = 8;
+    cfg.ovq.max_centroids = 16;
+    cfg.threads = 2;
+    const layer::MultiHeadAttention<double> mha(cfg);
+    const Offsets off = offsets_of({30, 1, 70, 7});
+    const Matrix<double> x = random_matrix<double>(off.back(), 12, 41);
+    const Matrix<double> dy = random_matrix<double>(off.back(), 12, 42);
+    Matrix<double> y;
+    layer::Cache<double> cache;
+    layer::Gradients<double> g;
+    mha.forward_packed_into(y, x, off, cache);
+    mha.backward_into(g, x, dy, cache);
+    std::vector<Matrix<double>> sum;
+    for (std::size_t b = 0; b + 1 < off.size(); ++b) {
+      const Index t0 = off[b], n = off[b + 1] - t0;
+      layer::Cache<double> c;
+      const Matrix<double> yb = mha.forward(x.middleRows(t0, n), &c);
+      const layer::Gradients<double> gb = mha.backward(x.middleRows(t0, n), dy.middleRows(t0, n), c);
+      EXPECT_TRUE(mixattn::testing::all_close(Matrix<double>(y.middleRows(t0, n)), yb, 1e-12, 1e-12));
+      EXPECT_TRUE(mixattn::testing::all_close(Matrix<double>(g.x.middleRows(t0, n)), gb.x, 1e-12, 1e-12));
+      if (b == 0) {
+        sum = gb.params;
+      } else {
+        for (std::size_t p = 0; p < sum.size(); ++p) sum[p] += gb.params[p];
+      }
+    }
+    ASSERT_EQ(g.params.size(), sum.size());
+    for (std::size_t p = 0; p < sum.size(); ++p)
+      EXPECT_TRUE(mixattn::testing::all_close(g.params[p], sum[p], 1e-11, 1e-12)) << g.names[p];
+  }
+  const layer::MultiHeadAttention<double> mha([] {
+    layer::Config c;
+    c.model_dim = 4;
+    c.key_dim = 2;
+    c.value_dim = 2;
+    return c;
+  }());
+  Matrix<double> y;
+  layer::Cache<double> cache;
+  EXPECT_THROW(mha.forward_packed_into(y, random_matrix<double>(5, 4, 1), {0, 3, 3, 5}, cache),
+               std::invalid_argument);  // an empty sequence
+  EXPECT_THROW(mha.forward_packed_into(y, random_matrix<double>(5, 4, 1), {0, 3, 6}, cache),
+               std::invalid_argument);  // offsets end beyond x
 }
 
 TEST(Packed, RejectsBadOffsetsAndHeads) {

@@ -45,7 +45,7 @@ struct Saved {
   Matrix<T> probs;  // naive: P = softmax(scale Q K^T + mask), N x M
   Matrix<T> out;    // flash: O, N x d_v
   Vector<T> lse;    // flash: log sum_j exp(scale q_i . k_j) over visible j, N
-  /// The forward's working memory, kept for reuse by later calls (naive: scale * q in qs).
+  // Working memory of the forwards (used in each thread's own record, not in the caller's).
   detail::FlashScratch<T> scratch;
   mixattn::detail::GemmSpace<T> gemm;
 };
@@ -148,9 +148,9 @@ void naive_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
                    Saved<T>* saved) {
   const double scale = check_inputs<T>(fn, q, k, v, opt);
   const Index n = q.rows(), m = k.rows();
-  thread_local Saved<T> thread_record;  // the scratch of calls without `saved`
-  Saved<T>& rec = saved ? *saved : thread_record;
-  rec.source = Saved<T>::Source::none;
+  // Working memory is this thread's; P is copied into `saved` (capacity reused) only
+  // once the call has succeeded, so a throwing call leaves `saved` untouched.
+  thread_local Saved<T> rec;
   // S = (scale Q) K^T, associated as flash_forward does: with an extreme scale, Q K^T alone could
   // overflow or underflow where the scaled product does not. Materialised so that the scalar is
   // not folded into the GEMM's alpha (applied after the products).
@@ -173,6 +173,7 @@ void naive_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
   check_output(fn, out, opt);
   if (saved) {
     record(*saved, Saved<T>::Source::naive, q, k, v, opt, scale);
+    saved->probs = rec.probs;
     saved->out.resize(0, 0);
     saved->lse.resize(0);
   }
@@ -215,9 +216,9 @@ void flash_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
                    Saved<T>* saved) {
   const double scale = check_inputs<T>(fn, q, k, v, opt);
   using Tiles = FlashTiles<T>;
-  thread_local Saved<T> thread_record;  // the scratch of calls without `saved`
-  Saved<T>& rec = saved ? *saved : thread_record;
-  rec.source = Saved<T>::Source::none;
+  // Working memory is this thread's; the log-sum-exps are copied into `saved` only once the
+  // call has succeeded, so a throwing call leaves `saved` untouched.
+  thread_local Saved<T> rec;
   out.resize(q.rows(), v.cols());
   rec.lse.resize(q.rows());
   flash_forward_tiles<T, Tiles::forward_queries, Tiles::forward_keys>(
@@ -226,6 +227,7 @@ void flash_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
   if (saved) {
     record(*saved, Saved<T>::Source::flash, q, k, v, opt, scale);
     saved->out = out;
+    saved->lse = rec.lse;
     saved->probs.resize(0, 0);
   }
 }
@@ -266,8 +268,9 @@ Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   return out;
 }
 
-/// naive_forward into a caller-owned `out` (resized to N x d_v); `saved` keeps P and the call's
-/// scratch, so repeated shapes allocate nothing. Without `saved`, per-thread scratch is used.
+/// naive_forward into a caller-owned `out` (resized to N x d_v); `saved` receives P. The working
+/// memory is per thread and kept, so with a reused `out` and `saved` repeated shapes allocate
+/// nothing.
 template <class T>
 void naive_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                         const ConstMatrixRef<T>& v, const Options& opt, Saved<T>* saved) {
@@ -313,9 +316,9 @@ Matrix<T> flash_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   return out;
 }
 
-/// flash_forward into a caller-owned `out` (resized to N x d_v); `saved` keeps the output, the
-/// log-sum-exps and the call's scratch, so repeated shapes allocate nothing. Without `saved`,
-/// per-thread scratch is used.
+/// flash_forward into a caller-owned `out` (resized to N x d_v); `saved` receives the output and
+/// the log-sum-exps. The working memory is per thread and kept, so with a reused `out` and
+/// `saved` repeated shapes allocate nothing.
 template <class T>
 void flash_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                         const ConstMatrixRef<T>& v, const Options& opt, Saved<T>* saved) {
