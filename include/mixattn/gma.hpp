@@ -4,12 +4,17 @@
 // the attention is Gamma_Q Gamma_K^T, a rank-K factorisation that is never formed:
 //   bidirectional  O = (Gamma_Q (Gamma_K^T V)) / (Gamma_Q (Gamma_K^T 1) + eps)     O((N+M) K)
 //   causal         the same with prefix sums, chunk-wise (SPEC 1.4)
-// Thread safety: every function is reentrant and may run concurrently on different threads.
-// forward without `saved` reuses two per-thread (thread_local) N x K scratch buffers, which stay
-// allocated for the thread's lifetime; backward allocates its own panel-sized scratch per call.
-// The State overloads of forward (decoding) also keep one small per-thread wide scratch (d_v + 2K)
-// and write only the State they are given: distinct States may be continued concurrently.
-// GEMMs use the threads Eigen is configured with.
+// Thread safety: every function is reentrant and may run concurrently on different threads
+// (each with its own Saved and Grad). forward without `saved` reuses per-thread (thread_local)
+// scratch, which stays allocated for the thread's lifetime. The State overloads of forward
+// (decoding) also keep one small per-thread wide scratch (d_v + 2K) and write only the State
+// they are given: distinct States may be continued concurrently. GEMMs use the threads Eigen
+// is configured with.
+//
+// Training loops: forward_into / backward_into write into caller-owned outputs and keep their
+// working memory in Saved and Grad (GEMM packing buffers included), so a step whose shapes
+// repeat performs no heap allocation, the State overloads (continued causal pieces, grad_state_out)
+// included; forward / backward return fresh objects and call them.
 //
 // Every entry point has a defaulted template parameter Arch (the SIMD instruction set the
 // translation unit is compiled for, detail/simd.hpp); callers never write it.

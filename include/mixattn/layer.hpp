@@ -22,8 +22,12 @@
 // Thread safety: forward and backward are const and keep all per-call state in the Cache, so
 // several threads may run one layer on different sequences at once, each with its own Cache.
 // Changing parameters while another thread runs the layer is a data race. Inside one call the
-// heads run on up to Config::threads threads (mixattn/parallel.hpp); Eigen stays
-// single-threaded inside each head.
+// (sequence, head) pairs run on up to Config::threads threads of the library's pool
+// (mixattn/parallel.hpp), the longest sequences first; Eigen stays single-threaded inside each.
+//
+// Training loops: forward_into / forward_packed_into (a packed batch of sequences, offsets as in
+// mixattn/packed.hpp) and backward_into reuse the caller's y, Cache and Gradients: with one
+// thread, a step whose shapes repeat performs no heap allocation.
 #pragma once
 
 #define MIXATTN_LAYER_HPP_INCLUDING

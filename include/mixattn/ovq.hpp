@@ -16,6 +16,9 @@
 //
 // Thread safety: calls on distinct states may run concurrently; a State must not be shared by
 // concurrent calls. Each call is single-threaded (Eigen's own threading aside).
+// The `_into` forms write into caller-owned outputs, states, Saved and Grad and keep their
+// working memory there: a training step from a constant start state (forward_into with start and
+// next) whose shapes repeat performs no heap allocation.
 #pragma once
 #define MIXATTN_OVQ_HPP_INCLUDED
 

@@ -32,7 +32,7 @@
 #include <atomic>
 #include <vector>
 
-namespace mixattn {
+MIXATTN_BEGIN_NAMESPACE
 
 /// Row offsets of a packed batch (B + 1 entries).
 using Offsets = std::vector<Index>;
@@ -121,28 +121,125 @@ void parallel_largest_first(Index count, int threads, Cost&& cost, Fn&& fn,
   });
 }
 
+/// Records of a packed call: one per (sequence b, query head h), item b H + h.
+template <class T, class Record>
+struct PackedRecords {
+  std::vector<Record> items;
+  std::vector<Matrix<T>> outs;  // forward: each item's output before it is copied into place
+  std::vector<Index> order;     // scratch of the largest-first schedule
+  Offsets q_offsets, k_offsets;
+};
+
+/// Gradients of a packed call: q, k, v like the inputs and one record per item.
+template <class T, class Record>
+struct PackedGrads {
+  Matrix<T> q, k, v;
+  std::vector<Record> items;
+  std::vector<Index> order;
+};
+
+/// Rows and heads of one (sequence, head) item.
+struct PairRows {
+  Index b, h, g, q0, nq, k0, nk;  // g: the key/value head query head h reads
+};
+
+inline PairRows pair_rows(const PackedHeads& ph, const Offsets& q_offsets,
+                          const Offsets& k_offsets, Index item) {
+  const Index b = item / ph.heads, h = item % ph.heads;
+  const std::size_t bs = static_cast<std::size_t>(b);
+  return {b,
+          h,
+          ph.kv_of(h),
+          q_offsets[bs],
+          q_offsets[bs + 1] - q_offsets[bs],
+          k_offsets[bs],
+          k_offsets[bs + 1] - k_offsets[bs]};
+}
+
+/// The cost of an item for the schedule: n_q n_k for softmax attention, n_q + n_k otherwise.
+inline Index pair_cost(const PackedHeads& ph, const Offsets& q_offsets, const Offsets& k_offsets,
+                       Index item, bool quadratic) {
+  const PairRows p = pair_rows(ph, q_offsets, k_offsets, item);
+  return quadratic ? p.nq * p.nk : p.nq + p.nk;
+}
+
+/// A packed forward: sizes `rec` (and out: total_q x H d_v), then runs
+/// item(rows, out_item, record or nullptr) for every item, largest first, and copies each item's
+/// output into its block of out.
+template <class T, class Record, class Item>
+void packed_forward(Matrix<T>& out, const PackedHeads& ph, const Offsets& q_offsets,
+                    const Offsets& k_offsets, PackedRecords<T, Record>& rec, bool keep,
+                    int threads, bool quadratic, Item&& item) {
+  const std::size_t items = static_cast<std::size_t>(ph.items());
+  rec.items.resize(keep ? items : 0);
+  rec.outs.resize(items);
+  rec.q_offsets = q_offsets;
+  rec.k_offsets = k_offsets;
+  out.resize(q_offsets.back(), ph.heads * ph.dv);
+  parallel_largest_first(
+      ph.items(), threads,
+      [&](Index i) { return pair_cost(ph, q_offsets, k_offsets, i, quadratic); },
+      [&](Index i) {
+        const PairRows p = pair_rows(ph, q_offsets, k_offsets, i);
+        const std::size_t is = static_cast<std::size_t>(i);
+        Matrix<T>& o = rec.outs[is];
+        item(p, o, keep ? &rec.items[is] : nullptr);
+        out.block(p.q0, p.h * ph.dv, p.nq, ph.dv) = o;
+      },
+      rec.order);
+}
+
+/// Checks a packed backward's grad_out and records against the call.
+template <class T, class Record>
+void check_packed_backward(const char* fn, const PackedHeads& ph, Index q_rows,
+                           const ConstMatrixRef<T>& grad_out, const Offsets& q_offsets,
+                           const Offsets& k_offsets, const PackedRecords<T, Record>& saved) {
+  require(grad_out.rows() == q_rows && grad_out.cols() == ph.heads * ph.dv, fn, "grad_out is ",
+          shape_str(grad_out), " but the output is ", q_rows, " x ", ph.heads * ph.dv);
+  require(static_cast<Index>(saved.items.size()) == ph.items() && saved.q_offsets == q_offsets &&
+              saved.k_offsets == k_offsets,
+          fn, "saved holds ", saved.items.size(), " records for other offsets; this call has ",
+          ph.items(), " (sequence, head) pairs (fill it with the packed forward, with saved)");
+}
+
+/// A packed backward: runs item(rows, grad_item, saved_item) for every item, largest first,
+/// copies each item's dq into place and sums dk, dv per key/value head (packed_sum_kv).
+template <class T, class Record, class GradRecord, class Item>
+void packed_backward(PackedGrads<T, GradRecord>& grad, const PackedHeads& ph,
+                     const Offsets& q_offsets, const Offsets& k_offsets,
+                     const PackedRecords<T, Record>& saved, int threads, bool quadratic,
+                     Item&& item) {
+  grad.items.resize(static_cast<std::size_t>(ph.items()));
+  grad.q.resize(q_offsets.back(), ph.heads * ph.r);
+  parallel_largest_first(
+      ph.items(), threads,
+      [&](Index i) { return pair_cost(ph, q_offsets, k_offsets, i, quadratic); },
+      [&](Index i) {
+        const PairRows p = pair_rows(ph, q_offsets, k_offsets, i);
+        const std::size_t is = static_cast<std::size_t>(i);
+        GradRecord& g = grad.items[is];
+        item(p, g, saved.items[is]);
+        grad.q.block(p.q0, p.h * ph.r, p.nq, ph.r) = g.q;
+      },
+      grad.order);
+  packed_sum_kv(grad.items, ph, k_offsets, ph.kv_heads * ph.r, ph.kv_heads * ph.dv, grad.k,
+                grad.v);
+}
+
 }  // namespace detail
 
 namespace gma {
 
-/// What forward_packed keeps for backward_packed: one Saved per (sequence b, head h), item
-/// b H + h, and the call's scratch.
+/// What forward_packed_into keeps for backward_packed_into: one Saved per (sequence b, head h),
+/// item b H + h, and the call's scratch.
 template <class T>
-struct PackedSaved {
-  std::vector<Saved<T>> items;
-  std::vector<Matrix<T>> outs;  // per item: its output before it is copied into place
-  std::vector<Index> order;
-  Offsets q_offsets, k_offsets;
-};
+using PackedSaved = detail::PackedRecords<T, Saved<T>>;
 
-/// Gradients of forward_packed: q, k, v like the inputs, one MixtureGrad per head (summed over
-/// the sequences in order), and the per-item records kept for reuse.
+/// Gradients of forward_packed_into: q, k, v like the inputs, one MixtureGrad per head (summed
+/// over the sequences in order), and the per-item records kept for reuse.
 template <class T>
-struct PackedGrad {
-  Matrix<T> q, k, v;
+struct PackedGrad : detail::PackedGrads<T, Grad<T>> {
   std::vector<MixtureGrad<T>> mixtures;
-  std::vector<Grad<T>> items;
-  std::vector<Index> order;
 };
 
 /// Packed GMA forward. mixtures: H mixtures of dimension r (one per head); q: total_q x (H r),
@@ -162,30 +259,14 @@ void forward_packed_into(Matrix<T>& out, const std::vector<Mixture<T>>& mixtures
       detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(), k.rows(),
                            v.rows(), q_offsets, k_offsets, threads);
   PackedSaved<T> local;
-  PackedSaved<T>& rec = saved ? *saved : local;
-  const std::size_t items = static_cast<std::size_t>(ph.items());
-  rec.items.resize(items);
-  rec.outs.resize(items);
-  rec.q_offsets = q_offsets;
-  rec.k_offsets = k_offsets;
-  out.resize(q.rows(), heads * ph.dv);
   const Index r = ph.r, dv = ph.dv;
-  detail::parallel_largest_first(
-      ph.items(), threads,
-      [&](Index i) { return q_offsets[i / heads + 1] - q_offsets[i / heads] +
-                            k_offsets[i / heads + 1] - k_offsets[i / heads]; },
-      [&](Index i) {
-        const Index b = i / heads, h = i % heads;
-        const Index q0 = q_offsets[b], nq = q_offsets[b + 1] - q0;
-        const Index k0 = k_offsets[b], nk = k_offsets[b + 1] - k0;
-        const std::size_t is = static_cast<std::size_t>(i);
-        Matrix<T>& o = rec.outs[is];
-        forward_into(o, mixtures[static_cast<std::size_t>(h)], q.block(q0, h * r, nq, r),
-                     k.block(k0, h * r, nk, r), v.block(k0, h * dv, nk, dv), opt,
-                     saved ? &rec.items[is] : nullptr);
-        out.block(q0, h * dv, nq, dv) = o;
-      },
-      rec.order);
+  detail::packed_forward(out, ph, q_offsets, k_offsets, saved ? *saved : local, saved != nullptr,
+                         threads, false, [&](const detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
+                           forward_into(o, mixtures[static_cast<std::size_t>(p.h)],
+                                        q.block(p.q0, p.h * r, p.nq, r),
+                                        k.block(p.k0, p.h * r, p.nk, r),
+                                        v.block(p.k0, p.h * dv, p.nk, dv), opt, s);
+                         });
 }
 
 /// Packed GMA backward; grad_out: total_q x (H d_v); saved from forward_packed_into with the
@@ -202,47 +283,29 @@ void backward_packed_into(PackedGrad<T>& grad, const std::vector<Mixture<T>>& mi
   const detail::PackedHeads ph =
       detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(), k.rows(),
                            v.rows(), q_offsets, k_offsets, threads);
-  detail::require(grad_out.rows() == q.rows() && grad_out.cols() == v.cols(), fn, "grad_out is ",
-                  detail::shape_str(grad_out), " but the output is ", q.rows(), " x ", v.cols());
-  detail::require(static_cast<Index>(saved.items.size()) == ph.items() &&
-                      saved.q_offsets == q_offsets && saved.k_offsets == k_offsets,
-                  fn, "saved holds ", saved.items.size(), " records for other offsets; this call has ",
-                  ph.items(), " (sequence, head) pairs");
+  detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, q_offsets, k_offsets, saved);
   const Index r = ph.r, dv = ph.dv;
-  grad.items.resize(static_cast<std::size_t>(ph.items()));
-  grad.q.resize(q.rows(), q.cols());
-  grad.k.resize(k.rows(), k.cols());
-  grad.v.resize(v.rows(), v.cols());
-  detail::parallel_largest_first(
-      ph.items(), threads,
-      [&](Index i) { return q_offsets[i / heads + 1] - q_offsets[i / heads] +
-                            k_offsets[i / heads + 1] - k_offsets[i / heads]; },
-      [&](Index i) {
-        const Index b = i / heads, h = i % heads;
-        const Index q0 = q_offsets[b], nq = q_offsets[b + 1] - q0;
-        const Index k0 = k_offsets[b], nk = k_offsets[b + 1] - k0;
-        Grad<T>& g = grad.items[static_cast<std::size_t>(i)];
-        backward_into(g, mixtures[static_cast<std::size_t>(h)], q.block(q0, h * r, nq, r),
-                      k.block(k0, h * r, nk, r), v.block(k0, h * dv, nk, dv),
-                      grad_out.block(q0, h * dv, nq, dv), saved.items[static_cast<std::size_t>(i)],
-                      opt);
-        grad.q.block(q0, h * r, nq, r) = g.q;
-        grad.k.block(k0, h * r, nk, r) = g.k;
-        grad.v.block(k0, h * dv, nk, dv) = g.v;
-      },
-      grad.order);
+  detail::packed_backward(
+      grad, ph, q_offsets, k_offsets, saved, threads, false,
+      [&](const detail::PairRows& p, Grad<T>& g, const Saved<T>& s) {
+        backward_into(g, mixtures[static_cast<std::size_t>(p.h)], q.block(p.q0, p.h * r, p.nq, r),
+                      k.block(p.k0, p.h * r, p.nk, r), v.block(p.k0, p.h * dv, p.nk, dv),
+                      grad_out.block(p.q0, p.h * dv, p.nq, dv), s, opt);
+      });
   grad.mixtures.resize(static_cast<std::size_t>(heads));
   for (Index h = 0; h < heads; ++h) {  // sequence order, as separate calls summed would be
     MixtureGrad<T>& m = grad.mixtures[static_cast<std::size_t>(h)];
-    const MixtureGrad<T>& first = grad.items[static_cast<std::size_t>(h)].mixture;
-    m.mean = first.mean;
-    m.var_raw = first.var_raw;
-    m.prior_logit = first.prior_logit;
-    for (Index b = 1; b < ph.batch; ++b) {
+    for (Index b = 0; b < ph.batch; ++b) {
       const MixtureGrad<T>& g = grad.items[static_cast<std::size_t>(b * heads + h)].mixture;
-      m.mean += g.mean;
-      m.var_raw += g.var_raw;
-      m.prior_logit += g.prior_logit;
+      if (b == 0) {
+        m.mean = g.mean;
+        m.var_raw = g.var_raw;
+        m.prior_logit = g.prior_logit;
+      } else {
+        m.mean += g.mean;
+        m.var_raw += g.var_raw;
+        m.prior_logit += g.prior_logit;
+      }
     }
   }
 }
@@ -253,21 +316,12 @@ namespace reference {
 
 /// Records of flash_forward_packed_into: one Saved per (sequence, query head), item b H_q + h.
 template <class T>
-struct PackedSaved {
-  std::vector<Saved<T>> items;
-  std::vector<Matrix<T>> outs;
-  std::vector<Index> order;
-  Offsets q_offsets, k_offsets;
-};
+using PackedSaved = mixattn::detail::PackedRecords<T, Saved<T>>;
 
 /// Gradients of flash_forward_packed_into; a shared key/value head's dk, dv are summed over its
 /// query heads in order.
 template <class T>
-struct PackedGrad {
-  Matrix<T> q, k, v;
-  std::vector<Grad<T>> items;
-  std::vector<Index> order;
-};
+using PackedGrad = mixattn::detail::PackedGrads<T, Grad<T>>;
 
 /// Packed tiled softmax attention with grouped-query heads. q: total_q x (H_q r), k:
 /// total_k x (H_kv r), v: total_k x (H_kv d_v), H_kv = kv_heads dividing H_q = heads; offsets as
@@ -284,31 +338,13 @@ void flash_forward_packed_into(Matrix<T>& out, Index heads, Index kv_heads,
       mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
                                     k.rows(), v.rows(), q_offsets, k_offsets, threads);
   PackedSaved<T> local;
-  PackedSaved<T>& rec = saved ? *saved : local;
-  const std::size_t items = static_cast<std::size_t>(ph.items());
-  rec.items.resize(items);
-  rec.outs.resize(items);
-  rec.q_offsets = q_offsets;
-  rec.k_offsets = k_offsets;
-  out.resize(q.rows(), heads * ph.dv);
   const Index r = ph.r, dv = ph.dv;
-  mixattn::detail::parallel_largest_first(
-      ph.items(), threads,
-      [&](Index i) {
-        const Index b = i / heads;
-        return (q_offsets[b + 1] - q_offsets[b]) * (k_offsets[b + 1] - k_offsets[b]);
-      },
-      [&](Index i) {
-        const Index b = i / heads, h = i % heads, g = ph.kv_of(h);
-        const Index q0 = q_offsets[b], nq = q_offsets[b + 1] - q0;
-        const Index k0 = k_offsets[b], nk = k_offsets[b + 1] - k0;
-        const std::size_t is = static_cast<std::size_t>(i);
-        Matrix<T>& o = rec.outs[is];
-        flash_forward_into<T>(o, q.block(q0, h * r, nq, r), k.block(k0, g * r, nk, r),
-                              v.block(k0, g * dv, nk, dv), opt, saved ? &rec.items[is] : nullptr);
-        out.block(q0, h * dv, nq, dv) = o;
-      },
-      rec.order);
+  mixattn::detail::packed_forward(
+      out, ph, q_offsets, k_offsets, saved ? *saved : local, saved != nullptr, threads, true,
+      [&](const mixattn::detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
+        flash_forward_into<T>(o, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
+                              v.block(p.k0, p.g * dv, p.nk, dv), opt, s);
+      });
 }
 
 /// Backward of flash_forward_packed_into; grad_out: total_q x (H_q d_v).
@@ -323,36 +359,16 @@ void flash_backward_packed_into(PackedGrad<T>& grad, Index heads, Index kv_heads
   const mixattn::detail::PackedHeads ph =
       mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
                                     k.rows(), v.rows(), q_offsets, k_offsets, threads);
-  mixattn::detail::require(grad_out.rows() == q.rows() && grad_out.cols() == heads * ph.dv, fn,
-                           "grad_out is ", detail::shape_str(grad_out), " but the output is ",
-                           q.rows(), " x ", heads * ph.dv);
-  mixattn::detail::require(static_cast<Index>(saved.items.size()) == ph.items() &&
-                               saved.q_offsets == q_offsets && saved.k_offsets == k_offsets,
-                           fn, "saved holds ", saved.items.size(),
-                           " records for other offsets; this call has ", ph.items(),
-                           " (sequence, head) pairs");
+  mixattn::detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, q_offsets, k_offsets,
+                                            saved);
   const Index r = ph.r, dv = ph.dv;
-  grad.items.resize(static_cast<std::size_t>(ph.items()));
-  grad.q.resize(q.rows(), q.cols());
-  mixattn::detail::parallel_largest_first(
-      ph.items(), threads,
-      [&](Index i) {
-        const Index b = i / heads;
-        return (q_offsets[b + 1] - q_offsets[b]) * (k_offsets[b + 1] - k_offsets[b]);
-      },
-      [&](Index i) {
-        const Index b = i / heads, h = i % heads, g = ph.kv_of(h);
-        const Index q0 = q_offsets[b], nq = q_offsets[b + 1] - q0;
-        const Index k0 = k_offsets[b], nk = k_offsets[b + 1] - k0;
-        const std::size_t is = static_cast<std::size_t>(i);
-        Grad<T>& gi = grad.items[is];
-        flash_backward_into<T>(gi, q.block(q0, h * r, nq, r), k.block(k0, g * r, nk, r),
-                               v.block(k0, g * dv, nk, dv), grad_out.block(q0, h * dv, nq, dv),
-                               saved.items[is], opt);
-        grad.q.block(q0, h * r, nq, r) = gi.q;
-      },
-      grad.order);
-  mixattn::detail::packed_sum_kv(grad.items, ph, k_offsets, k.cols(), v.cols(), grad.k, grad.v);
+  mixattn::detail::packed_backward(
+      grad, ph, q_offsets, k_offsets, saved, threads, true,
+      [&](const mixattn::detail::PairRows& p, Grad<T>& g, const Saved<T>& s) {
+        flash_backward_into<T>(g, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
+                               v.block(p.k0, p.g * dv, p.nk, dv),
+                               grad_out.block(p.q0, p.h * dv, p.nq, dv), s, opt);
+      });
 }
 
 }  // namespace reference
@@ -361,21 +377,13 @@ namespace ovq {
 
 /// Records of forward_packed_into: one Saved per (sequence, query head), item b H_q + h.
 template <class T>
-struct PackedSaved {
-  std::vector<Saved<T>> items;
-  std::vector<Matrix<T>> outs;
-  std::vector<Index> order;
-  Offsets offsets;
-};
+using PackedSaved = mixattn::detail::PackedRecords<T, Saved<T>>;
 
 /// Gradients of forward_packed_into: dq, dk, dv like the inputs (a shared key/value head's
 /// summed over its query heads in order) and one dbeta per query head (summed over sequences).
 template <class T>
-struct PackedGrad {
-  Matrix<T> q, k, v;
+struct PackedGrad : mixattn::detail::PackedGrads<T, Grad<T>> {
   std::vector<T> beta;
-  std::vector<Grad<T>> items;
-  std::vector<Index> order;
 };
 
 /// Packed OVQ attention with grouped-query heads (OVQ is causal: one offsets vector).
@@ -398,26 +406,14 @@ void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixRef<T>
                   states.size(), " entries but ", ph.batch, " sequences x ", heads, " heads need ",
                   ph.items());
   PackedSaved<T> local;
-  PackedSaved<T>& rec = saved ? *saved : local;
-  const std::size_t items = static_cast<std::size_t>(ph.items());
-  rec.items.resize(items);
-  rec.outs.resize(items);
-  rec.offsets = offsets;
-  out.resize(q.rows(), heads * ph.dv);
   const Index r = ph.r, dv = ph.dv;
-  mixattn::detail::parallel_largest_first(
-      ph.items(), threads, [&](Index i) { return offsets[i / heads + 1] - offsets[i / heads]; },
-      [&](Index i) {
-        const Index b = i / heads, h = i % heads, g = ph.kv_of(h);
-        const Index t0 = offsets[b], n = offsets[b + 1] - t0;
-        const std::size_t is = static_cast<std::size_t>(i);
-        Matrix<T>& o = rec.outs[is];
-        forward_into(o, q.block(t0, h * r, n, r), k.block(t0, g * r, n, r),
-                     v.block(t0, g * dv, n, dv), beta[static_cast<std::size_t>(h)], opt,
-                     states[is], saved ? &rec.items[is] : nullptr);
-        out.block(t0, h * dv, n, dv) = o;
-      },
-      rec.order);
+  mixattn::detail::packed_forward(
+      out, ph, offsets, offsets, saved ? *saved : local, saved != nullptr, threads, false,
+      [&](const mixattn::detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
+        forward_into(o, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
+                     v.block(p.k0, p.g * dv, p.nk, dv), beta[static_cast<std::size_t>(p.h)], opt,
+                     states[static_cast<std::size_t>(p.b * heads + p.h)], s);
+      });
 }
 
 /// Backward of forward_packed_into; grad_out: total x (H_q d_v).
@@ -432,34 +428,21 @@ void backward_packed_into(PackedGrad<T>& grad, Index kv_heads, const ConstMatrix
   const mixattn::detail::PackedHeads ph =
       mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
                                     k.rows(), v.rows(), offsets, offsets, threads);
-  detail::require(grad_out.rows() == q.rows() && grad_out.cols() == heads * ph.dv, fn,
-                  "grad_out is ", detail::shape_str(grad_out), " but the output is ", q.rows(),
-                  " x ", heads * ph.dv);
-  detail::require(static_cast<Index>(saved.items.size()) == ph.items() && saved.offsets == offsets,
-                  fn, "saved holds ", saved.items.size(), " records for other offsets; this call has ",
-                  ph.items(), " (sequence, head) pairs");
+  mixattn::detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, offsets, offsets, saved);
   const Index r = ph.r, dv = ph.dv;
-  grad.items.resize(static_cast<std::size_t>(ph.items()));
-  grad.q.resize(q.rows(), q.cols());
-  mixattn::detail::parallel_largest_first(
-      ph.items(), threads, [&](Index i) { return offsets[i / heads + 1] - offsets[i / heads]; },
-      [&](Index i) {
-        const Index b = i / heads, h = i % heads, g = ph.kv_of(h);
-        const Index t0 = offsets[b], n = offsets[b + 1] - t0;
-        const std::size_t is = static_cast<std::size_t>(i);
-        Grad<T>& gi = grad.items[is];
-        backward_into(gi, q.block(t0, h * r, n, r), k.block(t0, g * r, n, r),
-                      v.block(t0, g * dv, n, dv), beta[static_cast<std::size_t>(h)],
-                      grad_out.block(t0, h * dv, n, dv), saved.items[is], opt);
-        grad.q.block(t0, h * r, n, r) = gi.q;
-      },
-      grad.order);
-  mixattn::detail::packed_sum_kv(grad.items, ph, offsets, k.cols(), v.cols(), grad.k, grad.v);
+  mixattn::detail::packed_backward(
+      grad, ph, offsets, offsets, saved, threads, false,
+      [&](const mixattn::detail::PairRows& p, Grad<T>& g, const Saved<T>& s) {
+        backward_into(g, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
+                      v.block(p.k0, p.g * dv, p.nk, dv), beta[static_cast<std::size_t>(p.h)],
+                      grad_out.block(p.q0, p.h * dv, p.nq, dv), s, opt);
+      });
   grad.beta.assign(static_cast<std::size_t>(heads), T(0));
-  for (Index h = 0; h < heads; ++h)
+  for (Index h = 0; h < heads; ++h)  // sequence order, as separate calls summed would be
     for (Index b = 0; b < ph.batch; ++b)
-      grad.beta[static_cast<std::size_t>(h)] += grad.items[static_cast<std::size_t>(b * heads + h)].beta;
+      grad.beta[static_cast<std::size_t>(h)] +=
+          grad.items[static_cast<std::size_t>(b * heads + h)].beta;
 }
 
 }  // namespace ovq
-}  // namespace mixattn
+MIXATTN_END_NAMESPACE

@@ -7,8 +7,10 @@
 //   flash_*  tiles queries and keys with an online softmax (FlashAttention-2 schedule) and keeps
 //            O(N) state: the output and one log-sum-exp per row. The honest speed baseline.
 //
-// Thread safety: every function is reentrant; nothing is shared between calls, so distinct
-// calls may run concurrently. Each call is single-threaded (Eigen's own threading aside).
+// Thread safety: every function is reentrant; distinct calls may run concurrently (the forwards'
+// working memory is per thread). Each call is single-threaded (Eigen's own threading aside).
+// The `_into` forms write into caller-owned outputs, Saved and Grad and reuse their capacity:
+// a training step whose shapes repeat performs no heap allocation.
 #pragma once
 #define MIXATTN_REFERENCE_HPP_INCLUDED
 

@@ -198,5 +198,25 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
   dq *= scale;
 }
 
+/// flash_forward_tiles with scratch of its own (allocated per call).
+template <class T, Index BlockQ, Index BlockK>
+void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                         const ConstMatrixRef<T>& v, T scale, bool causal, Matrix<T>& out,
+                         Vector<T>& lse) {
+  FlashScratch<T> scratch;
+  flash_forward_tiles<T, BlockQ, BlockK>(q, k, v, scale, causal, out, lse, scratch);
+}
+
+/// flash_backward_tiles with scratch of its own (allocated per call).
+template <class T, Index BlockQ, Index BlockK>
+void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                          const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& out,
+                          const ConstMatrixRef<T>& grad_out, const Vector<T>& lse, T scale,
+                          bool causal, Matrix<T>& dq, Matrix<T>& dk, Matrix<T>& dv) {
+  FlashScratch<T> scratch;
+  flash_backward_tiles<T, BlockQ, BlockK>(q, k, v, out, grad_out, lse, scale, causal, dq, dk, dv,
+                                          scratch);
+}
+
 }  // namespace reference::detail
 MIXATTN_END_NAMESPACE
