@@ -30,9 +30,10 @@
 
 #include <gtest/gtest.h>
 
+#include <dirent.h>
 #include <atomic>
 #include <cstdint>
-#include <dirent.h>
+#include <vector>
 
 namespace {
 
@@ -102,6 +103,76 @@ TYPED_TEST(SteadyStateTyped, GmaStepAllocatesNothing) {
     EXPECT_EQ(grad.mixture.var_raw, ref_grad.mixture.var_raw);
     EXPECT_EQ(grad.mixture.prior_logit, ref_grad.mixture.prior_logit);
   }
+}
+
+/// A causal sequence in pieces carried by a gma::State (the chunked scan for the long pieces, the
+/// token recurrence for the 20-token one), backward in reverse with each piece fed its
+/// successor's grad.state: after a warm-up the whole step allocates nothing, and every output
+/// and gradient equals the value-returning forms' bit for bit. Decoding one token at a time
+/// through a Prepared mixture allocates nothing either.
+TYPED_TEST(SteadyStateTyped, GmaStatePiecesAllocateNothing) {
+  using T = TypeParam;
+  namespace gma = mixattn::gma;
+  const Index K = 64, r = 64, dv = 64;
+  const Index lengths[] = {1024, 20, 1000};
+  const gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, 7);
+  gma::Options opt;
+  opt.causal = true;
+  std::vector<Matrix<T>> q, k, v, dout;
+  for (int p = 0; p < 3; ++p) {
+    q.push_back(random_matrix<T>(lengths[p], r, 31 + 4 * p));
+    k.push_back(random_matrix<T>(lengths[p], r, 32 + 4 * p));
+    v.push_back(random_matrix<T>(lengths[p], dv, 33 + 4 * p));
+    dout.push_back(random_matrix<T>(lengths[p], dv, 34 + 4 * p));
+  }
+  gma::State<T> state = gma::State<T>::empty(K, dv);
+  std::vector<Matrix<T>> out(3);
+  std::vector<gma::Saved<T>> saved(3);
+  std::vector<gma::Grad<T>> grad(3);
+  const auto step = [&] {
+    state.S.setZero();
+    state.z.setZero();
+    state.tokens_seen = 0;
+    for (int p = 0; p < 3; ++p)
+      gma::forward_into(out[p], mix, q[p], k[p], v[p], opt, state, &saved[p]);
+    for (int p = 2; p >= 0; --p)
+      gma::backward_into(grad[p], mix, q[p], k[p], v[p], dout[p], saved[p], opt,
+                         p < 2 ? &grad[p + 1].state : nullptr);
+  };
+  step();
+  EXPECT_EQ(allocations_of(step), 0);
+  gma::State<T> ref_state = gma::State<T>::empty(K, dv);
+  std::vector<gma::Saved<T>> ref_saved(3);
+  std::vector<gma::Grad<T>> ref_grad(3);
+  for (int p = 0; p < 3; ++p)
+    EXPECT_EQ(out[p], gma::forward(mix, q[p], k[p], v[p], opt, ref_state, &ref_saved[p])) << p;
+  EXPECT_EQ(state.S, ref_state.S);
+  for (int p = 2; p >= 0; --p) {
+    ref_grad[p] = gma::backward(mix, q[p], k[p], v[p], dout[p], ref_saved[p], opt,
+                                p < 2 ? &ref_grad[p + 1].state : nullptr);
+    EXPECT_EQ(grad[p].q, ref_grad[p].q) << p;
+    EXPECT_EQ(grad[p].k, ref_grad[p].k) << p;
+    EXPECT_EQ(grad[p].v, ref_grad[p].v) << p;
+    EXPECT_EQ(grad[p].mixture.mean, ref_grad[p].mixture.mean) << p;
+    EXPECT_EQ(grad[p].state.S, ref_grad[p].state.S) << p;
+    EXPECT_EQ(grad[p].state.z, ref_grad[p].state.z) << p;
+  }
+
+  // Decoding: one token per call through a Prepared mixture, no Saved.
+  const gma::Prepared<T> prep(mix);
+  gma::State<T> dec = gma::State<T>::empty(K, dv);
+  Matrix<T> one;
+  Index t = 0;
+  const auto token = [&] {
+    gma::forward_into(one, prep, q[0].row(t), k[0].row(t), v[0].row(t), opt, dec, nullptr);
+    ++t;
+  };
+  token();
+  EXPECT_EQ(allocations_of([&] {
+              for (int i = 0; i < 16; ++i) token();
+            }),
+            0);
+  EXPECT_EQ(dec.tokens_seen, 17);
 }
 
 TYPED_TEST(SteadyStateTyped, SoftmaxStepAllocatesNothing) {
@@ -192,7 +263,8 @@ TEST(SteadyState, LayerStepAllocatesNothing) {
     cfg.ovq.block = 64;
     cfg.ovq.max_centroids = 128;
     const layer::MultiHeadAttention<float> mha(cfg);
-    const Matrix<float> x = random_matrix<float>(1024, 128, 31), dy = random_matrix<float>(1024, 128, 32);
+    const Matrix<float> x = random_matrix<float>(1024, 128, 31),
+                        dy = random_matrix<float>(1024, 128, 32);
     Matrix<float> y;
     layer::Cache<float> cache;
     layer::Gradients<float> g;
@@ -267,7 +339,8 @@ TEST(SteadyState, RecordsFollowShapeChanges) {
   gma::Saved<double> saved;
   gma::Grad<double> grad;
   for (const Index n : {50, 7, 300}) {
-    const Matrix<double> q = random_matrix<double>(n, 4, 20 + n), v = random_matrix<double>(n, 3, 30);
+    const Matrix<double> q = random_matrix<double>(n, 4, 20 + n),
+                         v = random_matrix<double>(n, 3, 30);
     const Matrix<double> dout = random_matrix<double>(n, 3, 40);
     gma::forward_into(out, mix, q, q, v, gma::Options{}, &saved);
     gma::backward_into(grad, mix, q, q, v, dout, saved, gma::Options{});

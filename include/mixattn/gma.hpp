@@ -136,11 +136,11 @@ constexpr Index gma_backward_panel = 256;
 template <class T>
 struct GmaBackwardScratch {
   using W = wide_t<T>;
-  Matrix<T> gh;    // panel x (d_v + 1): [g | h] (bidirectional)
-  Matrix<T> ds;    // panel x K: dGamma, then dS in place (bidirectional)
-  Matrix<T> xpad;  // panel x padded r: x, zero beyond r
-  Matrix<T> acc;   // panel x padded r: -dx / 2
-  Matrix<T> upd;   // K x (d_v + 1): one panel's [dVt | dZ]
+  Matrix<T> gh;       // panel x (d_v + 1): [g | h] (bidirectional)
+  Matrix<T> ds;       // panel x K: dGamma, then dS in place (bidirectional)
+  Matrix<T> xpad;     // panel x padded r: x, zero beyond r
+  Matrix<T> acc;      // panel x padded r: -dx / 2
+  Matrix<T> upd;      // K x (d_v + 1): one panel's [dVt | dZ]
   Matrix<T> vz, dvz;  // K x (d_v + 1): [Vt | Z] and the summed [dVt | dZ]
   Matrix<W> dvz_wide;
   Matrix<T> g, dgq, dgk;  // causal: N x d_v, N x K, M x K
@@ -178,8 +178,8 @@ struct Saved {
   bool valid = false;
   // Set by the State overload of forward: the state the call continued (a copy, O(K d_v)).
   bool continued = false;
-  Matrix<detail::wide_t<T>> start_S;  // K x d_v
-  Vector<detail::wide_t<T>> start_z;  // K
+  Matrix<detail::wide_t<T>> start_S;     // K x d_v
+  Vector<detail::wide_t<T>> start_z;     // K
   detail::GmaForwardScratch<T> scratch;  // the forward's working memory, kept for reuse
 };
 
@@ -747,8 +747,7 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
   grad.k.resize(M, r);
   grad.v.resize(M, dv);
   if (opt.causal) {
-    gma_causal_backward_all<Arch>(s.packed, q, k, v, grad_out, saved, grad_state_out, panel,
-                                  grad);
+    gma_causal_backward_all<Arch>(s.packed, q, k, v, grad_out, saved, grad_state_out, panel, grad);
   } else {
     grad.state.S.resize(0, 0);
     grad.state.z.resize(0);

@@ -239,7 +239,7 @@ struct Saved {
   Index block = 0;  // options the forward ran with
   bool count_bias = true;
   double norm_eps = 0;
-  bool recorded = false;  // set by forward
+  bool recorded = false;              // set by forward
   detail::ForwardScratch<T> scratch;  // the forward's working memory, kept for reuse
 
   /// Heap and object bytes held.
@@ -277,10 +277,10 @@ inline void check_options(const Options& opt, const char* fn) {
           opt.growth_alpha, ", must be finite and >= 0");
   require(opt.norm_eps > 0 && std::isfinite(opt.norm_eps), fn, "options.norm_eps is ", opt.norm_eps,
           ", must be finite and > 0");
-  require(opt.assignment == Assignment::all_centroids ||
-              opt.assignment == Assignment::existing_only,
-          fn, "options.assignment is ", static_cast<int>(opt.assignment),
-          ", must be Assignment::all_centroids or Assignment::existing_only");
+  require(
+      opt.assignment == Assignment::all_centroids || opt.assignment == Assignment::existing_only,
+      fn, "options.assignment is ", static_cast<int>(opt.assignment),
+      ", must be Assignment::all_centroids or Assignment::existing_only");
 }
 
 /// Every part of the state must agree before anything is read from it (shapes, counts; the
@@ -483,8 +483,8 @@ void forward_blocks(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
       const bool check = opt.check_finite && u == 0 && t0 == 0;
       MatrixRef<T> o = out.middleRows(row + t0, mt);
       const bool finite = tile_forward<T>(
-          w.qh.middleRows(t0, mt), dict.keys.topRows(dict.size), dict.values.topRows(dict.size),
-          lc, ko, vo, w.kn.topRows(t0 + mt), w.vn.topRows(t0 + mt), pq + t0, s, w.sc, o, check);
+          w.qh.middleRows(t0, mt), dict.keys.topRows(dict.size), dict.values.topRows(dict.size), lc,
+          ko, vo, w.kn.topRows(t0 + mt), w.vn.topRows(t0 + mt), pq + t0, s, w.sc, o, check);
       if (check && !(finite && (o.array() * T(0)).sum() == T(0))) {
         if (loan != nullptr) loan->give_back();  // nothing changed yet
         check_state_values(start, fn);           // throws if the state is to blame
@@ -535,13 +535,12 @@ void store_pending(const ForwardScratch<T>& w, const State<T>& start, const Bloc
 /// state's values are vouched for (by the first query's attention, or by a scan when there is
 /// no query or a record to fill).
 template <class T>
-void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
-             const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T beta, const Options& opt,
-             const State<T>& start, State<T>& next, Saved<T>* saved) {
+void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+             const ConstMatrixRef<T>& v, T beta, const Options& opt, const State<T>& start,
+             State<T>& next, Saved<T>* saved) {
   const T s = check_forward<T>(fn, q, k, v, beta, opt, start);
   const Index r = start.keys.cols(), dv = start.values.cols(), tn = q.rows();
-  if (opt.check_finite && (tn == 0 || saved != nullptr))
-    check_state_values(start, fn);
+  if (opt.check_finite && (tn == 0 || saved != nullptr)) check_state_values(start, fn);
   const Index c = opt.block, n_start = start.keys.rows();
   const Blocks blocks(c, start.pending_keys.rows(), tn);
   const Index capacity =
@@ -568,8 +567,7 @@ void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
   } else {
     w.dict.allocate(capacity, r, dv);
     w.dict.load(start.keys, start.values, start.counts);
-    forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, w.dict, nullptr, w,
-                      saved);
+    forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, w.dict, nullptr, w, saved);
     store_pending<T>(w, start, blocks, tn, next);
     next.keys = w.dict.keys.topRows(w.dict.size);
     next.values = w.dict.values.topRows(w.dict.size);

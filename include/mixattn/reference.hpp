@@ -352,7 +352,6 @@ void flash_backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstM
                             saved, opt);
 }
 
-
 /// The key/value cache of causal softmax decoding (SPEC §3, causal mask): the keys (size x r)
 /// and values (size x d_v) of every token seen so far, in buffers whose capacity at least
 /// doubles when full, so appending is amortised O(r + d_v) per token; reserve() up front makes
