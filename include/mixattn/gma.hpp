@@ -554,8 +554,8 @@ void gma_forward_continued(Matrix<T>& out, const PackedDensity<T>& p, const Cons
   Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
   gq.resize(N, K);
   gk.resize(N, K);
-  responsibilities_into(Arch{}, p, q.data(), q.outerStride(), N, gq.data(), K);
-  responsibilities_into(Arch{}, p, k.data(), k.outerStride(), N, gk.data(), K);
+  responsibilities_into(Arch{}, p, q.data(), q.outerStride(), N, gq.data(), K, &s.scores);
+  responsibilities_into(Arch{}, p, k.data(), k.outerStride(), N, gk.data(), K, &s.scores);
   out.resize(N, dv);
   Vector<T>& den = saved ? saved->den : s.den;
   den.resize(N);
@@ -806,7 +806,7 @@ Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
 template <class T, class Arch = detail::simd_arch>
 void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
-                  State<T>& state, Saved<T>* saved) {
+                  State<T>& state, Saved<typename detail::identity<T>::type>* saved) {
   static constexpr const char* fn = "mixattn::gma::forward_into";
   detail::gma_check_inputs(fn, mix, q, k, v, opt);
   detail::gma_check_state(fn, state, mix.components(), v.cols(), q.rows(), opt);
@@ -841,7 +841,7 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const Const
 template <class T, class Arch = detail::simd_arch>
 void forward_into(Matrix<T>& out, const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
-                  State<T>& state, Saved<T>* saved) {
+                  State<T>& state, Saved<typename detail::identity<T>::type>* saved) {
   static constexpr const char* fn = "mixattn::gma::forward_into";
   detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
   detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
@@ -881,7 +881,7 @@ template <class T, class Arch = detail::simd_arch>
 void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
                    const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
-                   const StateGrad<T>* grad_state_out) {
+                   const StateGrad<typename detail::identity<T>::type>* grad_state_out) {
   detail::gma_backward<Arch, T>("mixattn::gma::backward_into", grad, mix, q, k, v, grad_out, saved,
                                 opt, grad_state_out);
 }
