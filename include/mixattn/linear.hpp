@@ -180,12 +180,11 @@ void linear_backward_causal(const ConstMatrixRef<T>& v, const ConstMatrixRef<T>&
       -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
   dphi_q.resize(N, r);
   dphi_k.resize(N, r);
-  const Matrix<W> S0 = Matrix<W>::Zero(r, dv);
-  const Vector<W> z0 = Vector<W>::Zero(r);
   Matrix<W> G = Matrix<W>::Zero(r, dv);
   Vector<W> u = Vector<W>::Zero(r);
-  gma_causal_backward<T>(saved.phi_q, saved.phi_k, v, g, h, saved.chunk, dphi_q, dphi_k, dv_out, S0,
-                         z0, G, u);
+  GmaScanScratch<T> scan;  // the prefix starts from zero (no start state)
+  gma_causal_backward<T>(saved.phi_q, saved.phi_k, v, g, h, saved.chunk, dphi_q, dphi_k, dv_out,
+                         nullptr, nullptr, G, u, scan);
 }
 
 }  // namespace detail
@@ -213,7 +212,9 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   if (opt.causal) {
     Matrix<W> S = Matrix<W>::Zero(r, dv);
     Vector<W> z = Vector<W>::Zero(r);
-    detail::gma_causal_forward<T>(phi_q, phi_k, v, eps, detail::linear_chunk(opt), out, den, S, z);
+    detail::GmaScanScratch<T> scan;
+    detail::gma_causal_forward<T>(phi_q, phi_k, v, eps, detail::linear_chunk(opt), out, den, S, z,
+                                  scan);
   } else {
     // write KV = Phi_K^T V, z = Phi_K^T 1; read numerators by GEMM, denominators by GEMV
     kv.resize(r, dv);
