@@ -271,6 +271,81 @@ std::vector<at::Tensor> gma_backward_state_py(at::Tensor q, at::Tensor k, at::Te
   return {dq, dk, dv, dmean, dvar, dprior, dS0, dz0};
 }
 
+// --- packed (cu_seqlens) -----------------------------------------------------------------------
+
+/// (1, H, T, d) -> (T, H, d) contiguous: the library's packed layout, T x (H d) row-major.
+at::Tensor to_packed(const at::Tensor& t) { return t.select(0, 0).transpose(0, 1).contiguous(); }
+
+/// (T, H, d) -> (1, H, T, d), a view.
+at::Tensor from_packed(const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); }
+
+/// The packed call of (1, H, T, .) tensors already checked against each other (q and k with the
+/// same T); the library checks the offsets.
+PackedShape packed_shape(const std::string& fn, const Shape& s, std::vector<int64_t> offsets) {
+  if (s.batch != 1 || s.queries != s.keys)
+    fail(fn, "cu_seqlens packs the sequences along the tokens of one batch entry: q and k must "
+             "be (1, H, T, .) with the same T, got batch " + std::to_string(s.batch) + ", " +
+             std::to_string(s.queries) + " queries and " + std::to_string(s.keys) + " keys");
+  PackedShape p;
+  p.heads = s.heads;
+  p.rows = s.queries;
+  p.key_dim = s.key_dim;
+  p.value_dim = s.value_dim;
+  p.offsets.assign(offsets.begin(), offsets.end());
+  return p;
+}
+
+template <class T>
+GmaInputs<T> gma_packed_inputs(const GmaArgs& a, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v) {
+  return {q.data_ptr<T>(),      k.data_ptr<T>(),         v.data_ptr<T>(),
+          a.mean.data_ptr<T>(), a.var_raw.data_ptr<T>(), a.prior_logit.data_ptr<T>()};
+}
+
+std::tuple<at::Tensor, SavedBox> gma_forward_packed_py(
+    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean, at::Tensor var_raw,
+    at::Tensor prior_logit, std::vector<int64_t> offsets, bool causal, double eps,
+    double var_floor, bool check_finite) {
+  const std::string fn = "mixattn.gma_attention";
+  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor,
+                             check_finite);
+  const PackedShape s = packed_shape(fn, a.shape, std::move(offsets));
+  const at::Tensor pq = to_packed(a.q), pk = to_packed(a.k), pv = to_packed(a.v);
+  at::Tensor out = at::empty({s.rows, s.heads, s.value_dim}, a.q.options());
+  SavedPtr rec = dispatch(a.q, [&](auto t) {
+    using T = decltype(t);
+    return gma_forward_packed<T>(s, a.config, gma_packed_inputs<T>(a, pq, pk, pv),
+                                 out.data_ptr<T>());
+  });
+  return {from_packed(out), box("gma-packed", a.q, std::move(rec))};
+}
+
+std::vector<at::Tensor> gma_backward_packed_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                               at::Tensor mean, at::Tensor var_raw,
+                                               at::Tensor prior_logit, at::Tensor grad_out,
+                                               const SavedBox& saved,
+                                               std::vector<int64_t> offsets, bool causal,
+                                               double eps, double var_floor, bool check_finite) {
+  const std::string fn = "mixattn.gma_attention (backward)";
+  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor,
+                             check_finite);
+  const PackedShape s = packed_shape(fn, a.shape, std::move(offsets));
+  grad_out = to_packed(checked_grad_out(fn, grad_out, a.shape, a.q));
+  const SavedPtr& rec = unbox(saved, "gma-packed", a.q, fn);
+  const at::Tensor pq = to_packed(a.q), pk = to_packed(a.k), pv = to_packed(a.v);
+  auto dq = at::empty_like(pq), dk = at::empty_like(pk), dv = at::empty_like(pv);
+  auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
+  auto dprior = at::empty_like(a.prior_logit);
+  dispatch(a.q, [&](auto t) {
+    using T = decltype(t);
+    gma_backward_packed<T>(s, a.config, gma_packed_inputs<T>(a, pq, pk, pv),
+                           grad_out.data_ptr<T>(), rec, dq.data_ptr<T>(), dk.data_ptr<T>(),
+                           dv.data_ptr<T>(), dmean.data_ptr<T>(), dvar.data_ptr<T>(),
+                           dprior.data_ptr<T>());
+  });
+  return {from_packed(dq), from_packed(dk), from_packed(dv), dmean, dvar, dprior};
+}
+
 // --- OVQ ---------------------------------------------------------------------------------------
 
 OvqConfig ovq_config(int64_t block, int64_t max_centroids, const std::string& growth,
@@ -406,6 +481,45 @@ std::vector<at::Tensor> flash_backward_py(at::Tensor q, at::Tensor k, at::Tensor
   return {dq, dk, dv};
 }
 
+std::tuple<at::Tensor, SavedBox> flash_forward_packed_py(at::Tensor q, at::Tensor k,
+                                                        at::Tensor v,
+                                                        std::vector<int64_t> offsets,
+                                                        bool causal, double scale,
+                                                        bool check_finite) {
+  const std::string fn = "mixattn.flash_attention";
+  const PackedShape s = packed_shape(fn, flash_shape(fn, q, k, v, causal), std::move(offsets));
+  const FlashConfig c{causal, scale, check_finite};
+  const at::Tensor pq = to_packed(q), pk = to_packed(k), pv = to_packed(v);
+  at::Tensor out = at::empty({s.rows, s.heads, s.value_dim}, q.options());
+  SavedPtr rec = dispatch(q, [&](auto t) {
+    using T = decltype(t);
+    return flash_forward_packed<T>(s, c, pq.data_ptr<T>(), pk.data_ptr<T>(), pv.data_ptr<T>(),
+                                   out.data_ptr<T>());
+  });
+  return {from_packed(out), box("flash-packed", q, std::move(rec))};
+}
+
+std::vector<at::Tensor> flash_backward_packed_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                                 at::Tensor grad_out, const SavedBox& saved,
+                                                 std::vector<int64_t> offsets, bool causal,
+                                                 double scale, bool check_finite) {
+  const std::string fn = "mixattn.flash_attention (backward)";
+  const Shape full = flash_shape(fn, q, k, v, causal);
+  const PackedShape s = packed_shape(fn, full, std::move(offsets));
+  grad_out = to_packed(checked_grad_out(fn, grad_out, full, q));
+  const SavedPtr& rec = unbox(saved, "flash-packed", q, fn);
+  const FlashConfig c{causal, scale, check_finite};
+  const at::Tensor pq = to_packed(q), pk = to_packed(k), pv = to_packed(v);
+  auto dq = at::empty_like(pq), dk = at::empty_like(pk), dv = at::empty_like(pv);
+  dispatch(q, [&](auto t) {
+    using T = decltype(t);
+    flash_backward_packed<T>(s, c, pq.data_ptr<T>(), pk.data_ptr<T>(), pv.data_ptr<T>(),
+                             grad_out.data_ptr<T>(), rec, dq.data_ptr<T>(), dk.data_ptr<T>(),
+                             dv.data_ptr<T>());
+  });
+  return {from_packed(dq), from_packed(dk), from_packed(dv)};
+}
+
 }  // namespace
 }  // namespace mixattn_torch
 
@@ -435,4 +549,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ovq_backward", &mt::ovq_backward_py, nogil);
   m.def("flash_forward", &mt::flash_forward_py, nogil);
   m.def("flash_backward", &mt::flash_backward_py, nogil);
+  m.def("gma_forward_packed", &mt::gma_forward_packed_py, nogil);
+  m.def("gma_backward_packed", &mt::gma_backward_packed_py, nogil);
+  m.def("flash_forward_packed", &mt::flash_forward_packed_py, nogil);
+  m.def("flash_backward_packed", &mt::flash_backward_packed_py, nogil);
 }

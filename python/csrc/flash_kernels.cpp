@@ -2,6 +2,7 @@
 // (batch, head) pairs.
 #include "pairs.hpp"
 
+#include <mixattn/packed.hpp>
 #include <mixattn/reference.hpp>
 
 namespace mixattn_torch {
@@ -48,11 +49,50 @@ void flash_backward(const Shape& s, const FlashConfig& c, const T* q, const T* k
   });
 }
 
+template <class T>
+using FlashPacked = PackedRecord<mixattn::reference::PackedSaved<T>>;
+
+template <class T>
+SavedPtr flash_forward_packed(const PackedShape& s, const FlashConfig& c, const T* q, const T* k,
+                              const T* v, T* out) {
+  auto rec = std::make_shared<FlashPacked<T>>();
+  rec->shape = s;
+  const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim;
+  mixattn::Matrix<T> o;
+  mixattn::reference::flash_forward_packed_into<T>(
+      o, H, H, packed(q, n, H * r), packed(k, n, H * r), packed(v, n, H * d), s.offsets,
+      s.offsets, options_of(c), &rec->saved, at::get_num_threads());
+  packed(out, n, H * d) = o;
+  return rec;
+}
+
+template <class T>
+void flash_backward_packed(const PackedShape& s, const FlashConfig& c, const T* q, const T* k,
+                           const T* v, const T* grad_out, const SavedPtr& saved, T* dq, T* dk,
+                           T* dv) {
+  const auto& rec = packed_record_for<mixattn::reference::PackedSaved<T>>(
+      saved, s, "mixattn.flash_attention (backward)");
+  const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim;
+  mixattn::reference::PackedGrad<T> g;
+  mixattn::reference::flash_backward_packed_into<T>(
+      g, H, H, packed(q, n, H * r), packed(k, n, H * r), packed(v, n, H * d),
+      packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved, options_of(c),
+      at::get_num_threads());
+  packed(dq, n, H * r) = g.q;
+  packed(dk, n, H * r) = g.k;
+  packed(dv, n, H * d) = g.v;
+}
+
 #define MIXATTN_TORCH_FLASH(T)                                                                     \
   template SavedPtr flash_forward<T>(const Shape&, const FlashConfig&, const T*, const T*,        \
                                      const T*, T*);                                                \
   template void flash_backward<T>(const Shape&, const FlashConfig&, const T*, const T*, const T*, \
-                                  const T*, const SavedPtr&, T*, T*, T*);
+                                  const T*, const SavedPtr&, T*, T*, T*);                         \
+  template SavedPtr flash_forward_packed<T>(const PackedShape&, const FlashConfig&, const T*,    \
+                                            const T*, const T*, T*);                             \
+  template void flash_backward_packed<T>(const PackedShape&, const FlashConfig&, const T*,       \
+                                         const T*, const T*, const T*, const SavedPtr&, T*, T*,  \
+                                         T*);
 MIXATTN_TORCH_FLASH(float)
 MIXATTN_TORCH_FLASH(double)
 

@@ -3,6 +3,7 @@
 #include "pairs.hpp"
 
 #include <mixattn/gma.hpp>
+#include <mixattn/packed.hpp>
 
 namespace mixattn_torch {
 namespace {
@@ -11,6 +12,9 @@ template <class T>
 using Mixtures = std::vector<mixattn::gma::Mixture<T>>;
 template <class T>
 using GmaRecords = PairRecords<mixattn::gma::Saved<T>, Mixtures<T>>;
+
+template <class T>
+using GmaPacked = PackedRecord<mixattn::gma::PackedSaved<T>, Mixtures<T>>;
 
 template <class T>
 Mixtures<T> mixtures_of(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in) {
@@ -110,11 +114,57 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
   }
 }
 
+template <class T>
+SavedPtr gma_forward_packed(const PackedShape& s, const GmaConfig& c, const GmaInputs<T>& in,
+                            T* out) {
+  auto rec = std::make_shared<GmaPacked<T>>();
+  rec->shape = s;
+  Shape heads;
+  heads.heads = s.heads;
+  heads.key_dim = s.key_dim;
+  rec->shared = mixtures_of(heads, c, in);
+  const Index H = s.heads, n = s.rows;
+  mixattn::Matrix<T> o;
+  mixattn::gma::forward_packed_into<T>(
+      o, rec->shared, packed(in.q, n, H * s.key_dim), packed(in.k, n, H * s.key_dim),
+      packed(in.v, n, H * s.value_dim), s.offsets, s.offsets, options_of(c), &rec->saved,
+      at::get_num_threads());
+  packed(out, n, H * s.value_dim) = o;
+  return rec;
+}
+
+template <class T>
+void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInputs<T>& in,
+                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
+                         T* dmean, T* dvar_raw, T* dprior_logit) {
+  const auto& rec = packed_record_for<mixattn::gma::PackedSaved<T>, Mixtures<T>>(
+      saved, s, "mixattn.gma_attention (backward)");
+  const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim, K = c.components;
+  mixattn::gma::PackedGrad<T> g;
+  mixattn::gma::backward_packed_into<T>(
+      g, rec.shared, packed(in.q, n, H * r), packed(in.k, n, H * r), packed(in.v, n, H * d),
+      packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved, options_of(c),
+      at::get_num_threads());
+  packed(dq, n, H * r) = g.q;
+  packed(dk, n, H * r) = g.k;
+  packed(dv, n, H * d) = g.v;
+  for (Index h = 0; h < H; ++h) {
+    const auto& m = g.mixtures[static_cast<std::size_t>(h)];
+    slice(dmean, h, K, r) = m.mean;
+    slice(dvar_raw, h, K, r) = m.var_raw;
+    Eigen::Map<mixattn::Vector<T>>(dprior_logit + h * K, K) = m.prior_logit;
+  }
+}
+
 #define MIXATTN_TORCH_GMA(T)                                                                   \
   template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*,    \
                                    const GmaStateIO*);                                         \
   template void gma_backward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, const T*, \
-                                const SavedPtr&, T*, T*, T*, T*, T*, T*, const GmaStateGradIO*);
+                                const SavedPtr&, T*, T*, T*, T*, T*, T*, const GmaStateGradIO*); \
+  template SavedPtr gma_forward_packed<T>(const PackedShape&, const GmaConfig&,                \
+                                          const GmaInputs<T>&, T*);                            \
+  template void gma_backward_packed<T>(const PackedShape&, const GmaConfig&, const GmaInputs<T>&, \
+                                       const T*, const SavedPtr&, T*, T*, T*, T*, T*, T*);
 MIXATTN_TORCH_GMA(float)
 MIXATTN_TORCH_GMA(double)
 

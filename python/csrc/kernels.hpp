@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 namespace mixattn_torch {
 
@@ -67,6 +68,28 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
                   const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean, T* dvar_raw,
                   T* dprior_logit, const GmaStateGradIO* state = nullptr);
 
+// --- Packed variable-length batches (cu_seqlens; the library's packed.hpp) ---------------------
+
+/// A packed call: B sequences of different lengths stacked along the rows, the heads side by side
+/// in the columns (q, k: rows x (H r), v: rows x (H d_v), row-major), sequence b being rows
+/// [offsets[b], offsets[b + 1]) of q and of k alike. Each (sequence, head) pair is one call of
+/// the single-sequence operator, on the library's pool with torch.get_num_threads() threads.
+struct PackedShape {
+  Index heads = 0, rows = 0, key_dim = 0, value_dim = 0;
+  std::vector<Index> offsets;  // B + 1 entries, 0 first, rows last
+};
+
+/// Writes out (rows x (H d_v)); the mixture tensors are those of GmaInputs.
+template <class T>
+SavedPtr gma_forward_packed(const PackedShape& s, const GmaConfig& c, const GmaInputs<T>& in,
+                            T* out);
+
+/// dq, dk, dv like q, k, v; dmean, dvar_raw, dprior_logit summed over the sequences in order.
+template <class T>
+void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInputs<T>& in,
+                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
+                         T* dmean, T* dvar_raw, T* dprior_logit);
+
 // --- Online Vector-Quantized attention (SPEC 2) ----------------------------------------------
 struct OvqConfig {
   Index block = 256;
@@ -115,5 +138,15 @@ SavedPtr flash_forward(const Shape& s, const FlashConfig& c, const T* q, const T
 template <class T>
 void flash_backward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
                     const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv);
+
+/// Packed (PackedShape) tiled softmax attention, one key/value head per query head.
+template <class T>
+SavedPtr flash_forward_packed(const PackedShape& s, const FlashConfig& c, const T* q, const T* k,
+                              const T* v, T* out);
+
+template <class T>
+void flash_backward_packed(const PackedShape& s, const FlashConfig& c, const T* q, const T* k,
+                           const T* v, const T* grad_out, const SavedPtr& saved, T* dq, T* dk,
+                           T* dv);
 
 }  // namespace mixattn_torch

@@ -72,4 +72,36 @@ const PairRecords<Pair, Shared>& records_for(const SavedPtr& saved, const Shape&
   return *r;
 }
 
+/// The record of a packed call (library PackedSaved), what its items share, and its shape.
+template <class Saved, class Shared = std::nullptr_t>
+struct PackedRecord {
+  PackedShape shape;
+  Saved saved;
+  Shared shared{};
+};
+
+/// The record a packed backward was handed, checked to be for the same shape and offsets.
+template <class Saved, class Shared = std::nullptr_t>
+const PackedRecord<Saved, Shared>& packed_record_for(const SavedPtr& saved, const PackedShape& s,
+                                                     const char* fn) {
+  const auto* r = static_cast<const PackedRecord<Saved, Shared>*>(saved.get());
+  const bool same = r && r->shape.heads == s.heads && r->shape.rows == s.rows &&
+                    r->shape.key_dim == s.key_dim && r->shape.value_dim == s.value_dim &&
+                    r->shape.offsets == s.offsets;
+  if (!same)
+    throw std::invalid_argument(std::string(fn) +
+                                ": saved was not made by the forward of these shapes");
+  return *r;
+}
+
+/// rows x cols row-major views of a packed tensor.
+template <class T>
+ConstMap<T> packed(const T* base, Index rows, Index cols) {
+  return ConstMap<T>(base, rows, cols);
+}
+template <class T>
+Map<T> packed(T* base, Index rows, Index cols) {
+  return Map<T>(base, rows, cols);
+}
+
 }  // namespace mixattn_torch

@@ -87,6 +87,62 @@ class _OvqFunction(torch.autograd.Function):
         return _grads(ctx, grads) + (None,) * 3
 
 
+class _GmaPackedFunction(torch.autograd.Function):
+    """GMA over sequences packed along the tokens of (1, H, T, .) tensors (cu_seqlens)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mean, var_raw, prior_logit, offsets, causal, eps, var_floor,
+                check_finite):
+        inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
+        out, saved = _C.gma_forward_packed(*inputs, offsets, causal, eps, var_floor, check_finite)
+        ctx.save_for_backward(*inputs)
+        ctx.record = saved
+        ctx.options = (offsets, causal, eps, var_floor, check_finite)
+        return out.contiguous()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        grads = _C.gma_backward_packed(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
+                                       *ctx.options)
+        return _grads(ctx, grads) + (None,) * 5
+
+
+class _FlashPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, causal, scale, check_finite):
+        inputs = _contiguous(q, k, v)
+        out, saved = _C.flash_forward_packed(*inputs, offsets, causal, scale, check_finite)
+        ctx.save_for_backward(*inputs)
+        ctx.record = saved
+        ctx.options = (offsets, causal, scale, check_finite)
+        return out.contiguous()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        grads = _C.flash_backward_packed(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
+                                         *ctx.options)
+        return _grads(ctx, grads) + (None,) * 4
+
+
+def _offsets(fn, cu_seqlens, q):
+    """cu_seqlens as a list of ints, checked: N + 1 offsets, 0 first, nondecreasing, T last."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 or int64 tensor, got "
+                             f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+        offsets = cu_seqlens.tolist()
+    else:
+        offsets = [int(x) for x in cu_seqlens]
+    tokens = q.shape[2] if q.dim() == 4 else None
+    if (len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != tokens
+            or any(a > b for a, b in zip(offsets, offsets[1:]))):
+        raise ValueError(f"{fn}: cu_seqlens is {offsets}; it must hold N + 1 >= 2 nondecreasing "
+                         f"offsets from 0 to the {tokens} tokens of q (shape {tuple(q.shape)})")
+    return offsets
+
+
 class _FlashFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, check_finite):
@@ -133,7 +189,8 @@ def _gma_state(fn, initial_state, q, v, mean):
 
 
 def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, var_floor=1e-4,
-                  check_finite=True, initial_state=None, output_final_state=False):
+                  check_finite=True, initial_state=None, output_final_state=False,
+                  cu_seqlens=None):
     """Gaussian Mixture Attention (SPEC.md section 1), one routing mixture per head.
 
     q: (B, H, N, r); k: (B, H, M, r); v: (B, H, M, d_v); mean, var_raw: (H, K, r) (variance =
@@ -151,9 +208,23 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
     given the previous piece's final state, gives the one-call outputs up to rounding, and
     autograd carries gradients through the states: into ``initial_state`` and from any loss on
     the final state, back to q, k, v and the mixture.
+
+    Packed variable-length input (as flash-linear-attention): ``cu_seqlens``, N + 1 offsets (a
+    1-D int32/int64 tensor or a list), 0 first and T last, with q, k (1, H, T, r) and
+    v (1, H, T, d_v) holding N sequences one after another along T; sequence i is tokens
+    [cu_seqlens[i], cu_seqlens[i+1]) and attends only within itself (causal or not). The result
+    equals N separate calls (the library's packed.hpp; pairs on torch.get_num_threads()
+    threads). Not combined with initial_state / output_final_state.
     """
     fn = "mixattn.gma_attention"
     streaming = initial_state is not None or output_final_state
+    if cu_seqlens is not None:
+        if streaming:
+            raise ValueError(f"{fn}: cu_seqlens cannot be combined with initial_state or "
+                             "output_final_state")
+        return _GmaPackedFunction.apply(q, k, v, mean, var_raw, prior_logit,
+                                        _offsets(fn, cu_seqlens, q), bool(causal), float(eps),
+                                        float(var_floor), bool(check_finite))
     if not streaming:
         return _GmaFunction.apply(q, k, v, mean, var_raw, prior_logit, bool(causal), float(eps),
                                   float(var_floor), bool(check_finite))
@@ -206,14 +277,20 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
     return (out, final_state[0]) if output_final_state else out
 
 
-def flash_attention(q, k, v, causal=False, scale=None, check_finite=True):
+def flash_attention(q, k, v, causal=False, scale=None, check_finite=True, cu_seqlens=None):
     """Softmax attention softmax(scale q k^T + mask) v (SPEC.md section 3), tiled with an online
     softmax (O(N) memory, FlashAttention-2 schedule).
 
     q: (B, H, N, r); k: (B, H, M, r); v: (B, H, M, d_v). Returns (B, H, N, d_v).
     scale=None means 1/sqrt(r) (any other finite non-zero value is used as is); ``causal=True`` (M == N) masks keys j > i.
+    ``cu_seqlens``: packed variable-length sequences along T of (1, H, T, .) tensors, as in
+    gma_attention.
     """
     if scale is not None and float(scale) == 0:  # the library reads 0 as "the default"
         raise ValueError("mixattn.flash_attention: scale is 0; use None for 1/sqrt(r)")
+    if cu_seqlens is not None:
+        return _FlashPackedFunction.apply(q, k, v, _offsets("mixattn.flash_attention", cu_seqlens, q),
+                                          bool(causal), 0.0 if scale is None else float(scale),
+                                          bool(check_finite))
     return _FlashFunction.apply(q, k, v, bool(causal), 0.0 if scale is None else float(scale),
                                 bool(check_finite))
