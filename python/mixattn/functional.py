@@ -289,8 +289,9 @@ def flash_attention(q, k, v, causal=False, scale=None, check_finite=True, cu_seq
     if scale is not None and float(scale) == 0:  # the library reads 0 as "the default"
         raise ValueError("mixattn.flash_attention: scale is 0; use None for 1/sqrt(r)")
     if cu_seqlens is not None:
-        return _FlashPackedFunction.apply(q, k, v, _offsets("mixattn.flash_attention", cu_seqlens, q),
-                                          bool(causal), 0.0 if scale is None else float(scale),
+        offsets = _offsets("mixattn.flash_attention", cu_seqlens, q)
+        return _FlashPackedFunction.apply(q, k, v, offsets, bool(causal),
+                                          0.0 if scale is None else float(scale),
                                           bool(check_finite))
     return _FlashFunction.apply(q, k, v, bool(causal), 0.0 if scale is None else float(scale),
                                 bool(check_finite))
