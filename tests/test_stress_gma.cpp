@@ -261,3 +261,46 @@ TEST(GmaStressEps, TinyEpsInFloatNeverGivesNaN) {
 }
 
 }  // namespace
+
+namespace {
+
+// Queries and keys near 1e20 (float) or 1e160 (double) with means at 1e17 / 1e157: every squared
+// term (x a - b)^2 overflows the scalar type, so the kernel's log-densities are all -inf; the
+// responsibilities (a softmax of log-densities) are still well defined and must match the direct
+// long double formula. Before: NaN. Tolerance: the wide fallback computes in double (float) or
+// long double (double) from coefficients rounded to T, so relative errors of a few T-ulps in the
+// log-density differences, far below 1e-3 of a responsibility.
+TYPED_TEST(GmaStress, ResponsibilitiesBeyondTheSquaresRangeStayExact) {
+  using T = TypeParam;
+  const bool is_float = std::is_same<T, float>::value;
+  if (!is_float && !(sizeof(long double) > sizeof(double)))
+    GTEST_SKIP() << "long double is no wider than double here: the documented domain_error applies";
+  const T x_scale = is_float ? T(1e20) : T(1e160), mean_scale = is_float ? T(1e17) : T(1e157);
+  const Index K = 5, r = 4, n = 12, dv = 3;
+  gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, 21, mean_scale);
+  Matrix<T> q = random_matrix<T>(n, r, 22, static_cast<double>(x_scale));
+  Matrix<T> k = random_matrix<T>(n, r, 23, static_cast<double>(x_scale));
+  const Matrix<T> v = random_matrix<T>(n, dv, 24);
+  const Matrix<long double> expect = direct_responsibilities(mix, q);
+  const Matrix<T> gamma = gma::responsibilities(mix, q);
+  EXPECT_TRUE(all_close(gamma, expect, 0, 1e-3));
+  EXPECT_TRUE(all_close(gma::responsibilities(gma::Prepared<T>(mix), q), expect, 0, 1e-3));
+  for (const bool causal : {false, true}) {
+    gma::Options opt;
+    opt.causal = causal;
+    gma::Saved<T> saved;
+    const Matrix<T> out = gma::forward(mix, q, k, v, opt, &saved);
+    EXPECT_TRUE(out.allFinite()) << "causal " << causal;
+    EXPECT_TRUE(all_close(saved.gamma_k, direct_responsibilities(mix, k), 0, 1e-3));
+    // Backward: finite gradients, or the documented exception for a gradient beyond T's range.
+    try {
+      const gma::Grad<T> g = gma::backward(mix, q, k, v, random_matrix<T>(n, dv, 25), saved, opt);
+      EXPECT_TRUE(g.q.allFinite() && g.k.allFinite() && g.v.allFinite() &&
+                  g.mixture.mean.allFinite() && g.mixture.var_raw.allFinite());
+    } catch (const std::domain_error& e) {
+      EXPECT_NE(std::string(e.what()).find("overflows"), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace

@@ -106,5 +106,21 @@ HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>& mixtures, const Const
   return g;
 }
 
+// Compile-time refusals (core.hpp, refuse_arguments): a column-major or strided argument that
+// would be copied on every call selects these overloads; the static_assert is their only effect.
+template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+Matrix<T> forward_heads(const std::vector<Mixture<T>>&, const Q&, const K&, const V&,
+                        const Options& = {}, int = 1, HeadsSaved<T>* = nullptr) {
+  mixattn::detail::refuse_arguments<T, Q, K, V>();
+  return {};
+}
+template <class T, class Q, class K, class V, class G,
+          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
+HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>&, const Q&, const K&, const V&,
+                            const G&, const HeadsSaved<T>&, const Options& = {}, int = 1) {
+  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
+  return {};
+}
+
 }  // namespace gma
 MIXATTN_END_NAMESPACE

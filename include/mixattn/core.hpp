@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -113,6 +114,73 @@ using ConstMatrixRef = Eigen::Ref<const Matrix<typename detail::identity<T>::typ
 template <class T>
 using MatrixRef = Eigen::Ref<Matrix<typename detail::identity<T>::type>>;
 
+namespace detail {
+
+/// The scalar types the library computes in.
+template <class S>
+constexpr bool supported_scalar = std::is_same<S, float>::value || std::is_same<S, double>::value;
+
+template <class A>
+constexpr bool is_eigen = std::is_base_of<Eigen::EigenBase<A>, A>::value;
+
+/// True when an argument of type A would bind to ConstMatrixRef<T> only through a hidden copy:
+/// stored data of scalar T (a matrix, Map or block) that a row-major view cannot read in place,
+/// i.e. column-major storage (Eigen's default MatrixXf) or a non-unit inner stride. Expressions
+/// (a + b, 2 * x) are evaluated, as any Eigen function would; only a silent layout copy is refused.
+template <class T, class A, class = void>
+struct copied_layout : std::false_type {};
+template <class T, class A>
+struct copied_layout<T, A, std::enable_if_t<is_eigen<A> && !std::is_void<T>::value>>
+    : std::integral_constant<
+          bool, std::is_same<typename A::Scalar, T>::value &&
+                    bool(int(A::Flags) & Eigen::DirectAccessBit) &&
+                    !bool(Eigen::internal::traits<Eigen::Ref<const Matrix<T>>>::template match<
+                          A>::MatchAtCompileTime)> {};
+
+template <class T, class... A>
+constexpr bool any_copied_layout = (copied_layout<T, A>::value || ...);
+
+/// The compile-time refusals of every entry point, in one place: the catch-all overloads that
+/// the conditions below select call this, and its static_asserts are the whole diagnostic.
+template <class T, class... A>
+constexpr bool refuse_arguments() {
+  static_assert(supported_scalar<T>,
+                "mixattn supports the scalar types float and double only (Eigen::half, "
+                "Eigen::bfloat16 and other types are not supported: convert to float)");
+  static_assert(!any_copied_layout<T, A...>,
+                "mixattn reads row-major matrices (rows are tokens) in place; this argument is "
+                "column-major (Eigen's default MatrixXf/MatrixXd, or a Map or column block of one) "
+                "or strided, and would be copied on every call. Pass a mixattn::Matrix<T> "
+                "(row-major) or a row-major Map or row block; for data kept column-major as d x N "
+                "(tokens in columns) pass its .transpose(), which binds without a copy");
+  return true;
+}
+
+/// Selects an entry point's catch-all overload: T is not supported or an argument would be
+/// copied. Main overloads require supported_scalar<T> (enable_if_supported) so that an
+/// unsupported T reports the static_assert alone.
+template <class T, class... A>
+using enable_if_refused =
+    std::enable_if_t<(is_eigen<A> && ...) && (!supported_scalar<T> || any_copied_layout<T, A...>),
+                     int>;
+template <class T>
+using enable_if_supported = std::enable_if_t<supported_scalar<T>, int>;
+
+/// For entry points whose T is written explicitly or deduced from the arguments (reference::,
+/// diagnostics::): T = void means "deduce from the first argument".
+template <class T, class A>
+using scalar_of = std::conditional_t<std::is_void<T>::value, typename A::Scalar, T>;
+template <class T, class... A>
+using enable_if_deduced_or_refused = std::enable_if_t<
+    (is_eigen<A> && ...) &&
+        (std::is_void<T>::value || !supported_scalar<T> || any_copied_layout<T, A...>),
+    int>;
+/// Whether a deduced call may go on to the main overload (otherwise the static_asserts fired).
+template <class S, class... A>
+constexpr bool accepted = supported_scalar<S> && !any_copied_layout<S, A...>;
+
+}  // namespace detail
+
 /// Library version as "major.minor.patch".
 inline const char* version() noexcept {
   return MIXATTN_VERSION_STRING;
@@ -194,6 +262,145 @@ inline void require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, c
       if (!std::isfinite(static_cast<double>(x(i, j))))
         raise_domain_error(concat(fn, ": ", arg, " has a non-finite entry at (", i, ", ", j,
                                   ") of ", rows, " x ", cols));
+}
+
+/// "float" or "double", for messages.
+template <class S>
+const char* scalar_name() {
+  return std::is_same<S, float>::value ? "float" : "double";
+}
+
+/// With checks on, a result that is not finite although every input was finite overflowed the
+/// scalar type: throw std::domain_error naming the result and the way out, never return it.
+template <class Derived>
+inline void require_finite_result(const Eigen::DenseBase<Derived>& x, const char* fn,
+                                  const char* what, const char* culprit) {
+  using S = typename Derived::Scalar;
+  S probe = S(0);
+  for (Index i = 0; i < x.rows(); ++i) probe += (x.derived().row(i).array() * S(0)).sum();
+  if (probe == S(0)) return;
+  raise_domain_error(concat(fn, ": ", what, " overflows ", scalar_name<S>(),
+                            " although every input is finite: ", culprit,
+                            " too large for the scalar type (scale it down or use double)"));
+}
+
+/// Position-sensitive fingerprint of values, for checking that a backward is given the data its
+/// forward saw (Saved / Cache records). The bit patterns of the scalars are fed row by row into
+/// 64 independent 32-bit lanes (word j of a row goes to lane j mod 64), each stepped by
+/// h = (h ^ word) * odd; h ^= h >> 15 -- a bijection of h, so a change in one word always changes
+/// its lane, and a move of values changes the lanes they land in or their order along a lane.
+/// The lanes vectorise (fixed count, independent chains): O(size) at a fraction of a nanosecond
+/// per scalar, small next to any operator. Not cryptographic: it catches other data, not an
+/// adversary. NaN payloads hash like any bits, so unchecked non-finite inputs still match.
+class Fingerprint {
+ public:
+  static constexpr int lanes = 64;
+
+  Fingerprint() {
+    for (int l = 0; l < lanes; ++l) h_[l] = 0x9E3779B9u * static_cast<std::uint32_t>(l + 1);
+  }
+
+  /// Adds rows x cols scalars (float or double) at `data`, rows `stride` scalars apart.
+  template <class S>
+  Fingerprint& add(const S* data, Index rows, Index cols, Index stride) {
+    static_assert(sizeof(S) % 4 == 0, "scalars of a multiple of 4 bytes");
+    constexpr Index per = static_cast<Index>(sizeof(S) / 4);
+    mix_size(rows, cols);
+    std::uint32_t h[lanes], buf[lanes] = {};
+    std::memcpy(h, h_, sizeof(h));
+    const auto* bytes = reinterpret_cast<const unsigned char*>(data);
+    if (stride == cols || rows == 1) {
+      add_words(h, buf, bytes, rows * cols * per);  // contiguous: one stream
+    } else {
+      for (Index i = 0; i < rows; ++i)
+        add_words(h, buf, bytes + i * stride * Index(sizeof(S)), cols * per);
+    }
+    std::memcpy(h_, h, sizeof(h));
+    words_ += static_cast<std::uint64_t>(rows * cols * per);
+    return *this;
+  }
+
+  /// Adds a row-major matrix or view (rows contiguous), or a vector.
+  template <class Derived>
+  Fingerprint& add(const Eigen::DenseBase<Derived>& x) {
+    const Derived& d = x.derived();
+    if (Derived::IsVectorAtCompileTime && d.innerStride() == 1) return add(d.data(), 1, d.size(), 0);
+    static_assert(Derived::IsVectorAtCompileTime || (Derived::Flags & Eigen::RowMajorBit),
+                  "fingerprints read row-major storage");
+    return add(d.data(), d.rows(), d.cols(), d.outerStride());
+  }
+
+  template <class S, std::enable_if_t<std::is_arithmetic<S>::value, int> = 0>
+  Fingerprint& add(S value) {
+    return add(&value, 1, 1, 0);
+  }
+
+  std::uint64_t value() const {
+    std::uint64_t f = words_;
+    for (int l = 0; l < lanes; ++l) f = mix64(f ^ h_[l]);
+    return f;
+  }
+
+ private:
+  static std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finaliser
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+  }
+  static std::uint32_t step(std::uint32_t h, std::uint32_t w) {
+    h = (h ^ w) * 0x85EBCA6Bu;
+    return h ^ (h >> 15);
+  }
+  void mix_size(Index rows, Index cols) {
+    h_[0] = step(h_[0], static_cast<std::uint32_t>(rows));
+    h_[1] = step(h_[1], static_cast<std::uint32_t>(cols));
+  }
+  // Steps the lanes h (a local copy of h_: stores to it cannot alias the data, so the loops
+  // vectorise) with n more words of the stream: word w of the stream goes to lane w mod `lanes`,
+  // whatever the storage, so equal values give equal fingerprints in any layout.
+  void add_words(std::uint32_t* h, std::uint32_t* buf, const unsigned char* p, Index n) {
+    Index j = 0;
+    while (j < n) {
+      if (lane_ == 0)
+        for (; j + lanes <= n; j += lanes)
+          for (int l = 0; l < lanes; ++l) h[l] = step(h[l], word(p + 4 * (j + l)));
+      // A partial run of lanes [o, o + take): staged in buf so that the loop keeps its fixed
+      // length (and vectorises at -O2 too); the other lanes keep their values.
+      const int o = lane_;
+      const int take = static_cast<int>(std::min<Index>(lanes - o, n - j));
+      std::memcpy(buf + o, p + 4 * j, static_cast<std::size_t>(4 * take));
+      for (int l = 0; l < lanes; ++l) {
+        const std::uint32_t stepped = step(h[l], buf[l]);
+        h[l] = l >= o && l < o + take ? stepped : h[l];
+      }
+      j += take;
+      lane_ = (o + take) % lanes;
+    }
+  }
+  static std::uint32_t word(const unsigned char* p) {
+    std::uint32_t w;
+    std::memcpy(&w, p, 4);
+    return w;
+  }
+
+  std::uint32_t h_[lanes];
+  int lane_ = 0;
+  std::uint64_t words_ = 0;
+};
+
+/// Fingerprint of one matrix, vector or scalar.
+template <class X>
+std::uint64_t fingerprint(const X& x) {
+  return Fingerprint().add(x).value();
+}
+
+/// The error every backward raises for a record filled from other data.
+[[noreturn]] inline void raise_other_data(const char* fn, const char* record, const char* which) {
+  raise_invalid_argument(concat(fn, ": ", record, " came from other data: ", which,
+                                " is different from what its forward was given (the record's "
+                                "fingerprint does not match); run forward on these inputs again"));
 }
 
 }  // namespace detail

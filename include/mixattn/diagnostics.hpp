@@ -237,5 +237,71 @@ Matrix<T> attention_weights(const ConstMatrixRef<T>& gamma_q, const ConstMatrixR
   return a;
 }
 
+// Deduced and refused calls: mean_usage(gamma) with a plain matrix deduces T from it (T is
+// non-deduced in the overloads above, which take it written: mean_usage<float>(gamma)); an
+// unsupported scalar type or a column-major or strided argument that would be copied stops at
+// the static_assert of core.hpp's refuse_arguments.
+namespace detail {
+template <class T, class... A>
+using deduce = ::mixattn::detail::enable_if_deduced_or_refused<T, A...>;
+template <class T, class A>
+using scalar_of = ::mixattn::detail::scalar_of<T, A>;
+}  // namespace detail
+
+template <class T = void, class G, detail::deduce<T, G> = 0>
+Vector<detail::scalar_of<T, G>> mean_usage(const G& gamma) {
+  using S = detail::scalar_of<T, G>;
+  ::mixattn::detail::refuse_arguments<S, G>();
+  if constexpr (::mixattn::detail::accepted<S, G>) return mean_usage<S>(gamma);
+  return {};
+}
+template <class T = void, class G, detail::deduce<T, G> = 0>
+Index components_used(const G& gamma, double tau = -1) {
+  using S = detail::scalar_of<T, G>;
+  ::mixattn::detail::refuse_arguments<S, G>();
+  if constexpr (::mixattn::detail::accepted<S, G>) return components_used<S>(gamma, tau);
+  return 0;
+}
+template <class T = void, class G, detail::deduce<T, G> = 0>
+detail::scalar_of<T, G> usage_entropy(const G& gamma) {
+  using S = detail::scalar_of<T, G>;
+  ::mixattn::detail::refuse_arguments<S, G>();
+  if constexpr (::mixattn::detail::accepted<S, G>) return usage_entropy<S>(gamma);
+  return S(0);
+}
+template <class T = void, class G, detail::deduce<T, G> = 0>
+std::vector<Index> hard_assignments(const G& gamma) {
+  using S = detail::scalar_of<T, G>;
+  ::mixattn::detail::refuse_arguments<S, G>();
+  if constexpr (::mixattn::detail::accepted<S, G>) return hard_assignments<S>(gamma);
+  return {};
+}
+template <class T = void, class G, class Label, detail::deduce<T, G> = 0>
+double assignment_nmi(const G& gamma, const std::vector<Label>& labels) {
+  using S = detail::scalar_of<T, G>;
+  ::mixattn::detail::refuse_arguments<S, G>();
+  if constexpr (::mixattn::detail::accepted<S, G>) return assignment_nmi<S>(gamma, labels);
+  return 0;
+}
+template <class T = void, class GQ, class GK, detail::deduce<T, GQ, GK> = 0>
+Matrix<detail::scalar_of<T, GQ>> affinity(const GQ& gamma_q, const GK& gamma_k,
+                                          Index max_entries = default_affinity_limit) {
+  using S = detail::scalar_of<T, GQ>;
+  ::mixattn::detail::refuse_arguments<S, GQ, GK>();
+  if constexpr (::mixattn::detail::accepted<S, GQ, GK>)
+    return affinity<S>(gamma_q, gamma_k, max_entries);
+  return {};
+}
+template <class T = void, class GQ, class GK, detail::deduce<T, GQ, GK> = 0>
+Matrix<detail::scalar_of<T, GQ>> attention_weights(const GQ& gamma_q, const GK& gamma_k,
+                                                   bool causal, double eps = 1e-6,
+                                                   Index max_entries = default_affinity_limit) {
+  using S = detail::scalar_of<T, GQ>;
+  ::mixattn::detail::refuse_arguments<S, GQ, GK>();
+  if constexpr (::mixattn::detail::accepted<S, GQ, GK>)
+    return attention_weights<S>(gamma_q, gamma_k, causal, eps, max_entries);
+  return {};
+}
+
 }  // namespace diagnostics
 MIXATTN_END_NAMESPACE

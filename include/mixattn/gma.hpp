@@ -41,6 +41,7 @@ namespace gma {
 /// variance = softplus(var_raw) + var_floor, log pi = log_softmax(prior_logit).
 template <class T>
 struct Mixture {
+  static_assert(detail::refuse_arguments<T>(), "see the message above");
   Matrix<T> mean;         // K x r
   Matrix<T> var_raw;      // K x r
   Vector<T> prior_logit;  // K
@@ -104,6 +105,9 @@ template <class T>
 struct StateGrad {
   Matrix<detail::wide_t<T>> S;  // K x d_v
   Vector<detail::wide_t<T>> z;  // K
+  /// Fingerprint of the state this is the gradient of, set by backward (Grad::state) and checked
+  /// by the previous piece's backward against the state its forward ended with; 0: not checked.
+  std::uint64_t state_fingerprint = 0;
 };
 
 }  // namespace gma
@@ -121,6 +125,10 @@ struct GmaForwardScratch {
   std::vector<T> scores;  // the density kernel's rows of scores
   Vector<T> den, z, ones;
   Matrix<T> vt;
+  // A continued forward's start state, kept (without a Saved to hold it) after values large
+  // enough to overflow the state, so that an overflow gives the State back untouched.
+  Matrix<wide_t<T>> start_S;
+  Vector<wide_t<T>> start_z;
   GmaScanScratch<T> scan;
   GemmSpace<T> gemm;
 };
@@ -174,12 +182,14 @@ struct Saved {
   bool causal = false;
   double eps = 0;
   Index chunk = 0;
-  double fingerprint[4] = {0, 0, 0, 0};  // content sums of q, k, v, mixture
+  // of q, k, v, the mixture and the start state below (detail::Fingerprint)
+  std::uint64_t fingerprint[5] = {0, 0, 0, 0, 0};
   bool valid = false;
   // Set by the State overload of forward: the state the call continued (a copy, O(K d_v)).
   bool continued = false;
   Matrix<detail::wide_t<T>> start_S;     // K x d_v
   Vector<detail::wide_t<T>> start_z;     // K
+  std::uint64_t end_fingerprint = 0;     // of the state the call ended with (continued only)
   detail::GmaForwardScratch<T> scratch;  // the forward's working memory, kept for reuse
 };
 
@@ -193,13 +203,19 @@ struct Grad {
   detail::GmaBackwardScratch<T> scratch;
 };
 
-/// A mixture reduced once to what its responsibilities need (variances, log priors, the packed
-/// kernel coefficients for Arch), for decoding: recomputing them costs K r softplus and logs,
-/// more than the token itself. A snapshot: after changing the mixture, prepare it again
-/// (backward compares the mixture it is given against mixture_sum()). Immutable, so one
-/// Prepared may serve concurrent calls.
+/// A mixture reduced once to what every evaluation of its responsibilities needs: variances,
+/// log-priors and offsets (in the wide type) and the SIMD kernel's packed coefficients for Arch.
+/// Build it once and call responsibilities(prepared, x) or the decoding forward(prepared, ...,
+/// state) many times, e.g. one token at a time: each call then costs O(K r) per row instead of
+/// also rebuilding the O(K r) constants (K r softplus and logs, more than the token itself).
+/// It is a snapshot: after changing the mixture, prepare it again (backward compares the mixture
+/// it is given against mixture_fingerprint()). Immutable, so one Prepared may serve concurrent
+/// calls. Arch is the SIMD instruction set (never written by callers), so a prepared mixture
+/// cannot meet another instruction set's kernel.
 template <class T, class Arch = detail::simd_arch>
 class Prepared {
+  static_assert(detail::refuse_arguments<T>(), "see the message above");
+
  public:
   using W = detail::wide_t<T>;
   /// Validates the mixture (shapes; finite values unless check_finite is false) and reduces it.
@@ -208,12 +224,13 @@ class Prepared {
   Index dim() const { return packed_.dim; }                // r
   const detail::MixtureConstants<W>& constants() const { return constants_; }
   const detail::PackedDensity<T>& packed() const { return packed_; }
-  double mixture_sum() const { return mixture_sum_; }  // content fingerprint of the mixture
+  /// Position-sensitive fingerprint of the mixture it was prepared from (detail::Fingerprint).
+  std::uint64_t mixture_fingerprint() const { return mixture_fingerprint_; }
 
  private:
   detail::MixtureConstants<W> constants_;
   detail::PackedDensity<T> packed_;
-  double mixture_sum_ = 0;
+  std::uint64_t mixture_fingerprint_ = 0;
 };
 
 }  // namespace gma
@@ -222,32 +239,16 @@ MIXATTN_END_NAMESPACE
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// Deterministic order-fixed sum (8 interleaved lanes, so it vectorises without reassociation):
-/// the same input gives the same bits whatever its alignment.
-template <class Derived>
-double content_sum(const Eigen::DenseBase<Derived>& x) {
-  double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const Index rows = x.rows(), cols = x.cols();
-  for (Index i = 0; i < rows; ++i) {
-    Index j = 0;
-    for (; j + 8 <= cols; j += 8)
-      for (int l = 0; l < 8; ++l) lanes[l] += static_cast<double>(x.derived().coeff(i, j + l));
-    for (; j < cols; ++j) lanes[0] += static_cast<double>(x.derived().coeff(i, j));
-  }
-  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-         ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-}
-
-/// Fingerprints match when equal, or both NaN (inputs with NaN are legal under
-/// check_finite = false, and NaN never compares equal to itself).
-inline bool same_fingerprint(double a, double b) {
-  return a == b || (std::isnan(a) && std::isnan(b));
-}
-
 template <class T>
-double mixture_sum(const gma::Mixture<T>& mix) {
-  return content_sum(mix.mean) + 2 * content_sum(mix.var_raw) + 3 * content_sum(mix.prior_logit) +
-         static_cast<double>(mix.var_floor);
+std::uint64_t mixture_fingerprint(const gma::Mixture<T>& mix) {
+  return Fingerprint().add(mix.mean).add(mix.var_raw).add(mix.prior_logit).add(mix.var_floor).value();
+}
+
+/// Fingerprint of a causal prefix state (S, z): a record's start state, or the end state whose
+/// gradient a StateGrad carries, so that pieces of a sequence are chained as they ran.
+template <class W>
+std::uint64_t gma_state_fingerprint(const Matrix<W>& S, const Vector<W>& z) {
+  return Fingerprint().add(S).add(z).value();
 }
 
 template <class T>
@@ -273,9 +274,13 @@ void gma_check_mixture(const gma::Mixture<T>& mix, const char* fn, bool check_fi
 template <class T>
 void gma_check_qkv(const char* fn, Index r, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                    const ConstMatrixRef<T>& v, const gma::Options& opt) {
-  require(q.cols() == r, fn, "q is ", shape_str(q), " but the mixture has dimension ", r);
-  require(k.cols() == r, fn, "k is ", shape_str(k), " but the mixture has dimension ", r);
+  require(q.cols() == r, fn, "q is ", shape_str(q), " but the mixture has dimension ", r,
+          " (its r: q must have ", r, " columns)");
+  require(k.cols() == r, fn, "k is ", shape_str(k), " but the mixture has dimension ", r,
+          " (its r: k must have ", r, " columns)");
   require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows());
+  require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
+          ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
   require(!opt.causal || q.rows() == k.rows(), fn,
           "causal needs as many queries as keys, but q has ", q.rows(), " rows and k has ",
           k.rows());
@@ -339,12 +344,21 @@ inline Index gma_chunk(const gma::Options& opt) {
   return opt.chunk > 0 ? opt.chunk : gma_default_chunk;
 }
 
-/// Gamma of the rows of x for a mixture already reduced to its packed constants.
+/// Gamma of the n rows of x (N x r view) into out (N x K), for a mixture already reduced to its
+/// packed constants; `scores` (optional) keeps the kernel's score rows between calls. A row that
+/// overflows even in the wide fallback is reported (with checks on) as std::domain_error naming
+/// `arg`.
 template <class Arch, class T>
-Matrix<T> gma_gamma(const PackedDensity<T>& p, const ConstMatrixRef<T>& x) {
-  Matrix<T> out(x.rows(), p.components);
-  responsibilities_into(Arch{}, p, x.data(), x.outerStride(), x.rows(), out.data(), p.components);
-  return out;
+void gma_gamma_into(const PackedDensity<T>& p, const ConstMatrixRef<T>& x, T* out, bool check,
+                    const char* fn, const char* arg, std::vector<T>* scores = nullptr) {
+  const Index bad = responsibilities_into(Arch{}, p, x.data(), x.outerStride(), x.rows(), out,
+                                          p.components, scores);
+  if (bad >= 0 && check)
+    raise_domain_error(concat(fn, ": ", arg, " row ", bad, " (largest magnitude ",
+                              x.row(bad).cwiseAbs().maxCoeff(),
+                              ") is so far from every mixture component that its log-densities "
+                              "overflow even in the widest type: scale ",
+                              arg, " down"));
 }
 
 /// Through the softmax and the log-density (SPEC 1.5) for n <= panel tokens x (stride ldx) with
@@ -393,6 +407,20 @@ void gma_mixture_grad(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
   grad.prior_logit = (sums.w.array() - c.log_pi.array().exp() * total).template cast<T>();
 }
 
+/// With checks on, gradients that overflow T are reported, never returned.
+template <class T>
+void gma_check_grad(const char* fn, const gma::Grad<T>& g) {
+  const char* culprit = "q, k, v or grad_out is";
+  require_finite_result(g.q, fn, "the gradient of q", culprit);
+  require_finite_result(g.k, fn, "the gradient of k", culprit);
+  require_finite_result(g.v, fn, "the gradient of v", culprit);
+  require_finite_result(g.mixture.mean, fn, "the gradient of mixture.mean", culprit);
+  require_finite_result(g.mixture.var_raw, fn, "the gradient of mixture.var_raw", culprit);
+  require_finite_result(g.mixture.prior_logit, fn, "the gradient of mixture.prior_logit", culprit);
+  require_finite_result(g.state.S, fn, "the gradient of the start state's S", culprit);
+  require_finite_result(g.state.z, fn, "the gradient of the start state's z", culprit);
+}
+
 }  // namespace detail
 MIXATTN_END_NAMESPACE
 
@@ -420,21 +448,35 @@ Mixture<T> Mixture<T>::random(Index components, Index dim, std::uint64_t seed, T
   return m;
 }
 
+/// Responsibilities Gamma (SPEC 1.2) of the rows of x under a prepared mixture: N x K, every
+/// row on the simplex. x: N x r, row-major (r = prepared.dim()). Rows far from every component
+/// (log-densities beyond T's range) are computed in a wider type; with check_finite, a row that
+/// overflows even there throws std::domain_error naming x.
+template <class T, class Arch>
+Matrix<T> responsibilities(const Prepared<T, Arch>& prepared, const ConstMatrixRef<T>& x,
+                           bool check_finite = true) {
+  static constexpr const char* fn = "mixattn::gma::responsibilities";
+  detail::require(x.cols() == prepared.dim(), fn, "x is ", detail::shape_str(x),
+                  " but the mixture has dimension ", prepared.dim(), " (its r: x must have ",
+                  prepared.dim(), " columns)");
+  if (check_finite) detail::require_finite(x, fn, "x");
+  Matrix<T> out(x.rows(), prepared.components());
+  detail::gma_gamma_into<Arch, T>(prepared.packed(), x, out.data(), check_finite, fn, "x");
+  return out;
+}
+
 /// Responsibilities Gamma (SPEC 1.2) of the rows of x: N x K, every row on the simplex.
-/// mix: K components of dimension r; x: N x r, row-major.
-template <class T, class Arch = detail::simd_arch>
+/// mix: K components of dimension r; x: N x r, row-major. Prepares the mixture on every call:
+/// for many small calls, prepare it once (Prepared) and use the overload above.
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixRef<T>& x,
                            bool check_finite = true) {
   static constexpr const char* fn = "mixattn::gma::responsibilities";
   detail::gma_check_mixture(mix, fn, check_finite);
   detail::require(x.cols() == mix.dim(), fn, "x is ", detail::shape_str(x),
-                  " but the mixture has dimension ", mix.dim());
-  if (check_finite) detail::require_finite(x, fn, "x");
-  using W = detail::wide_t<T>;
-  const detail::MixtureConstants<W> c =
-      detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
-  const detail::PackedDensity<T> p = detail::pack_density<Arch, T>(mix.mean, c);
-  return detail::gma_gamma<Arch, T>(p, x);
+                  " but the mixture has dimension ", mix.dim(), " (its r: x must have ",
+                  mix.dim(), " columns)");
+  return responsibilities<T, Arch>(Prepared<T, Arch>(mix, false), x, check_finite);
 }
 
 }  // namespace gma
@@ -470,18 +512,23 @@ GmaForwardScratch<T>& gma_thread_scratch() {
 
 /// Completes a Saved record whose gamma_q, gamma_k and den the forward wrote in place: the
 /// output, the options and the fingerprints of the call's own inputs.
+/// The start state (saved.start_S, saved.start_z: empty for a whole sequence) is in place
+/// before the call; its fingerprint is taken here, and end_fingerprint is reset (a continued
+/// forward sets it after). O(size) passes, no allocation.
 template <class T>
 void gma_save(gma::Saved<T>& saved, const Matrix<T>& out, const ConstMatrixRef<T>& q,
               const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const gma::Options& opt,
-              double mixture_fingerprint) {
+              std::uint64_t mixture_fingerprint) {
   saved.out = out;
   saved.causal = opt.causal;
   saved.eps = opt.eps;
   saved.chunk = gma_chunk(opt);
-  saved.fingerprint[0] = content_sum(q);
-  saved.fingerprint[1] = content_sum(k);
-  saved.fingerprint[2] = content_sum(v);
+  saved.fingerprint[0] = fingerprint(q);
+  saved.fingerprint[1] = fingerprint(k);
+  saved.fingerprint[2] = fingerprint(v);
   saved.fingerprint[3] = mixture_fingerprint;
+  saved.fingerprint[4] = gma_state_fingerprint(saved.start_S, saved.start_z);
+  saved.end_fingerprint = 0;
   saved.valid = true;
 }
 
@@ -504,9 +551,8 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
   Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
   gq.resize(N, K);
   gk.resize(k.rows(), K);
-  responsibilities_into(Arch{}, s.packed, q.data(), q.outerStride(), N, gq.data(), K, &s.scores);
-  responsibilities_into(Arch{}, s.packed, k.data(), k.outerStride(), k.rows(), gk.data(), K,
-                        &s.scores);
+  gma_gamma_into<Arch, T>(s.packed, q, gq.data(), opt.check_finite, fn, "q", &s.scores);
+  gma_gamma_into<Arch, T>(s.packed, k, gk.data(), opt.check_finite, fn, "k", &s.scores);
   out.resize(N, dv);
   Vector<T>& den = saved ? saved->den : s.den;
   den.resize(N);
@@ -518,6 +564,9 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
     gma_bidirectional_forward<T>(gq, gk, v, eps, saved ? saved->vt : s.vt, saved ? saved->z : s.z,
                                  out, den, s);
   }
+  // Gamma is finite now, so only the sums of v over keys can overflow (the output itself is a
+  // weighted mean of v's rows).
+  if (opt.check_finite) require_finite_result(out, fn, "the output", "v is");
   if (saved) {
     if (opt.causal) {
       saved->vt.resize(0, 0);
@@ -526,7 +575,7 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
     saved->continued = false;
     saved->start_S.resize(0, 0);
     saved->start_z.resize(0);
-    gma_save(*saved, out, q, k, v, opt, mixture_sum(mix));
+    gma_save(*saved, out, q, k, v, opt, mixture_fingerprint(mix));
   }
 }
 
@@ -537,15 +586,47 @@ Vector<W>& gma_decode_scratch() {
   return buffer;
 }
 
+/// With checks on, whether v holds values that may make a continued forward's sums overflow.
+/// The state holds weighted sums of v's rows in the wide type (z only weights): values below
+/// sqrt(max T) cannot overflow it (not even over 2^63 tokens), and cannot carry a sum that is
+/// already near the limit over it either, since they are below half its rounding step there.
+template <class T>
+bool gma_large_values(const ConstMatrixRef<T>& v, const gma::Options& opt) {
+  if (!opt.check_finite || v.size() == 0) return false;
+  return static_cast<double>(v.cwiseAbs().maxCoeff()) >
+         std::sqrt(static_cast<double>(std::numeric_limits<T>::max()));
+}
+
+/// With checks on, a continued forward whose output or (after large values) new state
+/// overflowed restores the start state when it kept it and throws domain_error. The output, a
+/// weighted mean of values, is always probed (O(n d_v)); the state (O(K d_v)) only after large
+/// values, so that decoding ordinary tokens pays no extra pass over it.
+template <class T>
+void gma_check_continued(const char* fn, const Matrix<T>& out, gma::State<T>& st, bool large,
+                         bool kept, const Matrix<wide_t<T>>& start_S,
+                         const Vector<wide_t<T>>& start_z, Index start_tokens) {
+  using W = wide_t<T>;
+  const bool finite = (out.array() * T(0)).sum() == T(0) &&
+                      (!large || (st.S.array() * W(0)).sum() == W(0));
+  if (finite) return;
+  if (kept) {
+    st.S = start_S;
+    st.z = start_z;
+    st.tokens_seen = start_tokens;
+  }
+  require_finite_result(out, fn, "the output", "v is");
+  require_finite_result(st.S, fn, "the state's S", "v is");
+}
+
 /// Causal forward continuing `st` (SPEC 1.4) for a mixture already packed, into out (n x d_v);
 /// validated by the caller. Short pieces (fewer tokens than a chunk: decoding) take the
 /// one-token recurrence on the wide state, longer ones the chunked scan; both are the same sums
 /// up to rounding. Working memory lives in `saved` (or this thread's scratch without it).
 template <class Arch, class T>
-void gma_forward_continued(Matrix<T>& out, const PackedDensity<T>& p, const ConstMatrixRef<T>& q,
-                           const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                           const gma::Options& opt, gma::State<T>& st, gma::Saved<T>* saved,
-                           double mixture_fingerprint) {
+void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T>& p,
+                           const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                           const ConstMatrixRef<T>& v, const gma::Options& opt, gma::State<T>& st,
+                           gma::Saved<T>* saved, std::uint64_t mixture_fingerprint) {
   using W = wide_t<T>;
   const Index N = q.rows(), K = p.components, dv = v.cols(), chunk = gma_chunk(opt);
   GmaForwardScratch<T>& s = saved ? saved->scratch : gma_thread_scratch<T>();
@@ -554,14 +635,21 @@ void gma_forward_continued(Matrix<T>& out, const PackedDensity<T>& p, const Cons
   Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
   gq.resize(N, K);
   gk.resize(N, K);
-  responsibilities_into(Arch{}, p, q.data(), q.outerStride(), N, gq.data(), K, &s.scores);
-  responsibilities_into(Arch{}, p, k.data(), k.outerStride(), N, gk.data(), K, &s.scores);
+  // Rows far from every component fall back to a wider type; a throw here leaves st untouched.
+  gma_gamma_into<Arch, T>(p, q, gq.data(), opt.check_finite, fn, "q", &s.scores);
+  gma_gamma_into<Arch, T>(p, k, gk.data(), opt.check_finite, fn, "k", &s.scores);
   out.resize(N, dv);
   Vector<T>& den = saved ? saved->den : s.den;
   den.resize(N);
-  if (saved) {  // the start state, for backward (capacity reused when shapes repeat)
-    saved->start_S = st.S;
-    saved->start_z = st.z;
+  // The start state, for backward or to give it back untouched after an overflow (capacity
+  // reused when shapes repeat).
+  const Index start_tokens = st.tokens_seen;
+  const bool large = gma_large_values<T>(v, opt), kept = large || saved != nullptr;
+  Matrix<W>& start_S = saved ? saved->start_S : s.start_S;
+  Vector<W>& start_z = saved ? saved->start_z : s.start_z;
+  if (kept) {
+    start_S = st.S;
+    start_z = st.z;
   }
   if (N < chunk) {
     Vector<W>& w = gma_decode_scratch<W>();
@@ -572,11 +660,14 @@ void gma_forward_continued(Matrix<T>& out, const PackedDensity<T>& p, const Cons
     gma_causal_forward<T>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z, s.scan);
   }
   st.tokens_seen += N;
+  if (opt.check_finite)
+    gma_check_continued<T>(fn, out, st, large, kept, start_S, start_z, start_tokens);
   if (saved) {
     saved->vt.resize(0, 0);
     saved->z.resize(0);
     saved->continued = true;
     gma_save(*saved, out, q, k, v, opt, mixture_fingerprint);
+    saved->end_fingerprint = gma_state_fingerprint(st.S, st.z);
   }
 }
 
@@ -593,6 +684,26 @@ void gma_check_state_grad(const char* fn, const gma::Saved<T>& saved, const gma:
     require_finite(gs.S, fn, "grad_state_out.S");
     require_finite(gs.z, fn, "grad_state_out.z");
   }
+  if (gs.state_fingerprint != 0 && gs.state_fingerprint != saved.end_fingerprint)
+    raise_invalid_argument(concat(
+        fn, ": grad_state_out came from other data: it is the gradient of a state other than the "
+            "one this piece's forward ended with (run the pieces' backwards in reverse order, "
+            "each given its successor's grad.state)"));
+}
+
+/// A record filled by forward from the data backward is given: q, k, v, the mixture, and (for a
+/// continued forward) the start state it keeps.
+template <class T>
+void gma_check_record(const char* fn, const gma::Saved<T>& saved, const gma::Mixture<T>& mix,
+                      const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                      const ConstMatrixRef<T>& v) {
+  if (fingerprint(q) != saved.fingerprint[0]) raise_other_data(fn, "saved", "q");
+  if (fingerprint(k) != saved.fingerprint[1]) raise_other_data(fn, "saved", "k");
+  if (fingerprint(v) != saved.fingerprint[2]) raise_other_data(fn, "saved", "v");
+  if (mixture_fingerprint(mix) != saved.fingerprint[3])
+    raise_other_data(fn, "saved", "the mixture");
+  if (gma_state_fingerprint(saved.start_S, saved.start_z) != saved.fingerprint[4])
+    raise_other_data(fn, "saved", "saved.start_S or saved.start_z (the start state)");
 }
 
 /// Validates backward's arguments against the inputs and the Saved record.
@@ -616,11 +727,7 @@ void gma_check_backward(const char* fn, const gma::Mixture<T>& mix, const ConstM
   require(saved.causal == opt.causal && saved.eps == opt.eps, fn,
           "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
           " but options have causal = ", opt.causal, ", eps = ", opt.eps);
-  require(same_fingerprint(saved.fingerprint[0], content_sum(q)) &&
-              same_fingerprint(saved.fingerprint[1], content_sum(k)) &&
-              same_fingerprint(saved.fingerprint[2], content_sum(v)) &&
-              same_fingerprint(saved.fingerprint[3], mixture_sum(mix)),
-          fn, "saved was made from different q, k, v or mixture values");
+  gma_check_record(fn, saved, mix, q, k, v);
   require(!saved.continued || (saved.start_S.rows() == K && saved.start_S.cols() == dv &&
                                saved.start_z.size() == K),
           fn, "saved.start_S is ", shape_str(saved.start_S), " but the state is ", K, " x ", dv);
@@ -663,6 +770,7 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
     grad.state.S.resize(0, 0);
     grad.state.z.resize(0);
   }
+  grad.state.state_fingerprint = saved.continued ? saved.fingerprint[4] : 0;
   gma_causal_backward<T>(saved.gamma_q, saved.gamma_k, v, s.g, s.h, saved.chunk, s.dgq, s.dgk,
                          grad.v, saved.continued ? &saved.start_S : nullptr,
                          saved.continued ? &saved.start_z : nullptr, G, u, s.scan);
@@ -751,9 +859,11 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
   } else {
     grad.state.S.resize(0, 0);
     grad.state.z.resize(0);
+    grad.state.state_fingerprint = 0;
     gma_bidirectional_backward<Arch>(s.packed, q, k, v, grad_out, saved, panel, grad);
   }
   gma_mixture_grad(mix, s.constants, s.sums, s.dmu, s.dvar, grad.mixture);
+  if (opt.check_finite) gma_check_grad(fn, grad);
 }
 
 }  // namespace detail
@@ -768,7 +878,7 @@ namespace gma {
 /// call's working memory: with a reused `out` and `saved`, a call whose shapes repeat performs
 /// no heap allocation. Without `saved`, this thread's scratch (kept for the thread's lifetime)
 /// is used instead.
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
                   Saved<typename detail::identity<T>::type>* saved) {
@@ -778,7 +888,7 @@ void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>
 /// GMA forward (SPEC 1.3 bidirectional, 1.4 causal).
 /// q: N x r, k: M x r, v: M x d_v (M == N when causal). Returns N x d_v.
 /// If `saved` is given it receives what backward needs (O((N + M) K + N d_v)).
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
   Matrix<T> out;
@@ -791,7 +901,7 @@ Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
   detail::gma_check_mixture(mix, "mixattn::gma::Prepared", check_finite);
   constants_ = detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
   packed_ = detail::pack_density<Arch, T>(mix.mean, constants_);
-  mixture_sum_ = detail::mixture_sum(mix);
+  mixture_fingerprint_ = detail::mixture_fingerprint(mix);
 }
 
 /// Causal GMA forward continuing `state` (SPEC 1.4) into caller-owned memory: q, k (n x r) and
@@ -803,7 +913,7 @@ Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
 /// call whose shapes repeat performs no heap allocation (it packs the mixture each call; the
 /// Prepared overload does not). On a throw (bad shapes or options: invalid_argument; non-finite
 /// q, k, v or state: domain_error) `state` is untouched.
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
                   State<T>& state, Saved<typename detail::identity<T>::type>* saved) {
@@ -814,12 +924,12 @@ void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>
   detail::GmaForwardScratch<T>& s = saved ? saved->scratch : detail::gma_thread_scratch<T>();
   detail::mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
   detail::pack_density_into<Arch>(s.packed, mix.mean, s.constants);
-  detail::gma_forward_continued<Arch, T>(out, s.packed, q, k, v, opt, state, saved,
-                                         detail::mixture_sum(mix));
+  detail::gma_forward_continued<Arch, T>(fn, out, s.packed, q, k, v, opt, state, saved,
+                                         detail::mixture_fingerprint(mix));
 }
 
 /// The value-returning form of the above. Returns n x d_v.
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, const Options& opt, State<T>& state,
                   Saved<T>* saved = nullptr) {
@@ -831,26 +941,26 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const Const
       detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
   const detail::PackedDensity<T> p = detail::pack_density<Arch, T>(mix.mean, c);
   Matrix<T> out;
-  detail::gma_forward_continued<Arch, T>(out, p, q, k, v, opt, state, saved,
-                                         detail::mixture_sum(mix));
+  detail::gma_forward_continued<Arch, T>(fn, out, p, q, k, v, opt, state, saved,
+                                         detail::mixture_fingerprint(mix));
   return out;
 }
 
 /// The same with the mixture prepared once (Prepared): the decode path, which spends per token
 /// only the responsibilities of q and k and one pass over the state (O(K (r + d_v))).
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
                   State<T>& state, Saved<typename detail::identity<T>::type>* saved) {
   static constexpr const char* fn = "mixattn::gma::forward_into";
   detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
   detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
-  detail::gma_forward_continued<Arch, T>(out, prep.packed(), q, k, v, opt, state, saved,
-                                         prep.mixture_sum());
+  detail::gma_forward_continued<Arch, T>(fn, out, prep.packed(), q, k, v, opt, state, saved,
+                                         prep.mixture_fingerprint());
 }
 
 /// The value-returning form of the above. Returns n x d_v.
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
                   State<T>& state, Saved<T>* saved = nullptr) {
@@ -858,15 +968,15 @@ Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
   detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
   detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
   Matrix<T> out;
-  detail::gma_forward_continued<Arch, T>(out, prep.packed(), q, k, v, opt, state, saved,
-                                         prep.mixture_sum());
+  detail::gma_forward_continued<Arch, T>(fn, out, prep.packed(), q, k, v, opt, state, saved,
+                                         prep.mixture_fingerprint());
   return out;
 }
 
 /// GMA backward (SPEC 1.5) into caller-owned gradients: the same as backward, with grad's
 /// matrices resized (no-op when shapes repeat) and its scratch reused, so a call whose shapes
 /// repeat performs no heap allocation.
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
                    const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
@@ -877,7 +987,7 @@ void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>
 /// Backward of a piece of a longer sequence into caller-owned gradients (see the backward
 /// overload with grad_state_out); grad_state_out may be grad.state itself, so one Grad can run
 /// the pieces' backwards in reverse, each fed the grad.state its successor left.
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
                    const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
@@ -892,7 +1002,7 @@ void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>
 /// values of this piece and writes grad.state = dL/d(start state). Running the pieces' backwards
 /// in reverse, each fed its successor's grad.state, gives the gradients of one call over the
 /// whole sequence.
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                  const Saved<T>& saved, const Options& opt, const StateGrad<T>* grad_state_out) {
@@ -908,12 +1018,89 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
 /// When saved comes from the State overload of forward, grad.state also receives the gradient
 /// with respect to the state that call continued (dS0, dz0); the end state is taken to have
 /// no further use (see the overload with grad_state_out for pieces of a longer sequence).
-template <class T, class Arch = detail::simd_arch>
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                  const Saved<T>& saved, const Options& opt = {}) {
   return backward<T, Arch>(mix, q, k, v, grad_out, saved, opt,
                            static_cast<const StateGrad<T>*>(nullptr));
 }
+
+// Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
+// column-major or strided argument that would be copied on every call, selects one of these
+// overloads instead of the ones above; the static_assert's message is their only effect.
+template <class T, class X, detail::enable_if_refused<T, X> = 0>
+Matrix<T> responsibilities(const Mixture<T>&, const X&, bool = true) {
+  detail::refuse_arguments<T, X>();
+  return {};
+}
+template <class T, class Arch, class X, detail::enable_if_refused<T, X> = 0>
+Matrix<T> responsibilities(const Prepared<T, Arch>&, const X&, bool = true) {
+  detail::refuse_arguments<T, X>();
+  return {};
+}
+template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
+Matrix<T> forward(const Mixture<T>&, const Q&, const K&, const V&, const Options& = {},
+                  Saved<T>* = nullptr) {
+  detail::refuse_arguments<T, Q, K, V>();
+  return {};
+}
+template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
+Matrix<T> forward(const Mixture<T>&, const Q&, const K&, const V&, const Options&, State<T>&,
+                  Saved<T>* = nullptr) {
+  detail::refuse_arguments<T, Q, K, V>();
+  return {};
+}
+template <class T, class Arch, class Q, class K, class V,
+          detail::enable_if_refused<T, Q, K, V> = 0>
+Matrix<T> forward(const Prepared<T, Arch>&, const Q&, const K&, const V&, const Options&,
+                  State<T>&, Saved<T>* = nullptr) {
+  detail::refuse_arguments<T, Q, K, V>();
+  return {};
+}
+template <class T, class Q, class K, class V, class G,
+          detail::enable_if_refused<T, Q, K, V, G> = 0>
+Grad<T> backward(const Mixture<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
+                 const Options& = {}) {
+  detail::refuse_arguments<T, Q, K, V, G>();
+  return {};
+}
+template <class T, class Q, class K, class V, class G,
+          detail::enable_if_refused<T, Q, K, V, G> = 0>
+Grad<T> backward(const Mixture<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
+                 const Options&, const StateGrad<T>*) {
+  detail::refuse_arguments<T, Q, K, V, G>();
+  return {};
+}
+template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
+void forward_into(Matrix<T>&, const Mixture<T>&, const Q&, const K&, const V&, const Options&,
+                  Saved<typename detail::identity<T>::type>*) {
+  detail::refuse_arguments<T, Q, K, V>();
+}
+template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
+void forward_into(Matrix<T>&, const Mixture<T>&, const Q&, const K&, const V&, const Options&,
+                  State<T>&, Saved<typename detail::identity<T>::type>*) {
+  detail::refuse_arguments<T, Q, K, V>();
+}
+template <class T, class Arch, class Q, class K, class V,
+          detail::enable_if_refused<T, Q, K, V> = 0>
+void forward_into(Matrix<T>&, const Prepared<T, Arch>&, const Q&, const K&, const V&,
+                  const Options&, State<T>&, Saved<typename detail::identity<T>::type>*) {
+  detail::refuse_arguments<T, Q, K, V>();
+}
+template <class T, class Q, class K, class V, class G,
+          detail::enable_if_refused<T, Q, K, V, G> = 0>
+void backward_into(Grad<T>&, const Mixture<T>&, const Q&, const K&, const V&, const G&,
+                   const Saved<T>&, const Options&) {
+  detail::refuse_arguments<T, Q, K, V, G>();
+}
+template <class T, class Q, class K, class V, class G,
+          detail::enable_if_refused<T, Q, K, V, G> = 0>
+void backward_into(Grad<T>&, const Mixture<T>&, const Q&, const K&, const V&, const G&,
+                   const Saved<T>&, const Options&,
+                   const StateGrad<typename detail::identity<T>::type>*) {
+  detail::refuse_arguments<T, Q, K, V, G>();
+}
+
 }  // namespace gma
 MIXATTN_END_NAMESPACE

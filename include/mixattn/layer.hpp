@@ -231,6 +231,7 @@ struct Cache {
   std::vector<ovq::Saved<T>> ovq_saved;
   std::vector<reference::Saved<T>> softmax_saved;
   Index tokens = -1;  ///< N of the forward that filled it; -1 when empty
+  std::uint64_t fingerprint[2] = {0, 0};  ///< of x and of every parameter, checked by backward
   Offsets offsets;  ///< the batch's sequence offsets ({0, N} for one sequence)
   // Working memory reused by forward_into: one output per (sequence, head), OVQ's end states.
   std::vector<Matrix<T>> head_out;
@@ -267,7 +268,8 @@ struct Gradients {
 /// head a gma::State (with the head's mixture prepared once), an ovq::State or a softmax
 /// reference::KvCache, whichever the layer's mixer needs. GMA and OVQ states have a constant
 /// size; the softmax cache grows with the sequence. The mixtures are a snapshot taken by
-/// begin_decoding: after changing the layer's parameters, begin again.
+/// begin_decoding: after changing them, begin again (decode checks each prepared mixture's
+/// fingerprint against the layer's and rejects a stale state).
 template <class T>
 struct DecodeState {
   std::vector<gma::Prepared<T>> gma_prepared;
@@ -286,6 +288,8 @@ struct DecodeState {
 /// gma::Mixture::random(K, r, seed + 1 + h, gma_mean_scale); beta = 1.
 template <class T>
 class MultiHeadAttention {
+  static_assert(::mixattn::detail::refuse_arguments<T>(), "see the message above");
+
  public:
   explicit MultiHeadAttention(const Config& config) : cfg_(config) {
     validate_config();
@@ -418,6 +422,7 @@ class MultiHeadAttention {
                                                             : state.softmax.size();
     ::mixattn::detail::require(state.layer == this && have == hs, fn,
                                "state was not made by this layer's begin_decoding()");
+    if (cfg_.mixer == MixerKind::gma) check_prepared(fn, state);
     const Index n = x.rows(), r = cfg_.key_dim, dv = cfg_.value_dim;
     const Matrix<T> q = x * w_q_, k = x * w_k_, v = x * w_v_;
     Matrix<T> mixed(n, cfg_.heads * dv);
@@ -495,6 +500,46 @@ class MultiHeadAttention {
     return head_responsibilities("key_responsibilities", x, h, w_k_);
   }
 
+  // Compile-time refusal (core.hpp, refuse_arguments): a column-major or strided x or grad_y
+  // would be copied on every call; these overloads exist only for the static_assert's message.
+  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
+  Matrix<T> forward(const X&, Cache<T>* = nullptr) const {
+    ::mixattn::detail::refuse_arguments<T, X>();
+    return {};
+  }
+  template <class X, class G, ::mixattn::detail::enable_if_refused<T, X, G> = 0>
+  Gradients<T> backward(const X&, const G&, const Cache<T>&) const {
+    ::mixattn::detail::refuse_arguments<T, X, G>();
+    return {};
+  }
+  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
+  void forward_into(Matrix<T>&, const X&, Cache<T>&) const {
+    ::mixattn::detail::refuse_arguments<T, X>();
+  }
+  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
+  void forward_packed_into(Matrix<T>&, const X&, const Offsets&, Cache<T>&) const {
+    ::mixattn::detail::refuse_arguments<T, X>();
+  }
+  template <class X, class G, ::mixattn::detail::enable_if_refused<T, X, G> = 0>
+  void backward_into(Gradients<T>&, const X&, const G&, const Cache<T>&) const {
+    ::mixattn::detail::refuse_arguments<T, X, G>();
+  }
+  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
+  Matrix<T> decode(const X&, DecodeState<T>&) const {
+    ::mixattn::detail::refuse_arguments<T, X>();
+    return {};
+  }
+  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
+  Matrix<T> query_responsibilities(const X&, Index) const {
+    ::mixattn::detail::refuse_arguments<T, X>();
+    return {};
+  }
+  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
+  Matrix<T> key_responsibilities(const X&, Index) const {
+    ::mixattn::detail::refuse_arguments<T, X>();
+    return {};
+  }
+
   /// Writes every parameter to `path` (format: save_parameters).
   void save(const std::string& path) const { save_parameters<T>(path, const_parameters()); }
   /// Reads parameters saved by a layer of the same configuration (load_parameters); the layer
@@ -502,6 +547,18 @@ class MultiHeadAttention {
   void load(const std::string& path) { load_parameters<T>(path, parameters()); }
 
  private:
+  /// The mixtures a decoding state prepared must still be the layer's (O(H K r), small next to
+  /// the projections of one token).
+  void check_prepared(const char* fn, const DecodeState<T>& state) const {
+    for (std::size_t i = 0; i < mixtures_.size(); ++i)
+      if (i >= state.gma_prepared.size() ||
+          ::mixattn::detail::mixture_fingerprint(mixtures_[i]) !=
+              state.gma_prepared[i].mixture_fingerprint())
+        ::mixattn::detail::raise_invalid_argument(::mixattn::detail::concat(
+            fn, ": state came from other data: head ", i,
+            "'s mixture changed since begin_decoding() prepared it; call begin_decoding() again"));
+  }
+
   void run_forward(const char* fn, Matrix<T>& y, const ConstMatrixRef<T>& x, Cache<T>& c,
                    bool keep) const {
     check_input(fn, x);
@@ -515,6 +572,12 @@ class MultiHeadAttention {
     gemm<T>(c.q, plain<T>(x), plain<T>(w_q_), T(1), false, c.gemm);
     gemm<T>(c.k, plain<T>(x), plain<T>(w_k_), T(1), false, c.gemm);
     gemm<T>(c.v, plain<T>(x), plain<T>(w_v_), T(1), false, c.gemm);
+    if (cfg_.check_finite) {
+      const char* culprit = "x or a projection weight is";
+      ::mixattn::detail::require_finite_result(c.q, fn, "the queries x W_Q", culprit);
+      ::mixattn::detail::require_finite_result(c.k, fn, "the keys x W_K", culprit);
+      ::mixattn::detail::require_finite_result(c.v, fn, "the values x W_V", culprit);
+    }
     c.mixed.resize(n, heads * dv);
     const Index items = (static_cast<Index>(c.offsets.size()) - 1) * heads;
     const std::size_t is = static_cast<std::size_t>(items);
@@ -528,7 +591,13 @@ class MultiHeadAttention {
         [&](Index i) { head_forward(c, i, keep); }, c.order);
     y.resize(n, cfg_.model_dim);
     gemm<T>(y, plain<T>(c.mixed), plain<T>(w_o_), T(1), false, c.gemm);
-    if (keep) c.tokens = n;
+    if (cfg_.check_finite)
+      ::mixattn::detail::require_finite_result(y, fn, "the output", "x or a weight is");
+    if (keep) {  // recomputed by every forward that fills the cache
+      c.fingerprint[0] = ::mixattn::detail::fingerprint(x);
+      c.fingerprint[1] = parameter_fingerprint();
+      c.tokens = n;
+    }
   }
 
   Index sequence_length(const Offsets& offsets, Index item) const {
@@ -587,6 +656,10 @@ class MultiHeadAttention {
     ::mixattn::detail::require(saved == expected_saved, fn, "cache holds ", saved,
                                " head records of this mixer but the layer has ", cfg_.heads,
                                " heads (was it filled by another layer?)");
+    if (::mixattn::detail::fingerprint(x) != cache.fingerprint[0])
+      ::mixattn::detail::raise_other_data(fn, "cache", "x");
+    if (parameter_fingerprint() != cache.fingerprint[1])
+      ::mixattn::detail::raise_other_data(fn, "cache", "a parameter of the layer");
   }
 
   /// Names and shapes of g's blocks, set once: a reused Gradients keeps them.
@@ -619,6 +692,10 @@ class MultiHeadAttention {
     gemm<T>(g.params[3], transposed<T>(cache.mixed), plain<T>(grad_y), T(1), false, g.gemm);
     g.d_mixed.resize(n, heads * dv);
     gemm<T>(g.d_mixed, plain<T>(grad_y), transposed<T>(w_o_), T(1), false, g.gemm);
+    if (cfg_.check_finite)
+      ::mixattn::detail::require_finite_result(g.d_mixed, fn,
+                                               "the heads' output gradient dY W_O^T",
+                                               "grad_y or w_o is");
     g.dq.resize(n, heads * r);
     g.dk.resize(n, heads * r);
     g.dv.resize(n, heads * dv);
@@ -639,6 +716,13 @@ class MultiHeadAttention {
     gemm<T>(g.x, plain<T>(g.dq), transposed<T>(w_q_), T(1), false, g.gemm);
     gemm<T>(g.x, plain<T>(g.dk), transposed<T>(w_k_), T(1), true, g.gemm);
     gemm<T>(g.x, plain<T>(g.dv), transposed<T>(w_v_), T(1), true, g.gemm);
+    if (cfg_.check_finite) {
+      const char* culprit = "x, grad_y or a parameter is";
+      ::mixattn::detail::require_finite_result(g.x, fn, "the gradient of x", culprit);
+      for (std::size_t i = 0; i < g.params.size(); ++i)
+        ::mixattn::detail::require_finite_result(g.params[i], fn, "a parameter's gradient",
+                                                 culprit);
+    }
   }
 
   /// The backward of item i = b H + h into its own record and its rows of dQ, dK, dV.
@@ -732,6 +816,27 @@ class MultiHeadAttention {
                                "mixattn::layer::MultiHeadAttention::beta", what,
                                " exists for heads 0..H-1 of an OVQ layer; asked for head ", h);
     return static_cast<std::size_t>(h);
+  }
+
+  /// Fingerprint of every parameter, in const_parameters() order (without building the list:
+  /// forward and backward take it on every call).
+  std::uint64_t parameter_fingerprint() const {
+    ::mixattn::detail::Fingerprint f;
+    f.add(w_q_.data(), w_q_.rows(), w_q_.cols(), w_q_.cols());
+    f.add(w_k_.data(), w_k_.rows(), w_k_.cols(), w_k_.cols());
+    f.add(w_v_.data(), w_v_.rows(), w_v_.cols(), w_v_.cols());
+    f.add(w_o_.data(), w_o_.rows(), w_o_.cols(), w_o_.cols());
+    for (Index h = 0; h < cfg_.heads; ++h) {
+      if (cfg_.mixer == MixerKind::gma) {
+        const gma::Mixture<T>& m = mixtures_[static_cast<std::size_t>(h)];
+        f.add(m.mean.data(), m.mean.rows(), m.mean.cols(), m.mean.cols());
+        f.add(m.var_raw.data(), m.var_raw.rows(), m.var_raw.cols(), m.var_raw.cols());
+        f.add(m.prior_logit.data(), m.prior_logit.size(), 1, 1);
+      } else if (cfg_.mixer == MixerKind::ovq) {
+        f.add(beta_.data() + h, 1, 1, 1);
+      }
+    }
+    return f.value();
   }
 
   gma::Options gma_options() const {

@@ -46,7 +46,7 @@ struct Saved {
   bool causal = false;  // options the forward ran with
   double eps = 0;
   Index chunk = 0;
-  double fingerprint[3] = {0, 0, 0};  // of q, k, v
+  std::uint64_t fingerprint[3] = {0, 0, 0};  // of q, k, v (mixattn::detail::Fingerprint)
   bool valid = false;
 };
 
@@ -103,10 +103,10 @@ void linear_check_inputs(const char* fn, const ConstMatrixRef<T>& q, const Const
 
 template <class T>
 void linear_fingerprints(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                         const ConstMatrixRef<T>& v, double* out) {
-  out[0] = content_sum(q);
-  out[1] = content_sum(k);
-  out[2] = content_sum(v);
+                         const ConstMatrixRef<T>& v, std::uint64_t* out) {
+  out[0] = fingerprint(q);
+  out[1] = fingerprint(k);
+  out[2] = fingerprint(v);
 }
 
 template <class T>
@@ -129,12 +129,11 @@ void linear_check_backward(const char* fn, const ConstMatrixRef<T>& q, const Con
           fn, "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
           ", chunk = ", saved.chunk, " but options give causal = ", opt.causal, ", eps = ", opt.eps,
           ", chunk = ", linear_chunk(opt));
-  double now[3];
+  std::uint64_t now[3];
   linear_fingerprints<T>(q, k, v, now);
-  require(same_fingerprint(saved.fingerprint[0], now[0]) &&
-              same_fingerprint(saved.fingerprint[1], now[1]) &&
-              same_fingerprint(saved.fingerprint[2], now[2]),
-          fn, "saved was made from different q, k or v values");
+  const char* names[3] = {"q", "k", "v"};
+  for (int a = 0; a < 3; ++a)
+    if (now[a] != saved.fingerprint[a]) raise_other_data(fn, "saved", names[a]);
 }
 
 /// Bidirectional backward (SPEC 4.3) with [g | h] (g_i = dO_i / den_i, h_i = -(dO_i . O_i) /
@@ -196,7 +195,7 @@ namespace linear {
 /// backward needs. T is not deduced: write linear::forward<float>(q, k, v).
 /// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
 /// for non-finite q, k, v, or for an output that overflowed T (q, k, v near T's range).
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
   static constexpr const char* fn = "mixattn::linear::forward";
@@ -227,8 +226,7 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
     out.array().colwise() /= den.array();
   }
   // The output is a sub-convex combination of v's rows; only the sums can overflow.
-  if (opt.check_finite)
-    detail::require_finite(out, fn, "the output (overflow: q, k or v too large)");
+  if (opt.check_finite) detail::require_finite_result(out, fn, "the output", "q, k or v is");
   if (saved) {
     saved->phi_q = std::move(phi_q);
     saved->phi_k = std::move(phi_k);
@@ -249,7 +247,7 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 /// respect to q (N x r), k (M x r) and v (M x d_v). grad_out: N x d_v; saved: filled by forward
 /// with the same q, k, v and options. With check_finite, non-finite grad_out or overflowed
 /// gradients throw std::domain_error.
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                  const ConstMatrixRef<T>& grad_out, const Saved<T>& saved,
                  const Options& opt = {}) {
@@ -270,11 +268,27 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
   detail::linear_feature_backward<T>(saved.phi_q, grad.q);
   detail::linear_feature_backward<T>(saved.phi_k, grad.k);
   if (opt.check_finite) {  // overflow: q, k, v or grad_out near T's range, or a tiny eps
-    detail::require_finite(grad.q, fn, "the gradient of q (overflow)");
-    detail::require_finite(grad.k, fn, "the gradient of k (overflow)");
-    detail::require_finite(grad.v, fn, "the gradient of v (overflow)");
+    const char* culprit = "q, k, v or grad_out is";
+    detail::require_finite_result(grad.q, fn, "the gradient of q", culprit);
+    detail::require_finite_result(grad.k, fn, "the gradient of k", culprit);
+    detail::require_finite_result(grad.v, fn, "the gradient of v", culprit);
   }
   return grad;
+}
+
+// Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
+// column-major or strided argument that would be copied on every call, selects one of these
+// overloads instead of the ones above; the static_assert's message is their only effect.
+template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
+Matrix<T> forward(const Q&, const K&, const V&, const Options& = {}, Saved<T>* = nullptr) {
+  detail::refuse_arguments<T, Q, K, V>();
+  return {};
+}
+template <class T, class Q, class K, class V, class G,
+          detail::enable_if_refused<T, Q, K, V, G> = 0>
+Grad<T> backward(const Q&, const K&, const V&, const G&, const Saved<T>&, const Options& = {}) {
+  detail::refuse_arguments<T, Q, K, V, G>();
+  return {};
 }
 
 }  // namespace linear

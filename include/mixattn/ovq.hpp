@@ -239,8 +239,9 @@ struct Saved {
   Index block = 0;  // options the forward ran with
   bool count_bias = true;
   double norm_eps = 0;
-  bool recorded = false;              // set by forward
-  detail::ForwardScratch<T> scratch;  // the forward's working memory, kept for reuse
+  std::uint64_t fingerprint[3] = {0, 0, 0};  // of q, k, v (mixattn::detail::Fingerprint)
+  bool recorded = false;                      // set by forward
+  detail::ForwardScratch<T> scratch;          // the forward's working memory, kept for reuse
 
   /// Heap and object bytes held.
   std::size_t bytes() const {
@@ -401,6 +402,15 @@ struct Blocks {
   bool is_complete(Index u) const { return u < complete; }
 };
 
+/// Fingerprints of what backward will be given besides the record: q, k, v.
+template <class T>
+void fingerprints(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, std::uint64_t* out) {
+  out[0] = mixattn::detail::fingerprint(q);
+  out[1] = mixattn::detail::fingerprint(k);
+  out[2] = mixattn::detail::fingerprint(v);
+}
+
 template <class T>
 void log_counts(const Dictionary<T>& d, Vector<T>& logc) {
   logc.head(d.size) = d.counts.head(d.size).array().log().matrix();
@@ -432,6 +442,9 @@ T check_forward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef
     if (!std::isfinite(beta))
       mixattn::detail::raise_domain_error(concat(fn, ": beta is ", beta, ", not finite"));
   }
+  // beta = 0 would make every logit equal and a negative one would invert the attention; NaN
+  // passes to the finiteness check (or through it when the caller turned it off).
+  require(!(beta <= 0), fn, "beta is ", beta, "; the scale factor must be > 0");
   const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));
   if (opt.check_finite && !std::isfinite(s))
     mixattn::detail::raise_domain_error(
@@ -526,6 +539,32 @@ void store_pending(const ForwardScratch<T>& w, const State<T>& start, const Bloc
   }
 }
 
+/// With checks on, whether v holds values beyond sqrt(max T), which can make the output or the
+/// running means overflow (only then does an in-place forward keep a copy of the state).
+template <class T>
+bool large_values(const ConstMatrixRef<T>& v, const Options& opt) {
+  return opt.check_finite && v.size() > 0 &&
+         static_cast<double>(v.cwiseAbs().maxCoeff()) >
+             std::sqrt(static_cast<double>(std::numeric_limits<T>::max()));
+}
+
+/// With checks on: the output is a convex combination of values and the running means stay
+/// within their range, so only sums of v near T's limit can overflow; reported, never returned.
+template <class T>
+void check_overflow(const char* fn, const Matrix<T>& out, const Dictionary<T>& dict,
+                    DictionaryLoan<T>* loan, State<T>* restore, State<T>& kept) {
+  if ((out.array() * T(0)).sum() == T(0) &&
+      (dict.values.topRows(dict.size).array() * T(0)).sum() == T(0))
+    return;
+  if (loan != nullptr) loan->give_back();
+  if (restore != nullptr) *restore = std::move(kept);
+  mixattn::detail::require_finite_result(out, fn, "the output", "v is");
+  mixattn::detail::raise_domain_error(concat(
+      fn, ": the dictionary's running means of v overflow ", mixattn::detail::scalar_name<T>(),
+      " although every input is finite: v is too large for the scalar type (scale it down or "
+      "use double)"));
+}
+
 /// The forward (SPEC 2.2-2.3) from `start` into `out` and `next` (which may be `start`).
 /// In place (next is start), the dictionary is worked on where it lies (its storage lent to a
 /// Dictionary and given back at the end, grown only when a block opens centroids) and the
@@ -559,34 +598,45 @@ void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q, const C
   if (blocks.complete > 0) w.absorb.reserve(opt, capacity, r, dv, saved == nullptr);
   out.resize(tn, dv);
   if (&start == &next) {
+    // Values near T's limit: keep a copy of the state (only then), so that an overflow's
+    // domain_error leaves it as it was.
+    const bool keep = large_values<T>(v, opt);
+    State<T> kept;
+    if (keep) kept = start;
     DictionaryLoan<T> loan(next);
     forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, loan.dict, &loan, w,
                       saved);
+    if (opt.check_finite) check_overflow<T>(fn, out, loan.dict, &loan, keep ? &next : nullptr, kept);
     store_pending<T>(w, start, blocks, tn, next);
     loan.give_back();
   } else {
     w.dict.allocate(capacity, r, dv);
     w.dict.load(start.keys, start.values, start.counts);
     forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, w.dict, nullptr, w, saved);
+    State<T> unused;
+    if (opt.check_finite) check_overflow<T>(fn, out, w.dict, nullptr, nullptr, unused);
     store_pending<T>(w, start, blocks, tn, next);
     next.keys = w.dict.keys.topRows(w.dict.size);
     next.values = w.dict.values.topRows(w.dict.size);
     next.counts = w.dict.counts.head(w.dict.size);
   }
   next.tokens_seen = tokens_after;
-  if (saved != nullptr) saved->recorded = true;
+  if (saved != nullptr) {
+    fingerprints<T>(q, k, v, saved->fingerprint);
+    saved->recorded = true;
+  }
 }
 
 }  // namespace detail
 
 /// OVQ attention over q, k, v as the continuation of `state` (SPEC 2.2-2.3), which it updates.
 ///   q: T x r, k: T x r, v: T x d_v (row-major, rows are tokens; r, d_v fixed by the state)
-///   beta: scale factor, logits use s = beta sqrt(r)
+///   beta: scale factor (> 0), logits use s = beta sqrt(r)
 ///   returns T x d_v.
 /// `saved` (optional) receives what backward needs: O(N_max (r + d_v) + T) memory.
 /// Throws std::invalid_argument on bad shapes, options or an inconsistent state, and
 /// std::domain_error on non-finite input (options.check_finite); `state` is untouched then.
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
                   const Options& opt, State<T>& state, Saved<T>* saved = nullptr) {
@@ -598,7 +648,7 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 /// forward into a caller-owned `out` (resized to T x d_v); `state` is continued and updated as
 /// in forward, and `saved` keeps the call's working memory, so calls whose shapes repeat reuse
 /// it. Without `saved`, per-thread scratch is used.
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
                   const Options& opt, State<T>& state,
@@ -610,7 +660,7 @@ void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// kept when its shapes repeat). The training-loop form: every step starts from the same state
 /// (usually State::empty) and, with reused out, next and saved, allocates nothing in steady
 /// state. `next` may be `start`.
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
                   const Options& opt, const State<T>& start, State<T>& next,
@@ -637,6 +687,7 @@ void check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatri
           fn, "options (block ", opt.block, ", count_bias ", opt.count_bias, ", norm_eps ",
           opt.norm_eps, ") differ from the forward's (block ", saved.block, ", count_bias ",
           saved.count_bias, ", norm_eps ", saved.norm_eps, ")");
+  require(!(beta <= 0), fn, "beta is ", beta, "; the scale factor must be > 0");
   require(beta == saved.beta, fn, "beta is ", beta, " but the forward ran with ", saved.beta);
   if (opt.check_finite) {
     require_finite(q, fn, "q");
@@ -644,6 +695,11 @@ void check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatri
     require_finite(v, fn, "v");
     require_finite(grad_out, fn, "grad_out");
   }
+  std::uint64_t now[3];
+  fingerprints<T>(q, k, v, now);
+  const char* names[3] = {"q", "k", "v"};
+  for (int a = 0; a < 3; ++a)
+    if (now[a] != saved.fingerprint[a]) mixattn::detail::raise_other_data(fn, "saved", names[a]);
 }
 
 /// Sizes the backward's scratch (no allocation when the shapes repeat).
@@ -798,6 +854,14 @@ void backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q, const Cons
   normalize_backward<T>(q, g.q, opt.norm_eps);
   normalize_backward<T>(k, g.k, opt.norm_eps);
   g.beta = static_cast<T>(ds * std::sqrt(static_cast<W>(r)));
+  if (opt.check_finite) {
+    const char* culprit = "q, k, v, beta or grad_out is";
+    mixattn::detail::require_finite_result(g.q, fn, "the gradient of q", culprit);
+    mixattn::detail::require_finite_result(g.k, fn, "the gradient of k", culprit);
+    mixattn::detail::require_finite_result(g.v, fn, "the gradient of v", culprit);
+    mixattn::detail::require_finite_result(Eigen::Map<const Vector<T>>(&g.beta, 1), fn,
+                                           "the gradient of beta", culprit);
+  }
 }
 
 }  // namespace detail
@@ -810,7 +874,7 @@ void backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q, const Cons
 /// gradient also flows through the running means into earlier tokens of the call:
 ///   dD_old[n] += (c_old / c_new) dD_new[n],   dk_hat_j += dD_k,new[n] / c_new  (j -> n);
 /// otherwise the dictionary is a constant. The start state is a constant either way.
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                  typename mixattn::detail::identity<T>::type beta,
                  const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
@@ -821,11 +885,51 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
 
 /// backward into caller-owned gradients (resized; the working memory is kept in `grad`, so calls
 /// whose shapes repeat allocate nothing).
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                    const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
   detail::backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt);
+}
+
+
+// Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
+// column-major or strided argument that would be copied on every call, selects one of these
+// overloads instead of the ones above; the static_assert's message is their only effect.
+template <class T, class Q, class K, class V,
+          mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+Matrix<T> forward(const Q&, const K&, const V&, typename mixattn::detail::identity<T>::type,
+                  const Options&, State<T>&, Saved<T>* = nullptr) {
+  mixattn::detail::refuse_arguments<T, Q, K, V>();
+  return {};
+}
+template <class T, class Q, class K, class V,
+          mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+void forward_into(Matrix<T>&, const Q&, const K&, const V&,
+                  typename mixattn::detail::identity<T>::type, const Options&, State<T>&,
+                  Saved<typename mixattn::detail::identity<T>::type>*) {
+  mixattn::detail::refuse_arguments<T, Q, K, V>();
+}
+template <class T, class Q, class K, class V,
+          mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+void forward_into(Matrix<T>&, const Q&, const K&, const V&,
+                  typename mixattn::detail::identity<T>::type, const Options&, const State<T>&,
+                  State<T>&, Saved<typename mixattn::detail::identity<T>::type>*) {
+  mixattn::detail::refuse_arguments<T, Q, K, V>();
+}
+template <class T, class Q, class K, class V, class G,
+          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
+Grad<T> backward(const Q&, const K&, const V&, typename mixattn::detail::identity<T>::type,
+                 const G&, const Saved<T>&, const Options&) {
+  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
+  return {};
+}
+template <class T, class Q, class K, class V, class G,
+          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
+void backward_into(Grad<T>&, const Q&, const K&, const V&,
+                   typename mixattn::detail::identity<T>::type, const G&, const Saved<T>&,
+                   const Options&) {
+  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
 }
 
 }  // namespace ovq

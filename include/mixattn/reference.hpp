@@ -44,6 +44,7 @@ struct Saved {
   Index value_dim = 0;           // d_v
   bool causal = false;           // options the forward ran with (the resolved scale)
   double scale = 0;
+  std::uint64_t fingerprint[3] = {0, 0, 0};  // of q, k, v (mixattn::detail::Fingerprint)
   Matrix<T> probs;  // naive: P = softmax(scale Q K^T + mask), N x M
   Matrix<T> out;    // flash: O, N x d_v
   Vector<T> lse;    // flash: log sum_j exp(scale q_i . k_j) over visible j, N
@@ -111,6 +112,11 @@ double check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstMat
   require(saved.causal == opt.causal && saved.scale == scale, fn,
           "saved was made with causal = ", saved.causal, ", scale = ", saved.scale,
           " but options give causal = ", opt.causal, ", scale = ", scale);
+  const ConstMatrixRef<T>* inputs[3] = {&q, &k, &v};
+  const char* names[3] = {"q", "k", "v"};
+  for (int a = 0; a < 3; ++a)
+    if (mixattn::detail::fingerprint(*inputs[a]) != saved.fingerprint[a])
+      mixattn::detail::raise_other_data(fn, "saved", names[a]);
   return scale;
 }
 
@@ -124,6 +130,19 @@ void record(Saved<T>& saved, typename Saved<T>::Source source, const ConstMatrix
   saved.value_dim = v.cols();
   saved.causal = opt.causal;
   saved.scale = scale;
+  saved.fingerprint[0] = mixattn::detail::fingerprint(q);
+  saved.fingerprint[1] = mixattn::detail::fingerprint(k);
+  saved.fingerprint[2] = mixattn::detail::fingerprint(v);
+}
+
+/// With checks on, gradients that overflow T are reported, never returned.
+template <class T>
+void check_grad(const char* fn, const Grad<T>& g, const Options& opt) {
+  if (!opt.check_finite) return;
+  const char* culprit = "q, k, v or grad_out is";
+  mixattn::detail::require_finite_result(g.q, fn, "the gradient of q", culprit);
+  mixattn::detail::require_finite_result(g.k, fn, "the gradient of k", culprit);
+  mixattn::detail::require_finite_result(g.v, fn, "the gradient of v", culprit);
 }
 
 /// Logits this large overflow T: report it rather than return NaN.
@@ -209,6 +228,7 @@ void naive_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
   qs = static_cast<T>(scale) * q;
   g.k.resize(k.rows(), k.cols());
   gemm<T>(g.k, transposed<T>(ds), plain<T>(qs), T(1), false, g.gemm);
+  check_grad(fn, g, opt);
 }
 
 /// flash_forward_into's body.
@@ -252,6 +272,7 @@ void flash_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
   flash_backward_tiles<T, Tiles::backward_queries, Tiles::backward_keys>(
       q, k, v, saved.out, grad_out, saved.lse, static_cast<T>(scale), opt.causal, g.q, g.k, g.v,
       g.scratch);
+  check_grad(fn, g, opt);
 }
 
 }  // namespace detail
@@ -261,7 +282,7 @@ void flash_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
 ///   q: N x r, k: M x r, v: M x d_v (row-major, rows are tokens)  ->  N x d_v.
 /// N == 0 gives a 0 x d_v result. `saved` (optional) receives P for naive_backward.
 /// Throws std::invalid_argument on bad shapes/options, std::domain_error on non-finite input.
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                         const ConstMatrixRef<T>& v, const Options& opt = {},
                         Saved<T>* saved = nullptr) {
@@ -284,7 +305,7 @@ void naive_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstM
 ///   dQ = scale (dS K),  dK = dS^T (scale Q)  (the association flash_backward uses).
 ///   q: N x r, k: M x r, v: M x d_v, grad_out: N x d_v; saved from naive_forward on the same
 ///   inputs and options.  ->  Grad {q: N x r, k: M x r, v: M x d_v}.
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 Grad<T> naive_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                        const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
@@ -309,7 +330,7 @@ void naive_backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstM
 /// N == 0 gives a 0 x d_v result. `saved` (optional) receives the output and the per-row
 /// log-sum-exp for flash_backward.
 /// Throws std::invalid_argument on bad shapes/options, std::domain_error on non-finite input.
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 Matrix<T> flash_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                         const ConstMatrixRef<T>& v, const Options& opt = {},
                         Saved<T>* saved = nullptr) {
@@ -334,7 +355,7 @@ void flash_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstM
 /// in O(N + M + tile) extra memory.
 ///   q: N x r, k: M x r, v: M x d_v, grad_out: N x d_v; saved from flash_forward on the same
 ///   inputs and options.  ->  Grad {q: N x r, k: M x r, v: M x d_v}.
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 Grad<T> flash_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                        const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
@@ -414,7 +435,7 @@ class KvCache {
 /// causal); options.scale as for the forwards. O(n (size + n) (r + d_v)) time, O(size + n)
 /// scratch. On a throw (invalid_argument for shapes or options, domain_error for non-finite
 /// input) the cache is untouched.
-template <class T>
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
 Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                  const ConstMatrixRef<T>& v, const Options& opt) {
   constexpr const char* fn = "mixattn::reference::decode";
@@ -443,6 +464,78 @@ Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatri
   if (opt.check_finite && !out.allFinite()) cache.truncate(start);  // before check_output throws
   detail::check_output(fn, out, opt);
   return out;
+}
+
+// Deduced and refused calls. naive_forward(q, k, v) with plain matrices deduces T from q (T is
+// non-deduced in the overloads above, which take it written: naive_forward<float>(q, k, v));
+// an unsupported scalar type or a column-major or strided argument that would be copied on
+// every call stops at the static_assert of core.hpp's refuse_arguments.
+template <class T = void, class Q, class K, class V,
+          mixattn::detail::enable_if_deduced_or_refused<T, Q, K, V> = 0>
+Matrix<mixattn::detail::scalar_of<T, Q>> naive_forward(
+    const Q& q, const K& k, const V& v, const Options& opt = {},
+    Saved<mixattn::detail::scalar_of<T, Q>>* saved = nullptr) {
+  using S = mixattn::detail::scalar_of<T, Q>;
+  mixattn::detail::refuse_arguments<S, Q, K, V>();
+  if constexpr (mixattn::detail::accepted<S, Q, K, V>) return naive_forward<S>(q, k, v, opt, saved);
+  return {};
+}
+template <class T = void, class Q, class K, class V,
+          mixattn::detail::enable_if_deduced_or_refused<T, Q, K, V> = 0>
+Matrix<mixattn::detail::scalar_of<T, Q>> flash_forward(
+    const Q& q, const K& k, const V& v, const Options& opt = {},
+    Saved<mixattn::detail::scalar_of<T, Q>>* saved = nullptr) {
+  using S = mixattn::detail::scalar_of<T, Q>;
+  mixattn::detail::refuse_arguments<S, Q, K, V>();
+  if constexpr (mixattn::detail::accepted<S, Q, K, V>) return flash_forward<S>(q, k, v, opt, saved);
+  return {};
+}
+template <class T = void, class Q, class K, class V, class G,
+          mixattn::detail::enable_if_deduced_or_refused<T, Q, K, V, G> = 0>
+Grad<mixattn::detail::scalar_of<T, Q>> naive_backward(
+    const Q& q, const K& k, const V& v, const G& grad_out,
+    const Saved<mixattn::detail::scalar_of<T, Q>>& saved, const Options& opt = {}) {
+  using S = mixattn::detail::scalar_of<T, Q>;
+  mixattn::detail::refuse_arguments<S, Q, K, V, G>();
+  if constexpr (mixattn::detail::accepted<S, Q, K, V, G>)
+    return naive_backward<S>(q, k, v, grad_out, saved, opt);
+  return {};
+}
+template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+Matrix<T> decode(KvCache<T>&, const Q&, const K&, const V&, const Options&) {
+  mixattn::detail::refuse_arguments<T, Q, K, V>();
+  return {};
+}
+template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+void naive_forward_into(Matrix<T>&, const Q&, const K&, const V&, const Options&, Saved<T>*) {
+  mixattn::detail::refuse_arguments<T, Q, K, V>();
+}
+template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+void flash_forward_into(Matrix<T>&, const Q&, const K&, const V&, const Options&, Saved<T>*) {
+  mixattn::detail::refuse_arguments<T, Q, K, V>();
+}
+template <class T, class Q, class K, class V, class G,
+          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
+void naive_backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
+                         const Options&) {
+  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
+}
+template <class T, class Q, class K, class V, class G,
+          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
+void flash_backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
+                         const Options&) {
+  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
+}
+template <class T = void, class Q, class K, class V, class G,
+          mixattn::detail::enable_if_deduced_or_refused<T, Q, K, V, G> = 0>
+Grad<mixattn::detail::scalar_of<T, Q>> flash_backward(
+    const Q& q, const K& k, const V& v, const G& grad_out,
+    const Saved<mixattn::detail::scalar_of<T, Q>>& saved, const Options& opt = {}) {
+  using S = mixattn::detail::scalar_of<T, Q>;
+  mixattn::detail::refuse_arguments<S, Q, K, V, G>();
+  if constexpr (mixattn::detail::accepted<S, Q, K, V, G>)
+    return flash_backward<S>(q, k, v, grad_out, saved, opt);
+  return {};
 }
 
 }  // namespace reference

@@ -110,7 +110,8 @@ void classify(double x, Flags& f) {
 template <class T>
 T special_value(std::uint8_t kind) {
   constexpr double big = static_cast<double>(std::numeric_limits<T>::max());
-  switch (kind % 14) {
+  switch (kind % 15) {
+    case 14: return std::numeric_limits<T>::max();                  // the overflow edge
     case 0: return std::numeric_limits<T>::quiet_NaN();
     case 1: return std::numeric_limits<T>::infinity();
     case 2: return -std::numeric_limits<T>::infinity();
@@ -210,13 +211,17 @@ struct Expect {
   bool check_finite = true;   // the options' check_finite
   // Tolerated for ovq::backward only: with check_finite off, its consistency check compares beta
   // with saved.beta, and a NaN beta cannot be told from a different NaN, so it is rejected with
-  // invalid_argument. (gma::backward's fingerprints treat NaN as equal to NaN.)
+  // invalid_argument. (The records' fingerprints hash bit patterns, so NaN inputs match themselves.)
   bool unchecked_nan_may_reject = false;
   Flags flags;
   /// Non-finite input that the operator was asked to check: std::domain_error required.
   bool must_throw_domain() const { return !invalid && check_finite && flags.non_finite; }
-  /// Valid call whose result must be finite.
-  bool must_be_finite() const { return !invalid && !flags.non_finite && !flags.extreme; }
+  /// Valid call whose result must be finite: any finite input with checks on (huge values may
+  /// only be reported as std::domain_error, never returned as NaN or inf); with checks off,
+  /// moderate inputs.
+  bool must_be_finite() const {
+    return !invalid && !flags.non_finite && (check_finite || !flags.extreme);
+  }
 };
 
 enum class Outcome { returned, invalid_argument, domain_error };

@@ -120,7 +120,8 @@ void run_case(fz::Bytes& in) {
 
   const bool bad_options = opt.block < 1 || opt.max_centroids < 1 || !(opt.growth_alpha >= 0) ||
                            !std::isfinite(opt.growth_alpha) || !(opt.norm_eps > 0) ||
-                           !std::isfinite(opt.norm_eps);
+                           !std::isfinite(opt.norm_eps) ||
+                           static_cast<double>(beta) <= 0;  // beta must be > 0 (NaN: domain)
   const double s = static_cast<double>(beta) * std::sqrt(static_cast<double>(r));
   const bool beta_bad = !std::isfinite(static_cast<double>(beta)) ||
                         !std::isfinite(static_cast<double>(static_cast<T>(s)));
@@ -221,7 +222,7 @@ void run_case(fz::Bytes& in) {
     if (opt.assignment == ovq::Assignment::existing_only) check_existing_only(saved);
     if (st != &state) continue;  // a corrupted copy that was accepted (non-finite, unchecked)
     // A throwing call changes nothing; a returning one with hostile content ends the comparison.
-    if (!cex.must_be_finite()) stream_clean = false;
+    if (!cex.must_be_finite() || cex.flags.extreme) stream_clean = false;
     carried.merge(cex.flags);
     fz::check_result(out, tn, dv, cex.must_be_finite(), "forward output");
     check_state_invariants(state, opt, r, dv, cex.must_be_finite());
@@ -260,9 +261,11 @@ void run_case(fz::Bytes& in) {
                        "backward wrote through an input");
     if (bo != fz::Outcome::returned) continue;
     // Gradients scale with s, |v| and 1 / (|x| + norm_eps): finite for |x| <= 1e4,
-    // |beta| <= 1e3 and norm_eps >= 1e-5.
-    const bool finite = bex.must_be_finite() && bex.flags.max_abs <= 1e4 &&
-                        std::abs(static_cast<double>(beta)) <= 1e3 && opt.norm_eps >= 1e-5;
+    // |beta| <= 1e3 and norm_eps >= 1e-5; beyond, with checks on, overflow is a domain_error.
+    const bool finite = bex.must_be_finite() &&
+                        (opt.check_finite || (bex.flags.max_abs <= 1e4 &&
+                                              std::abs(static_cast<double>(beta)) <= 1e3 &&
+                                              opt.norm_eps >= 1e-5));
     fz::check_result(grad.q, tn, r, finite, "grad q");
     fz::check_result(grad.k, tn, r, finite, "grad k");
     fz::check_result(grad.v, tn, dv, finite, "grad v");

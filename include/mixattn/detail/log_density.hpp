@@ -174,8 +174,9 @@ inline void log_density_rows(Arch arch, const PackedDensity<T>& p, const T* x, I
 }
 
 /// In-place softmax of one padded row s (padded lanes hold -inf); first K entries go to out.
+/// Returns false, and leaves out to be rewritten, when every log-density overflowed to -inf.
 template <class Arch, class T>
-inline void softmax_row(Arch, T* s, Index padded, Index K, T* out) {
+inline bool softmax_row(Arch, T* s, Index padded, Index K, T* out) {
   using B = xsimd::batch<T, Arch>;
   constexpr Index Wd = static_cast<Index>(B::size);
   B mx = B::load_unaligned(s);
@@ -184,6 +185,7 @@ inline void softmax_row(Arch, T* s, Index padded, Index K, T* out) {
   mx.store_aligned(lanes);
   T m = lanes[0];
   for (Index l = 1; l < Wd; ++l) m = std::max(m, lanes[l]);
+  if (m == -std::numeric_limits<T>::infinity()) return false;
   const B mb(m);
   B sum(T(0));
   for (Index k = 0; k < padded; k += Wd) {
@@ -210,6 +212,7 @@ inline void softmax_row(Arch, T* s, Index padded, Index K, T* out) {
   Index k = 0;
   for (; k + Wd <= K; k += Wd) (B::load_unaligned(s + k) * inv).store_unaligned(out + k);
   for (; k < K; ++k) out[k] = s[k] * invs;  // scalar tail: the output row is not padded
+  return true;
 }
 #endif
 
@@ -230,13 +233,44 @@ inline void log_density_row_scalar(const PackedDensity<T>& p, const T* x, T* s) 
 }
 
 template <class T>
-inline void softmax_row_scalar(T* s, Index K, T* out) {
+inline bool softmax_row_scalar(T* s, Index K, T* out) {
   T m = s[0];
   for (Index k = 1; k < K; ++k) m = std::max(m, s[k]);
+  if (m == -std::numeric_limits<T>::infinity()) return false;
   T sum = 0;
   for (Index k = 0; k < K; ++k) sum += (s[k] = std::exp(s[k] - m));
   const T inv = T(1) / sum;
   for (Index k = 0; k < K; ++k) out[k] = s[k] * inv;
+  return true;
+}
+
+/// One row of responsibilities again in a wider type L, for a token so far from every component
+/// that all its log-densities overflowed T (|x a| near T's limit). Gamma is the softmax of the
+/// log-densities, which needs no density itself, so it stays well defined: in double every
+/// float input fits; for double, long double helps where it is wider. Returns false when even
+/// L overflows.
+template <class T>
+inline bool responsibilities_row_wide(const PackedDensity<T>& p, const T* x, T* out) {
+  using L = std::conditional_t<std::is_same<T, float>::value, double, long double>;
+  const Index kv = p.padded / p.width, Wd = p.width, K = p.components;
+  L m = -std::numeric_limits<L>::infinity();
+  std::vector<L> s(static_cast<std::size_t>(K));
+  for (Index k = 0; k < K; ++k) {
+    const Index v = k / Wd, lane = k % Wd;
+    L acc = 0;
+    for (Index d = 0; d < p.dim; ++d) {
+      const T* slot = p.ab.data() + (d * kv + v) * 2 * Wd;
+      const L t = static_cast<L>(x[d]) * static_cast<L>(slot[lane]) - static_cast<L>(slot[Wd + lane]);
+      acc += t * t;
+    }
+    s[static_cast<std::size_t>(k)] = static_cast<L>(p.offset[k]) - acc;
+    m = std::max(m, s[static_cast<std::size_t>(k)]);
+  }
+  if (!(m > -std::numeric_limits<L>::infinity())) return false;
+  L sum = 0;
+  for (L& e : s) sum += (e = std::exp(e - m));
+  for (Index k = 0; k < K; ++k) out[k] = static_cast<T>(s[static_cast<std::size_t>(k)] / sum);
+  return true;
 }
 
 /// Register tile (tokens x component vectors) for Arch: TI*TK accumulators + 2*TK a/b registers
@@ -249,14 +283,22 @@ struct DensityTile {
   static constexpr int vectors = simd_registers<Arch>() >= 32 ? 4 : 2;
 };
 
-/// gamma (n x K, row-major, stride ldo) of the n rows of x (stride ldx). `reuse` (optional)
-/// holds the score rows between calls, so that repeated calls allocate nothing.
+/// gamma (n x K, row-major, stride ldo) of the n rows of x (stride ldx). Rows whose
+/// log-densities all overflow T are recomputed in a wider type (responsibilities_row_wide).
+/// Returns the first row that overflows even there (its gamma is left NaN), or -1. `reuse`
+/// (optional) holds the score rows between calls, so that repeated calls allocate nothing.
 template <class Arch, class T>
-inline void responsibilities_into(Arch arch, const PackedDensity<T>& p, const T* x, Index ldx,
-                                  Index n, T* out, Index ldo, std::vector<T>* reuse = nullptr) {
+inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T* x, Index ldx,
+                                   Index n, T* out, Index ldo, std::vector<T>* reuse = nullptr) {
   const Index K = p.components, P = p.padded;
   std::vector<T> own;
   std::vector<T>& scratch = reuse != nullptr ? *reuse : own;
+  Index failed = -1;
+  const auto settle = [&](bool ok, Index i) {
+    if (ok || responsibilities_row_wide(p, x + i * ldx, out + i * ldo)) return;
+    std::fill(out + i * ldo, out + i * ldo + K, std::numeric_limits<T>::quiet_NaN());
+    if (failed < 0) failed = i;
+  };
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
     constexpr int TI = DensityTile<Arch>::tokens, TK = DensityTile<Arch>::vectors;
@@ -265,21 +307,22 @@ inline void responsibilities_into(Arch arch, const PackedDensity<T>& p, const T*
     for (; i + TI <= n; i += TI) {
       log_density_rows<TI, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
       for (int t = 0; t < TI; ++t)
-        softmax_row(arch, scratch.data() + t * P, P, K, out + (i + t) * ldo);
+        settle(softmax_row(arch, scratch.data() + t * P, P, K, out + (i + t) * ldo), i + t);
     }
     for (; i < n; ++i) {  // token tail: one row at a time
       log_density_rows<1, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
-      softmax_row(arch, scratch.data(), P, K, out + i * ldo);
+      settle(softmax_row(arch, scratch.data(), P, K, out + i * ldo), i);
     }
-    return;
+    return failed;
   }
 #endif
   (void)arch;
   scratch.resize(static_cast<std::size_t>(P));
   for (Index i = 0; i < n; ++i) {
     log_density_row_scalar(p, x + i * ldx, scratch.data());
-    softmax_row_scalar(scratch.data(), K, out + i * ldo);
+    settle(softmax_row_scalar(scratch.data(), K, out + i * ldo), i);
   }
+  return failed;
 }
 
 // ---- backward (SPEC 1.5) ------------------------------------------------------------------------
