@@ -6,7 +6,9 @@
 
 #include <mixattn/gma.hpp>
 #include <mixattn/layer.hpp>
+#include <mixattn/linear.hpp>
 #include <mixattn/ovq.hpp>
+#include <mixattn/packed.hpp>
 #include <mixattn/reference.hpp>
 
 #include <gtest/gtest.h>
@@ -157,6 +159,130 @@ TYPED_TEST(Records, LayerRejectsCacheOfOtherInputOrParameters) {
     expect_other_data([&] { attn.backward(x_other, dy, cache); }, "x");
     attn.w_o()(0, 0) += T(0.25);  // W_O is read by backward but not by any head's record
     expect_other_data([&] { attn.backward(x, dy, cache); }, "parameter");
+  }
+}
+
+TYPED_TEST(Records, LinearRejectsPermutedData) {
+  using T = TypeParam;
+  namespace linear = mixattn::linear;
+  const Index n = 9, r = 4, dv = 3;
+  const Matrix<T> q = random_matrix<T>(n, r, 51), k = random_matrix<T>(n, r, 52);
+  const Matrix<T> v = random_matrix<T>(n, dv, 53), dout = random_matrix<T>(n, dv, 54);
+  for (const bool causal : {false, true}) {
+    linear::Options opt;
+    opt.causal = causal;
+    linear::Saved<T> saved;
+    linear::forward<T>(q, k, v, opt, &saved);
+    const Matrix<T> q_copy = q;
+    EXPECT_NO_THROW(linear::backward<T>(q_copy, k, v, dout, saved, opt));
+    // Swapped rows keep the multiset of values (and every column sum) of the forward's data.
+    const Matrix<T> q2 = swap_rows(q, 0, 7), k2 = swap_rows(k, 2, 3), v2 = swap_rows(v, 1, 8);
+    expect_other_data([&] { linear::backward<T>(q2, k, v, dout, saved, opt); }, "q");
+    expect_other_data([&] { linear::backward<T>(q, k2, v, dout, saved, opt); }, "k");
+    expect_other_data([&] { linear::backward<T>(q, k, v2, dout, saved, opt); }, "v");
+  }
+}
+
+// The _into forms fill the same fingerprints: a record reused for a forward over other data
+// holds that data's fingerprints, so a backward given the earlier data rejects it, and a backward
+// given the data of the last forward accepts it.
+TYPED_TEST(Records, IntoFormsRefingerprintAReusedRecord) {
+  using T = TypeParam;
+  namespace gma = mixattn::gma;
+  const Index n = 8, r = 4, dv = 3, K = 5;
+  const auto mix = gma::Mixture<T>::random(K, r, 61);
+  const Matrix<T> q = random_matrix<T>(n, r, 62), k = random_matrix<T>(n, r, 63);
+  const Matrix<T> v = random_matrix<T>(n, dv, 64), dout = random_matrix<T>(n, dv, 65);
+  const Matrix<T> q_other = swap_rows(q, 0, 5), k_other = swap_rows(k, 1, 2);
+  Matrix<T> out;
+  for (const bool causal : {false, true}) {
+    gma::Options opt;
+    opt.causal = causal;
+    gma::Saved<T> saved;
+    gma::Grad<T> grad;
+    gma::forward_into(out, mix, q, k, v, opt, &saved);
+    gma::forward_into(out, mix, q_other, k, v, opt, &saved);
+    EXPECT_NO_THROW(gma::backward_into(grad, mix, q_other, k, v, dout, saved, opt));
+    expect_other_data([&] { gma::backward_into(grad, mix, q, k, v, dout, saved, opt); }, "q");
+  }
+  {  // continued pieces through a Prepared mixture
+    gma::Options opt;
+    opt.causal = true;
+    const gma::Prepared<T> prep(mix);
+    gma::Saved<T> saved;
+    gma::Grad<T> grad;
+    auto st = gma::State<T>::empty(K, dv);
+    gma::forward_into(out, prep, q, k, v, opt, st, &saved);
+    auto st2 = gma::State<T>::empty(K, dv);
+    gma::forward_into(out, prep, q, k_other, v, opt, st2, &saved);
+    EXPECT_NO_THROW(gma::backward_into(grad, mix, q, k_other, v, dout, saved, opt));
+    expect_other_data([&] { gma::backward_into(grad, mix, q, k, v, dout, saved, opt); }, "k");
+  }
+  {  // a packed batch of two sequences and one head
+    const mixattn::Offsets off{0, 3, n};
+    const std::vector<gma::Mixture<T>> mixtures{mix};
+    gma::Options opt;
+    gma::PackedSaved<T> saved;
+    gma::PackedGrad<T> grad;
+    gma::forward_packed_into(out, mixtures, q, k, v, off, off, opt, &saved);
+    gma::forward_packed_into(out, mixtures, q, k_other, v, off, off, opt, &saved);
+    EXPECT_NO_THROW(
+        gma::backward_packed_into(grad, mixtures, q, k_other, v, dout, off, off, saved, opt));
+    expect_other_data(
+        [&] { gma::backward_packed_into(grad, mixtures, q, k, v, dout, off, off, saved, opt); },
+        "k");
+  }
+  {  // OVQ: in place and from a constant start state into another
+    namespace ovq = mixattn::ovq;
+    ovq::Options opt;
+    opt.block = 4;
+    ovq::Saved<T> saved;
+    ovq::Grad<T> grad;
+    const auto start = ovq::State<T>::empty(r, dv);
+    auto st = start, next = start;
+    ovq::forward_into(out, q, k, v, T(1), opt, st, &saved);
+    ovq::forward_into(out, q_other, k, v, T(1), opt, start, next, &saved);
+    EXPECT_NO_THROW(ovq::backward_into(grad, q_other, k, v, T(1), dout, saved, opt));
+    expect_other_data([&] { ovq::backward_into(grad, q, k, v, T(1), dout, saved, opt); }, "q");
+    st = start;
+    ovq::forward_into(out, q, k, v, T(1), opt, st, &saved);
+    EXPECT_NO_THROW(ovq::backward_into(grad, q, k, v, T(1), dout, saved, opt));
+    expect_other_data([&] { ovq::backward_into(grad, q_other, k, v, T(1), dout, saved, opt); },
+                      "q");
+  }
+  {  // softmax references
+    namespace ref = mixattn::reference;
+    ref::Saved<T> saved;
+    ref::Grad<T> grad;
+    ref::naive_forward_into<T>(out, q, k, v, {}, &saved);
+    ref::naive_forward_into<T>(out, q, k_other, v, {}, &saved);
+    EXPECT_NO_THROW(ref::naive_backward_into<T>(grad, q, k_other, v, dout, saved, {}));
+    expect_other_data([&] { ref::naive_backward_into<T>(grad, q, k, v, dout, saved, {}); }, "k");
+    ref::flash_forward_into<T>(out, q, k, v, {}, &saved);
+    ref::flash_forward_into<T>(out, q_other, k, v, {}, &saved);
+    EXPECT_NO_THROW(ref::flash_backward_into<T>(grad, q_other, k, v, dout, saved, {}));
+    expect_other_data([&] { ref::flash_backward_into<T>(grad, q, k, v, dout, saved, {}); }, "q");
+  }
+}
+
+TYPED_TEST(Records, LayerIntoFormsRefingerprintTheCache) {
+  using T = TypeParam;
+  for (const auto kind :
+       {mixattn::layer::MixerKind::gma, mixattn::layer::MixerKind::ovq,
+        mixattn::layer::MixerKind::softmax}) {
+    mixattn::layer::MultiHeadAttention<T> attn(small_layer(kind));
+    const Matrix<T> x = random_matrix<T>(10, 6, 71), dy = random_matrix<T>(10, 6, 72);
+    const Matrix<T> x_other = swap_rows(x, 0, 9);
+    Matrix<T> y;
+    mixattn::layer::Cache<T> cache;
+    mixattn::layer::Gradients<T> g;
+    attn.forward_into(y, x, cache);
+    attn.forward_into(y, x_other, cache);
+    EXPECT_NO_THROW(attn.backward_into(g, x_other, dy, cache));
+    expect_other_data([&] { attn.backward_into(g, x, dy, cache); }, "x");
+    attn.forward_packed_into(y, x, mixattn::Offsets{0, 4, 10}, cache);
+    EXPECT_NO_THROW(attn.backward_into(g, x, dy, cache));
+    expect_other_data([&] { attn.backward_into(g, x_other, dy, cache); }, "x");
   }
 }
 

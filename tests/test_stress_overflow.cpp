@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -219,6 +220,78 @@ TYPED_TEST(Overflow, LayerForwardAndBackward) {
           return out;
         });
       }
+  }
+}
+
+template <class T>
+bool same_bits(const Matrix<T>& a, const Matrix<T>& b) {
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         std::equal(a.data(), a.data() + a.size(), b.data(),
+                    [](T x, T y) { return std::memcmp(&x, &y, sizeof(T)) == 0; });
+}
+
+// The _into forms that continue a state: values at the type's largest value give a finite
+// output or a domain_error, and a throwing call leaves the state as it was, bitwise (GMA with
+// and without a record, through a Prepared mixture; OVQ in place and into another state).
+TYPED_TEST(Overflow, IntoFormsLeaveTheStateOnOverflow) {
+  using T = TypeParam;
+  namespace gma = mixattn::gma;
+  namespace ovq = mixattn::ovq;
+  const Index n = 12, r = 6, dv = 5, K = 4;
+  const double top = static_cast<double>(std::numeric_limits<T>::max());
+  const Matrix<T> q = random_matrix<T>(n, r, 1, 1), k = random_matrix<T>(n, r, 2, 1);
+  const Matrix<T> v = random_matrix<T>(n, dv, 3, 1);
+  const Matrix<T> big_v = Matrix<T>::Constant(n, dv, static_cast<T>(top));
+  Matrix<T> out;
+  const auto mix = gma::Mixture<T>::random(K, r, 7);
+  const gma::Prepared<T> prep(mix);
+  gma::Options opt;
+  opt.causal = true;
+  int gma_throws = 0;
+  for (const bool record : {false, true}) {
+    auto st = gma::State<T>::empty(K, dv);
+    gma::Saved<T> saved;
+    gma::forward_into(out, prep, q, k, v, opt, st, record ? &saved : nullptr);
+    const gma::State<T> before = st;
+    const std::string what = record ? "gma forward_into with a record" : "gma forward_into";
+    if (finite_or_domain_error(what, [&] {
+          gma::forward_into(out, prep, q, k, big_v, opt, st, record ? &saved : nullptr);
+          return std::vector<Matrix<double>>{d(out)};
+        }))
+      continue;
+    ++gma_throws;
+    EXPECT_EQ(st.tokens_seen, before.tokens_seen) << what;
+    EXPECT_TRUE(same_bits(st.S, before.S) && st.z == before.z) << what << ": state changed";
+  }
+  // In double the state's sums of values at the largest double overflow: that must throw.
+  if (std::is_same<T, double>::value) EXPECT_EQ(gma_throws, 2);
+
+  ovq::Options oopt;
+  oopt.block = 4;
+  const auto empty = ovq::State<T>::empty(r, dv);
+  for (const bool in_place : {true, false}) {
+    ovq::Saved<T> saved;
+    auto st = empty, next = empty;
+    ovq::forward_into(out, q, k, v, T(1), oopt, st, &saved);
+    const ovq::State<T> before = st, next_before = next;
+    const std::string what = in_place ? "ovq forward_into in place" : "ovq forward_into to next";
+    if (finite_or_domain_error(what, [&] {
+          if (in_place)
+            ovq::forward_into(out, q, k, big_v, T(1), oopt, st, &saved);
+          else
+            ovq::forward_into(out, q, k, big_v, T(1), oopt, static_cast<const ovq::State<T>&>(st),
+                              next, &saved);
+          return std::vector<Matrix<double>>{d(out)};
+        }))
+      continue;
+    const ovq::State<T>& changed = in_place ? st : next;
+    const ovq::State<T>& expected = in_place ? before : next_before;
+    EXPECT_EQ(changed.tokens_seen, expected.tokens_seen) << what;
+    EXPECT_TRUE(same_bits(changed.keys, expected.keys) && same_bits(changed.values, expected.values) &&
+                changed.counts == expected.counts &&
+                same_bits(changed.pending_keys, expected.pending_keys) &&
+                same_bits(changed.pending_values, expected.pending_values))
+        << what << ": state changed";
   }
 }
 
