@@ -56,7 +56,8 @@ TYPED_TEST(Records, GmaRejectsPermutedAndOtherData) {
   for (const bool causal : {false, true}) {
     mixattn::gma::Options opt;
     opt.causal = causal;
-    const Matrix<T> kk = causal ? Matrix<T>(k.topRows(n)) : k, vv = causal ? Matrix<T>(v.topRows(n)) : v;
+    const Matrix<T> kk = causal ? Matrix<T>(k.topRows(n)) : k,
+                    vv = causal ? Matrix<T>(v.topRows(n)) : v;
     mixattn::gma::Saved<T> saved;
     mixattn::gma::forward(mix, q, kk, vv, opt, &saved);
     // The same values in another buffer are the same data.
@@ -112,15 +113,15 @@ TYPED_TEST(Records, ReferenceRejectsPermutedData) {
   for (const bool flash : {false, true}) {
     ref::Saved<T> saved;
     const auto fwd = [flash](const Matrix<T>& q_, const Matrix<T>& k_, const Matrix<T>& v_,
-                                 ref::Saved<T>* sv) {
-          return flash ? ref::flash_forward<T>(q_, k_, v_, {}, sv)
-                       : ref::naive_forward<T>(q_, k_, v_, {}, sv);
-        };
+                             ref::Saved<T>* sv) {
+      return flash ? ref::flash_forward<T>(q_, k_, v_, {}, sv)
+                   : ref::naive_forward<T>(q_, k_, v_, {}, sv);
+    };
     const auto bwd = [flash](const Matrix<T>& q_, const Matrix<T>& k_, const Matrix<T>& v_,
-                                 const Matrix<T>& d_, const ref::Saved<T>& sv) {
-          return flash ? ref::flash_backward<T>(q_, k_, v_, d_, sv)
-                       : ref::naive_backward<T>(q_, k_, v_, d_, sv);
-        };
+                             const Matrix<T>& d_, const ref::Saved<T>& sv) {
+      return flash ? ref::flash_backward<T>(q_, k_, v_, d_, sv)
+                   : ref::naive_backward<T>(q_, k_, v_, d_, sv);
+    };
     fwd(q, k, v, &saved);
     const Matrix<T> q_copy = q;
     EXPECT_NO_THROW(bwd(q_copy, k, v, dout, saved));
@@ -147,9 +148,8 @@ mixattn::layer::Config small_layer(mixattn::layer::MixerKind kind) {
 
 TYPED_TEST(Records, LayerRejectsCacheOfOtherInputOrParameters) {
   using T = TypeParam;
-  for (const auto kind :
-       {mixattn::layer::MixerKind::gma, mixattn::layer::MixerKind::ovq,
-        mixattn::layer::MixerKind::softmax}) {
+  for (const auto kind : {mixattn::layer::MixerKind::gma, mixattn::layer::MixerKind::ovq,
+                          mixattn::layer::MixerKind::softmax}) {
     mixattn::layer::MultiHeadAttention<T> attn(small_layer(kind));
     const Matrix<T> x = random_matrix<T>(10, 6, 31), dy = random_matrix<T>(10, 6, 32);
     mixattn::layer::Cache<T> cache;
@@ -267,9 +267,8 @@ TYPED_TEST(Records, IntoFormsRefingerprintAReusedRecord) {
 
 TYPED_TEST(Records, LayerIntoFormsRefingerprintTheCache) {
   using T = TypeParam;
-  for (const auto kind :
-       {mixattn::layer::MixerKind::gma, mixattn::layer::MixerKind::ovq,
-        mixattn::layer::MixerKind::softmax}) {
+  for (const auto kind : {mixattn::layer::MixerKind::gma, mixattn::layer::MixerKind::ovq,
+                          mixattn::layer::MixerKind::softmax}) {
     mixattn::layer::MultiHeadAttention<T> attn(small_layer(kind));
     const Matrix<T> x = random_matrix<T>(10, 6, 71), dy = random_matrix<T>(10, 6, 72);
     const Matrix<T> x_other = swap_rows(x, 0, 9);
@@ -314,8 +313,7 @@ TYPED_TEST(Records, GmaContinuedForwardRecords) {
                     "q");
   auto other_mix = mix;
   other_mix.mean(0, 0) += T(0.5);
-  expect_other_data([&] { gma::backward(other_mix, q2, k2, v2, d2, second, opt); },
-                    "the mixture");
+  expect_other_data([&] { gma::backward(other_mix, q2, k2, v2, d2, second, opt); }, "the mixture");
   gma::Saved<T> edited = second;
   edited.start_S(0, 0) += 1;
   expect_other_data([&] { gma::backward(mix, q2, k2, v2, d2, edited, opt); }, "start state");
@@ -330,8 +328,7 @@ TYPED_TEST(Records, GmaContinuedForwardRecords) {
                   &g_alone.state);
     ADD_FAILURE() << "accepted the gradient of another state";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("grad_state_out came from other data"),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("grad_state_out came from other data"), std::string::npos)
         << e.what();
   }
 }

@@ -42,7 +42,8 @@ TYPED_TEST_SUITE(Overflow, Scalars);
 template <class T>
 std::vector<double> ladder() {
   const double top = static_cast<double>(std::numeric_limits<T>::max());
-  if (std::is_same<T, float>::value) return {1, 1e5, 1e10, 1e19, 1e20, 1e30, 1e36, 1e37, top / 4, top};
+  if (std::is_same<T, float>::value)
+    return {1, 1e5, 1e10, 1e19, 1e20, 1e30, 1e36, 1e37, top / 4, top};
   return {1, 1e20, 1e100, 1e153, 1e154, 1e155, 1e200, 1e300, 1e306, top / 4, top};
 }
 
@@ -63,7 +64,8 @@ bool finite_or_domain_error(const std::string& what, F&& call) {
     return true;
   } catch (const std::domain_error& e) {
     const std::string msg = e.what();
-    EXPECT_TRUE(msg.find("overflow") != std::string::npos || msg.find("not finite") != std::string::npos)
+    EXPECT_TRUE(msg.find("overflow") != std::string::npos ||
+                msg.find("not finite") != std::string::npos)
         << what << ": " << msg;
   } catch (const std::exception& e) {
     ADD_FAILURE() << what << ": undocumented exception " << e.what();
@@ -90,19 +92,25 @@ TYPED_TEST(Overflow, GmaForwardAndBackward) {
     for (const auto& p : patterns(s))
       for (const bool causal : {false, true}) {
         const Matrix<T> q = random_matrix<T>(n, r, 1, p[0]), k = random_matrix<T>(m, r, 2, p[0]);
-        const Matrix<T> v = random_matrix<T>(m, dv, 3, p[1]), dout = random_matrix<T>(n, dv, 4, p[2]);
+        const Matrix<T> v = random_matrix<T>(m, dv, 3, p[1]),
+                        dout = random_matrix<T>(n, dv, 4, p[2]);
         mixattn::gma::Options opt;
         opt.causal = causal;
         mixattn::gma::Saved<T> saved;
         const std::string what = label<T>(causal ? "gma causal" : "gma", p);
         if (!finite_or_domain_error(what + " forward", [&] {
-              return std::vector<Matrix<double>>{d(mixattn::gma::forward(mix, q, k, v, opt, &saved))};
+              return std::vector<Matrix<double>>{
+                  d(mixattn::gma::forward(mix, q, k, v, opt, &saved))};
             }))
           continue;
         finite_or_domain_error(what + " backward", [&] {
           const auto g = mixattn::gma::backward(mix, q, k, v, dout, saved, opt);
-          return std::vector<Matrix<double>>{d(g.q), d(g.k), d(g.v), d(g.mixture.mean),
-                                             d(g.mixture.var_raw), d(g.mixture.prior_logit)};
+          return std::vector<Matrix<double>>{d(g.q),
+                                             d(g.k),
+                                             d(g.v),
+                                             d(g.mixture.mean),
+                                             d(g.mixture.var_raw),
+                                             d(g.mixture.prior_logit)};
         });
       }
 }
@@ -111,11 +119,13 @@ TYPED_TEST(Overflow, GmaForwardAndBackward) {
 // responsibilities are well defined), v at 3e38 a domain_error that names v.
 TEST(OverflowCases, GmaQueriesKeysAt1e20AndValuesAt3e38) {
   const auto mix = mixattn::gma::Mixture<float>::random(8, 8, 1);
-  const Matrix<float> q = random_matrix<float>(16, 8, 1, 1e20), k = random_matrix<float>(16, 8, 2, 1e20);
+  const Matrix<float> q = random_matrix<float>(16, 8, 1, 1e20),
+                      k = random_matrix<float>(16, 8, 2, 1e20);
   const Matrix<float> v = random_matrix<float>(16, 4, 3, 1);
   EXPECT_TRUE(mixattn::gma::forward(mix, q, k, v).allFinite());
   const Matrix<float> big_v = random_matrix<float>(16, 4, 5, 3e38);
-  const Matrix<float> q1 = random_matrix<float>(16, 8, 1, 1), k1 = random_matrix<float>(16, 8, 2, 1);
+  const Matrix<float> q1 = random_matrix<float>(16, 8, 1, 1),
+                      k1 = random_matrix<float>(16, 8, 2, 1);
   try {
     const Matrix<float> out = mixattn::gma::forward(mix, q1, k1, big_v);
     EXPECT_TRUE(out.allFinite());
@@ -141,7 +151,8 @@ TYPED_TEST(Overflow, OvqForwardAndBackward) {
   for (const double s : ladder<T>())
     for (const auto& p : patterns(s)) {
       const Matrix<T> q = random_matrix<T>(tn, r, 1, p[0]), k = random_matrix<T>(tn, r, 2, p[0]);
-      const Matrix<T> v = random_matrix<T>(tn, dv, 3, p[1]), dout = random_matrix<T>(tn, dv, 4, p[2]);
+      const Matrix<T> v = random_matrix<T>(tn, dv, 3, p[1]),
+                      dout = random_matrix<T>(tn, dv, 4, p[2]);
       auto state = mixattn::ovq::State<T>::empty(r, dv);
       mixattn::ovq::Saved<T> saved;
       const std::string what = label<T>("ovq", p);
@@ -166,7 +177,8 @@ TYPED_TEST(Overflow, ReferenceForwardAndBackward) {
     for (const auto& p : patterns(s))
       for (const bool flash : {false, true}) {
         const Matrix<T> q = random_matrix<T>(n, r, 1, p[0]), k = random_matrix<T>(n, r, 2, p[0]);
-        const Matrix<T> v = random_matrix<T>(n, dv, 3, p[1]), dout = random_matrix<T>(n, dv, 4, p[2]);
+        const Matrix<T> v = random_matrix<T>(n, dv, 3, p[1]),
+                        dout = random_matrix<T>(n, dv, 4, p[2]);
         ref::Saved<T> saved;
         const std::string what = label<T>(flash ? "flash" : "naive", p);
         const auto fwd = [flash](const Matrix<T>& q_, const Matrix<T>& k_, const Matrix<T>& v_,
@@ -206,7 +218,8 @@ TYPED_TEST(Overflow, LayerForwardAndBackward) {
     const mixattn::layer::MultiHeadAttention<T> attn(cfg);
     for (const double s : ladder<T>())
       for (const auto& p : patterns(s)) {
-        const Matrix<T> x = random_matrix<T>(10, 6, 1, std::max(p[0], p[1])), dy = random_matrix<T>(10, 6, 2, p[2]);
+        const Matrix<T> x = random_matrix<T>(10, 6, 1, std::max(p[0], p[1])),
+                        dy = random_matrix<T>(10, 6, 2, p[2]);
         mixattn::layer::Cache<T> cache;
         const std::string what = label<T>("layer", p);
         if (!finite_or_domain_error(what + " forward", [&] {
@@ -287,8 +300,8 @@ TYPED_TEST(Overflow, IntoFormsLeaveTheStateOnOverflow) {
     const ovq::State<T>& changed = in_place ? st : next;
     const ovq::State<T>& expected = in_place ? before : next_before;
     EXPECT_EQ(changed.tokens_seen, expected.tokens_seen) << what;
-    EXPECT_TRUE(same_bits(changed.keys, expected.keys) && same_bits(changed.values, expected.values) &&
-                changed.counts == expected.counts &&
+    EXPECT_TRUE(same_bits(changed.keys, expected.keys) &&
+                same_bits(changed.values, expected.values) && changed.counts == expected.counts &&
                 same_bits(changed.pending_keys, expected.pending_keys) &&
                 same_bits(changed.pending_values, expected.pending_values))
         << what << ": state changed";

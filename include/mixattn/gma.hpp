@@ -241,7 +241,12 @@ namespace detail {
 
 template <class T>
 std::uint64_t mixture_fingerprint(const gma::Mixture<T>& mix) {
-  return Fingerprint().add(mix.mean).add(mix.var_raw).add(mix.prior_logit).add(mix.var_floor).value();
+  return Fingerprint()
+      .add(mix.mean)
+      .add(mix.var_raw)
+      .add(mix.prior_logit)
+      .add(mix.var_floor)
+      .value();
 }
 
 /// Fingerprint of a causal prefix state (S, z): a record's start state, or the end state whose
@@ -474,8 +479,8 @@ Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixRef<T>& x,
   static constexpr const char* fn = "mixattn::gma::responsibilities";
   detail::gma_check_mixture(mix, fn, check_finite);
   detail::require(x.cols() == mix.dim(), fn, "x is ", detail::shape_str(x),
-                  " but the mixture has dimension ", mix.dim(), " (its r: x must have ",
-                  mix.dim(), " columns)");
+                  " but the mixture has dimension ", mix.dim(), " (its r: x must have ", mix.dim(),
+                  " columns)");
   return responsibilities<T, Arch>(Prepared<T, Arch>(mix, false), x, check_finite);
 }
 
@@ -606,8 +611,8 @@ void gma_check_continued(const char* fn, const Matrix<T>& out, gma::State<T>& st
                          bool kept, const Matrix<wide_t<T>>& start_S,
                          const Vector<wide_t<T>>& start_z, Index start_tokens) {
   using W = wide_t<T>;
-  const bool finite = (out.array() * T(0)).sum() == T(0) &&
-                      (!large || (st.S.array() * W(0)).sum() == W(0));
+  const bool finite =
+      (out.array() * T(0)).sum() == T(0) && (!large || (st.S.array() * W(0)).sum() == W(0));
   if (finite) return;
   if (kept) {
     st.S = start_S;
@@ -686,9 +691,10 @@ void gma_check_state_grad(const char* fn, const gma::Saved<T>& saved, const gma:
   }
   if (gs.state_fingerprint != 0 && gs.state_fingerprint != saved.end_fingerprint)
     raise_invalid_argument(concat(
-        fn, ": grad_state_out came from other data: it is the gradient of a state other than the "
-            "one this piece's forward ended with (run the pieces' backwards in reverse order, "
-            "each given its successor's grad.state)"));
+        fn,
+        ": grad_state_out came from other data: it is the gradient of a state other than the "
+        "one this piece's forward ended with (run the pieces' backwards in reverse order, "
+        "each given its successor's grad.state)"));
 }
 
 /// A record filled by forward from the data backward is given: q, k, v, the mixture, and (for a
@@ -1051,22 +1057,19 @@ Matrix<T> forward(const Mixture<T>&, const Q&, const K&, const V&, const Options
   detail::refuse_arguments<T, Q, K, V>();
   return {};
 }
-template <class T, class Arch, class Q, class K, class V,
-          detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> forward(const Prepared<T, Arch>&, const Q&, const K&, const V&, const Options&,
-                  State<T>&, Saved<T>* = nullptr) {
+template <class T, class Arch, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
+Matrix<T> forward(const Prepared<T, Arch>&, const Q&, const K&, const V&, const Options&, State<T>&,
+                  Saved<T>* = nullptr) {
   detail::refuse_arguments<T, Q, K, V>();
   return {};
 }
-template <class T, class Q, class K, class V, class G,
-          detail::enable_if_refused<T, Q, K, V, G> = 0>
+template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
 Grad<T> backward(const Mixture<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
                  const Options& = {}) {
   detail::refuse_arguments<T, Q, K, V, G>();
   return {};
 }
-template <class T, class Q, class K, class V, class G,
-          detail::enable_if_refused<T, Q, K, V, G> = 0>
+template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
 Grad<T> backward(const Mixture<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
                  const Options&, const StateGrad<T>*) {
   detail::refuse_arguments<T, Q, K, V, G>();
@@ -1082,20 +1085,17 @@ void forward_into(Matrix<T>&, const Mixture<T>&, const Q&, const K&, const V&, c
                   State<T>&, Saved<typename detail::identity<T>::type>*) {
   detail::refuse_arguments<T, Q, K, V>();
 }
-template <class T, class Arch, class Q, class K, class V,
-          detail::enable_if_refused<T, Q, K, V> = 0>
+template <class T, class Arch, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
 void forward_into(Matrix<T>&, const Prepared<T, Arch>&, const Q&, const K&, const V&,
                   const Options&, State<T>&, Saved<typename detail::identity<T>::type>*) {
   detail::refuse_arguments<T, Q, K, V>();
 }
-template <class T, class Q, class K, class V, class G,
-          detail::enable_if_refused<T, Q, K, V, G> = 0>
+template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
 void backward_into(Grad<T>&, const Mixture<T>&, const Q&, const K&, const V&, const G&,
                    const Saved<T>&, const Options&) {
   detail::refuse_arguments<T, Q, K, V, G>();
 }
-template <class T, class Q, class K, class V, class G,
-          detail::enable_if_refused<T, Q, K, V, G> = 0>
+template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
 void backward_into(Grad<T>&, const Mixture<T>&, const Q&, const K&, const V&, const G&,
                    const Saved<T>&, const Options&,
                    const StateGrad<typename detail::identity<T>::type>*) {

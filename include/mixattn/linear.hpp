@@ -284,8 +284,7 @@ Matrix<T> forward(const Q&, const K&, const V&, const Options& = {}, Saved<T>* =
   detail::refuse_arguments<T, Q, K, V>();
   return {};
 }
-template <class T, class Q, class K, class V, class G,
-          detail::enable_if_refused<T, Q, K, V, G> = 0>
+template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
 Grad<T> backward(const Q&, const K&, const V&, const G&, const Saved<T>&, const Options& = {}) {
   detail::refuse_arguments<T, Q, K, V, G>();
   return {};

@@ -240,8 +240,8 @@ struct Saved {
   bool count_bias = true;
   double norm_eps = 0;
   std::uint64_t fingerprint[3] = {0, 0, 0};  // of q, k, v (mixattn::detail::Fingerprint)
-  bool recorded = false;                      // set by forward
-  detail::ForwardScratch<T> scratch;          // the forward's working memory, kept for reuse
+  bool recorded = false;                     // set by forward
+  detail::ForwardScratch<T> scratch;         // the forward's working memory, kept for reuse
 
   /// Heap and object bytes held.
   std::size_t bytes() const {
@@ -606,7 +606,8 @@ void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q, const C
     DictionaryLoan<T> loan(next);
     forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, loan.dict, &loan, w,
                       saved);
-    if (opt.check_finite) check_overflow<T>(fn, out, loan.dict, &loan, keep ? &next : nullptr, kept);
+    if (opt.check_finite)
+      check_overflow<T>(fn, out, loan.dict, &loan, keep ? &next : nullptr, kept);
     store_pending<T>(w, start, blocks, tn, next);
     loan.give_back();
   } else {
@@ -892,26 +893,22 @@ void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixR
   detail::backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt);
 }
 
-
 // Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
 // column-major or strided argument that would be copied on every call, selects one of these
 // overloads instead of the ones above; the static_assert's message is their only effect.
-template <class T, class Q, class K, class V,
-          mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
 Matrix<T> forward(const Q&, const K&, const V&, typename mixattn::detail::identity<T>::type,
                   const Options&, State<T>&, Saved<T>* = nullptr) {
   mixattn::detail::refuse_arguments<T, Q, K, V>();
   return {};
 }
-template <class T, class Q, class K, class V,
-          mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
 void forward_into(Matrix<T>&, const Q&, const K&, const V&,
                   typename mixattn::detail::identity<T>::type, const Options&, State<T>&,
                   Saved<typename mixattn::detail::identity<T>::type>*) {
   mixattn::detail::refuse_arguments<T, Q, K, V>();
 }
-template <class T, class Q, class K, class V,
-          mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
+template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
 void forward_into(Matrix<T>&, const Q&, const K&, const V&,
                   typename mixattn::detail::identity<T>::type, const Options&, const State<T>&,
                   State<T>&, Saved<typename mixattn::detail::identity<T>::type>*) {
