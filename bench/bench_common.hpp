@@ -118,6 +118,25 @@ Matrix<T> random_matrix(Index rows, Index cols, std::uint64_t seed, double scale
   return m;
 }
 
+/// An attention call's inputs: q, k (n x r), v and an output gradient d_out (n x d_v; empty
+/// without with_grad), N(0, 1) from seeds 1 to 4. The operators' cost does not depend on the
+/// values (no data-dependent branches), so plain normal inputs serve.
+struct QkvInputs {
+  Matrix<float> q, k, v, d_out;
+  QkvInputs(Index n, Index r, Index dv, bool with_grad = true)
+      : q(random_matrix<float>(n, r, 1)),
+        k(random_matrix<float>(n, r, 2)),
+        v(random_matrix<float>(n, dv, 3)),
+        d_out(with_grad ? random_matrix<float>(n, dv, 4) : Matrix<float>()) {}
+};
+
+/// Bytes an attention call over n tokens must move at least: the forward reads q, k, v and writes
+/// O; the backward also reads dO and writes dq, dk, dv.
+inline double qkv_io_bytes(Index n, Index r, Index dv, bool backward) {
+  const double fwd = static_cast<double>(n) * (2 * r + 2 * dv) * sizeof(float);
+  return backward ? fwd + static_cast<double>(n) * (3 * r + 3 * dv) * sizeof(float) : fwd;
+}
+
 // ---- counters ----------------------------------------------------------------------------------
 
 /// Per-call FLOPs, reported as FLOP/s.

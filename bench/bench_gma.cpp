@@ -32,23 +32,12 @@ constexpr Index kQuickSet[] = {256, 512, 1024, 4096, 16384, 65536};
 // The floor uses the chunk the operator uses by default (options.chunk = 0).
 constexpr Index kChunk = mixattn::detail::gma_default_chunk;
 
-struct Inputs {
+struct Inputs : mb::QkvInputs {
   gma::Mixture<float> mix;
-  Matrix<float> q, k, v, d_out;
-  explicit Inputs(Index n)
-      : mix(gma::Mixture<float>::random(kK, kR, 7)),
-        // The operators' cost does not depend on the values (no data-dependent branches), so
-        // plain N(0, 1) inputs serve.
-        q(mb::random_matrix<float>(n, kR, 1)),
-        k(mb::random_matrix<float>(n, kR, 2)),
-        v(mb::random_matrix<float>(n, kDv, 3)),
-        d_out(mb::random_matrix<float>(n, kDv, 4)) {}
+  explicit Inputs(Index n) : QkvInputs(n, kR, kDv), mix(gma::Mixture<float>::random(kK, kR, 7)) {}
 };
 
-double io_bytes(Index n, bool backward) {
-  const double fwd = static_cast<double>(n) * (2 * kR + 2 * kDv) * sizeof(float);
-  return backward ? fwd + static_cast<double>(n) * (3 * kR + 3 * kDv) * sizeof(float) : fwd;
-}
+double io_bytes(Index n, bool backward) { return mb::qkv_io_bytes(n, kR, kDv, backward); }
 
 void gma_responsibilities(benchmark::State& state) {
   const Index n = state.range(0);

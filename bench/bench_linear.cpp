@@ -26,20 +26,11 @@ constexpr Index kMaxN = 65536;
 constexpr Index kQuickSet[] = {256, 1024, 4096, 16384, 65536};
 constexpr Index kChunk = mixattn::detail::gma_default_chunk;
 
-struct Inputs {
-  Matrix<float> q, k, v, d_out;
-  // The cost does not depend on the values (no data-dependent branches): N(0, 1) inputs serve.
-  explicit Inputs(Index n)
-      : q(mb::random_matrix<float>(n, kR, 1)),
-        k(mb::random_matrix<float>(n, kR, 2)),
-        v(mb::random_matrix<float>(n, kDv, 3)),
-        d_out(mb::random_matrix<float>(n, kDv, 4)) {}
+struct Inputs : mb::QkvInputs {
+  explicit Inputs(Index n) : QkvInputs(n, kR, kDv) {}
 };
 
-double io_bytes(Index n, bool backward) {
-  const double fwd = static_cast<double>(n) * (2 * kR + 2 * kDv) * sizeof(float);
-  return backward ? fwd + static_cast<double>(n) * (3 * kR + 3 * kDv) * sizeof(float) : fwd;
-}
+double io_bytes(Index n, bool backward) { return mb::qkv_io_bytes(n, kR, kDv, backward); }
 
 double floor_flops(Index n, bool causal, bool backward) {
   const double f = mb::GmaFloor::forward_flops(n, kR, kR, kDv, kChunk, causal, false);

@@ -43,13 +43,8 @@ ovq::Options options() {
   return opt;
 }
 
-struct Inputs {
-  Matrix<float> q, k, v, d_out;
-  explicit Inputs(Index t, bool backward)
-      : q(mb::random_matrix<float>(t, kR, 1)),
-        k(mb::random_matrix<float>(t, kR, 2)),
-        v(mb::random_matrix<float>(t, kDv, 3)),
-        d_out(backward ? mb::random_matrix<float>(t, kDv, 4) : Matrix<float>()) {}
+struct Inputs : mb::QkvInputs {
+  Inputs(Index t, bool backward) : QkvInputs(t, kR, kDv, backward) {}
 };
 
 /// Dictionary size after t absorbed tokens under the default plateau schedule (SPEC 2.3 step 1):
@@ -163,10 +158,7 @@ double floor_flops(Index t, bool backward) {
   return f;
 }
 
-double io_bytes(Index t, bool backward) {
-  const double fwd = static_cast<double>(t) * (2 * kR + 2 * kDv) * sizeof(float);
-  return backward ? fwd + static_cast<double>(t) * (3 * kR + 3 * kDv) * sizeof(float) : fwd;
-}
+double io_bytes(Index t, bool backward) { return mb::qkv_io_bytes(t, kR, kDv, backward); }
 
 void ovq_forward(benchmark::State& state) {
   const Index t = state.range(0);

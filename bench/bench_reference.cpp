@@ -24,20 +24,11 @@ constexpr Index kR = 64;
 constexpr Index kDv = 64;
 constexpr Index kQuickSet[] = {256, 512, 1024, 4096};
 
-struct Inputs {
-  Matrix<float> q, k, v, d_out;
-  explicit Inputs(Index n)
-      : q(mb::random_matrix<float>(n, kR, 1)),
-        k(mb::random_matrix<float>(n, kR, 2)),
-        v(mb::random_matrix<float>(n, kDv, 3)),
-        d_out(mb::random_matrix<float>(n, kDv, 4)) {}
+struct Inputs : mb::QkvInputs {
+  explicit Inputs(Index n) : QkvInputs(n, kR, kDv) {}
 };
 
-double io_bytes(Index n, bool backward) {
-  // forward reads q, k, v and writes O; backward also reads dO and writes dq, dk, dv.
-  const double fwd = static_cast<double>(n) * (2 * kR + 2 * kDv) * sizeof(float);
-  return backward ? fwd + static_cast<double>(n) * (3 * kR + 3 * kDv) * sizeof(float) : fwd;
-}
+double io_bytes(Index n, bool backward) { return mb::qkv_io_bytes(n, kR, kDv, backward); }
 
 enum class Impl { naive, flash };
 
