@@ -218,10 +218,25 @@ at::Tensor checked_state(const std::string& fn, const at::Tensor& t, const char*
   return t.contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox> gma_forward_state_py(
+/// The heads' mixtures reduced once (kernels.hpp, gma_prepare) for the state forward: mean,
+/// var_raw (H, K, r), prior_logit (H, K) of one floating type.
+SavedBox gma_prepare_py(at::Tensor mean, at::Tensor var_raw, at::Tensor prior_logit,
+                        double var_floor, bool check_finite) {
+  const std::string fn = "mixattn.gma_attention";
+  const at::Tensor q = checked(mean, fn, "mean", 3, mean).unsqueeze(0);  // (1, H, K, r)
+  const GmaArgs a = gma_args(fn, q, q, q, mean, var_raw, prior_logit, false, 0, var_floor,
+                             check_finite);
+  SavedPtr heads = dispatch(a.q, [&](auto t) {
+    using T = decltype(t);
+    return gma_prepare<T>(a.shape, a.config, gma_inputs<T>(a));
+  });
+  return box("gma-prepared", a.q, std::move(heads));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox, bool> gma_forward_state_py(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean, at::Tensor var_raw,
     at::Tensor prior_logit, at::Tensor S0, at::Tensor z0, double eps, double var_floor,
-    bool check_finite) {
+    bool check_finite, const SavedBox* prepared) {
   const std::string fn = "mixattn.gma_attention";
   const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor,
                              check_finite);
@@ -233,11 +248,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox> gma_forward_state_py(
   at::Tensor S = at::empty_like(S0), z = at::empty_like(z0);
   const GmaStateIO io{S0.data_ptr<double>(), z0.data_ptr<double>(), S.data_ptr<double>(),
                       z.data_ptr<double>()};
+  const SavedPtr none;
+  const SavedPtr& heads = prepared ? unbox(*prepared, "gma-prepared", a.q, fn) : none;
+  bool used_prepared = false;
   SavedPtr rec = dispatch(a.q, [&](auto t) {
     using T = decltype(t);
-    return gma_forward<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(), &io);
+    return gma_forward<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(), &io, heads,
+                          &used_prepared);
   });
-  return {out, S, z, box("gma-state", a.q, std::move(rec))};
+  return {out, S, z, box("gma-state", a.q, std::move(rec)), used_prepared};
 }
 
 std::vector<at::Tensor> gma_backward_state_py(at::Tensor q, at::Tensor k, at::Tensor v,
@@ -543,7 +562,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("gma_forward", &mt::gma_forward_py, nogil);
   m.def("gma_backward", &mt::gma_backward_py, nogil);
-  m.def("gma_forward_state", &mt::gma_forward_state_py, nogil);
+  m.def("gma_prepare", &mt::gma_prepare_py, nogil);
+  m.def("gma_forward_state", &mt::gma_forward_state_py, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"), py::arg("S0"),
+        py::arg("z0"), py::arg("eps"), py::arg("var_floor"), py::arg("check_finite"),
+        py::arg("prepared") = nullptr, nogil);
   m.def("gma_backward_state", &mt::gma_backward_state_py, nogil);
   m.def("ovq_forward", &mt::ovq_forward_py, nogil);
   m.def("ovq_backward", &mt::ovq_backward_py, nogil);

@@ -10,8 +10,12 @@ namespace {
 
 template <class T>
 using Mixtures = std::vector<mixattn::gma::Mixture<T>>;
+
+/// gma_prepare's object: each head's mixture reduced once (gma::Prepared), for the state path.
 template <class T>
-using GmaRecords = PairRecords<mixattn::gma::Saved<T>, Mixtures<T>>;
+struct PreparedHeads {
+  std::vector<mixattn::gma::Prepared<T>> heads;
+};
 
 template <class T>
 using GmaPacked = PackedRecord<mixattn::gma::PackedSaved<T>, Mixtures<T>>;
@@ -30,6 +34,25 @@ Mixtures<T> mixtures_of(const Shape& s, const GmaConfig& c, const GmaInputs<T>& 
   return mix;
 }
 
+/// The prepared heads a state forward was handed, if they were prepared from the call's
+/// mixtures (the library's fingerprint of each head's mean, var_raw, prior_logit and var_floor);
+/// null when none were given or any head has changed since (a stale cache entry).
+template <class T>
+const PreparedHeads<T>* current_prepared(const Shape& s, const SavedPtr& prepared,
+                                         const Mixtures<T>& mix) {
+  const auto* p = static_cast<const PreparedHeads<T>*>(prepared.get());
+  if (p == nullptr) return nullptr;
+  if (static_cast<Index>(p->heads.size()) != s.heads) return nullptr;
+  for (Index h = 0; h < s.heads; ++h) {
+    const auto& one = p->heads[static_cast<std::size_t>(h)];
+    const auto& m = mix[static_cast<std::size_t>(h)];
+    if (one.components() != m.components() || one.dim() != m.mean.cols() ||
+        one.mixture_fingerprint() != mixattn::detail::mixture_fingerprint(m))
+      return nullptr;
+  }
+  return p;
+}
+
 mixattn::gma::Options options_of(const GmaConfig& c) {
   mixattn::gma::Options opt;
   opt.causal = c.causal;
@@ -41,14 +64,26 @@ mixattn::gma::Options options_of(const GmaConfig& c) {
 }  // namespace
 
 template <class T>
+SavedPtr gma_prepare(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in) {
+  auto p = std::make_shared<PreparedHeads<T>>();
+  p->heads.reserve(static_cast<std::size_t>(s.heads));
+  for (const auto& m : mixtures_of(s, c, in)) p->heads.emplace_back(m, c.check_finite);
+  return p;
+}
+
+template <class T>
 SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out,
-                     const GmaStateIO* state) {
+                     const GmaStateIO* state, const SavedPtr& prepared, bool* used_prepared) {
   auto rec = make_records<mixattn::gma::Saved<T>, Mixtures<T>>(s);
   rec->shared = mixtures_of(s, c, in);
+  const PreparedHeads<T>* prep =
+      state != nullptr ? current_prepared<T>(s, prepared, rec->shared) : nullptr;
+  if (used_prepared != nullptr) *used_prepared = prep != nullptr;
   const mixattn::gma::Options opt = options_of(c);
   const Index N = s.queries, M = s.keys, r = s.key_dim, dv = s.value_dim, K = c.components;
   for_each_pair(s, [&](Index pair) {
-    const auto& mix = rec->shared[static_cast<std::size_t>(pair % s.heads)];
+    const auto head = static_cast<std::size_t>(pair % s.heads);
+    const auto& mix = rec->shared[head];
     auto* saved = &rec->pairs[static_cast<std::size_t>(pair)];
     if (state == nullptr) {
       slice(out, pair, N, dv) = mixattn::gma::forward(mix, slice(in.q, pair, N, r),
@@ -59,9 +94,11 @@ SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in,
     auto st = mixattn::gma::State<T>::empty(K, dv);
     st.S = slice(state->S0, pair, K, dv);
     st.z = slice(state->z0, pair, 1, K).transpose();
-    slice(out, pair, N, dv) =
-        mixattn::gma::forward(mix, slice(in.q, pair, N, r), slice(in.k, pair, M, r),
-                              slice(in.v, pair, M, dv), opt, st, saved);
+    const auto q = slice(in.q, pair, N, r), k = slice(in.k, pair, M, r);
+    const auto v = slice(in.v, pair, M, dv);
+    slice(out, pair, N, dv) = prep != nullptr
+                                  ? mixattn::gma::forward(prep->heads[head], q, k, v, opt, st, saved)
+                                  : mixattn::gma::forward(mix, q, k, v, opt, st, saved);
     slice(state->S, pair, K, dv) = st.S;
     slice(state->z, pair, 1, K) = st.z.transpose();
   });
@@ -157,8 +194,9 @@ void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInpu
 }
 
 #define MIXATTN_TORCH_GMA(T)                                                                   \
+  template SavedPtr gma_prepare<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&);       \
   template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*,    \
-                                   const GmaStateIO*);                                         \
+                                   const GmaStateIO*, const SavedPtr&, bool*);                 \
   template void gma_backward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, const T*, \
                                 const SavedPtr&, T*, T*, T*, T*, T*, T*, const GmaStateGradIO*); \
   template SavedPtr gma_forward_packed<T>(const PackedShape&, const GmaConfig&,                \

@@ -53,11 +53,22 @@ struct GmaStateGradIO {
   double *dS0 = nullptr, *dz0 = nullptr;      // written
 };
 
+/// Each head's mixture (of `in`; q, k, v unused) reduced once, one library gma::Prepared per
+/// head (heads and key_dim of `s`, components, var_floor and check_finite of `c` are read).
+/// Immutable: many calls may share it.
+template <class T>
+SavedPtr gma_prepare(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in);
+
 /// Writes out (B, H, N, d_v); returns the record gma_backward needs. With `state` (causal only)
-/// every pair continues its start state and writes its end state.
+/// every pair continues its start state and writes its end state; `prepared` (gma_prepare's, or
+/// null) then replaces the per-pair reduction of the mixture (the decode path: one token per
+/// call would otherwise spend most of its time there), but only if every head's mixture in `in`
+/// still has the fingerprint it was prepared from; else the call prepares as without it.
+/// *used_prepared (if given) says which happened.
 template <class T>
 SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out,
-                     const GmaStateIO* state = nullptr);
+                     const GmaStateIO* state = nullptr, const SavedPtr& prepared = nullptr,
+                     bool* used_prepared = nullptr);
 
 /// Gradients of sum(grad_out . out): dq, dk, dv like q, k, v; dmean, dvar_raw (H, K, r) and
 /// dprior_logit (H, K) summed over the batch (in batch order, whatever the thread count).

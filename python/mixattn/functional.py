@@ -11,12 +11,15 @@ The backward passes are the library's hand-derived ones (SPEC.md); they are firs
 (double backward raises).
 """
 
+import collections
+import weakref
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C
 
-__all__ = ["gma_attention", "ovq_attention", "flash_attention"]
+__all__ = ["gma_attention", "ovq_attention", "flash_attention", "clear_prepared_cache"]
 
 
 def _contiguous(*tensors):
@@ -46,15 +49,81 @@ class _GmaFunction(torch.autograd.Function):
         return _grads(ctx, grads) + (None,) * 4
 
 
+class _PreparedCache:
+    """The state path's prepared mixtures (the library's gma::Prepared per head, _C.gma_prepare),
+    kept while the parameters are unchanged, so that decoding one token per call does not reduce
+    the mixture (K r softplus and logs per head) on every call.
+
+    An entry is keyed on each of mean, var_raw, prior_logit's identity, data pointer, version
+    counter (``Tensor._version``, bumped by every in-place change: an optimizer step, copy_,
+    load_state_dict), dtype, shape and strides, and on var_floor and check_finite; it holds the
+    tensors only weakly and is found only while the very same tensor objects are alive. The
+    kernel still checks every head's mixture against the fingerprint it was prepared from (the
+    library's, O(K r) and far cheaper than preparing): a change the version counter does not see
+    (through ``tensor.data``, as gradcheck perturbs its inputs) makes the call prepare as without
+    the cache and drops the entry (forget()). At most `size` entries, least recently used first
+    out."""
+
+    def __init__(self, size=32):
+        self.size, self.entries = size, collections.OrderedDict()
+        self.hits = self.misses = self.stale = 0
+
+    def get(self, mean, var_raw, prior_logit, var_floor, check_finite):
+        tensors = (mean, var_raw, prior_logit)
+
+        def prepare():
+            return _C.gma_prepare(*(t.detach().contiguous() for t in tensors), var_floor,
+                                  check_finite)
+        try:
+            key = tuple((id(t), t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride())
+                        for t in tensors) + (var_floor, check_finite)
+        except (AttributeError, RuntimeError):  # no version counter (inference tensors)
+            return prepare()
+        entry = self.entries.get(key)
+        if entry is not None and all(ref() is t for ref, t in zip(entry[0], tensors)):
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return entry[1]
+        self.misses += 1
+        prepared = prepare()
+        for dead in [k for k, (refs, _) in self.entries.items() if any(r() is None for r in refs)]:
+            del self.entries[dead]
+        self.entries[key] = (tuple(weakref.ref(t) for t in tensors), prepared)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return prepared
+
+    def forget(self, prepared):
+        """Drops the entry holding `prepared` (found stale by the kernel)."""
+        self.stale += 1
+        for key in [k for k, (_, p) in self.entries.items() if p is prepared]:
+            del self.entries[key]
+
+
+_PREPARED = _PreparedCache()
+
+
+def clear_prepared_cache():
+    """Forgets every prepared mixture of gma_attention's state path (see its docstring), e.g. to
+    free their memory; never needed for correctness (the kernel checks each against the
+    mixture's fingerprint)."""
+    _PREPARED.entries.clear()
+
+
 class _GmaStateFunction(torch.autograd.Function):
     """Causal GMA continuing the prefix state (S0, z0) and returning the end state (S, z), both
-    float64: gradients flow to q, k, v, the mixture and (S0, z0), and from (S, z)."""
+    float64: gradients flow to q, k, v, the mixture and (S0, z0), and from (S, z). `prepared` is
+    the mixture reduced once (_PreparedCache), used by the forward; the backward reads the
+    mixture tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mean, var_raw, prior_logit, S0, z0, eps, var_floor, check_finite):
+    def forward(ctx, q, k, v, mean, var_raw, prior_logit, S0, z0, eps, var_floor, check_finite,
+                prepared):
         inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
-        out, S, z, saved = _C.gma_forward_state(*inputs, S0.contiguous(), z0.contiguous(), eps,
-                                                var_floor, check_finite)
+        out, S, z, saved, used = _C.gma_forward_state(*inputs, S0.contiguous(), z0.contiguous(),
+                                                      eps, var_floor, check_finite, prepared)
+        if prepared is not None and not used:
+            _PREPARED.forget(prepared)
         ctx.save_for_backward(*inputs)
         ctx.record = saved
         ctx.options = (eps, var_floor, check_finite)
@@ -66,7 +135,7 @@ class _GmaStateFunction(torch.autograd.Function):
         grads = _C.gma_backward_state(*ctx.saved_tensors, grad_out.contiguous(),
                                       grad_S.contiguous(), grad_z.contiguous(), ctx.record,
                                       *ctx.options)
-        return _grads(ctx, grads) + (None,) * 3
+        return _grads(ctx, grads) + (None,) * 4
 
 
 class _OvqFunction(torch.autograd.Function):
@@ -207,7 +276,11 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
     ``(out, (S, z))`` with the state after this call's tokens. Running a sequence in pieces, each
     given the previous piece's final state, gives the one-call outputs up to rounding, and
     autograd carries gradients through the states: into ``initial_state`` and from any loss on
-    the final state, back to q, k, v and the mixture.
+    the final state, back to q, k, v and the mixture. Decoding: the state path keeps the mixture
+    reduced (the library's gma::Prepared per head) across calls while mean, var_raw and
+    prior_logit are the same unchanged tensors (PyTorch's version counter: an optimizer step or
+    any in-place change prepares it again; the kernel also checks the mixture's fingerprint, so a
+    change through ``.data`` is seen too), so a one-token call costs only its own work.
 
     Packed variable-length input (as flash-linear-attention): ``cu_seqlens``, N + 1 offsets (a
     1-D int32/int64 tensor or a list), 0 first and T last, with q, k (1, H, T, r) and
@@ -234,8 +307,12 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
     state = _gma_state(fn, initial_state, q, v, mean)
     if state is None:  # q, v or mean of the wrong rank: let the kernel name it
         state = (torch.zeros(0, dtype=torch.float64),) * 2
+    prepared = None
+    if all(isinstance(t, torch.Tensor) and t.dim() == d and t.dtype == q.dtype
+           for t, d in ((mean, 3), (var_raw, 3), (prior_logit, 2))) and q.dim() == 4:
+        prepared = _PREPARED.get(mean, var_raw, prior_logit, float(var_floor), bool(check_finite))
     out, S, z = _GmaStateFunction.apply(q, k, v, mean, var_raw, prior_logit, *state, float(eps),
-                                        float(var_floor), bool(check_finite))
+                                        float(var_floor), bool(check_finite), prepared)
     return (out, (S, z)) if output_final_state else out
 
 

@@ -69,6 +69,11 @@ class GaussianMixtureAttention(_Projections):
     Parameters: q_proj, k_proj (d_model -> heads * key_dim), v_proj (d_model -> heads *
     value_dim), out_proj, mean and var_raw (heads, components, key_dim), prior_logit (heads,
     components). key_dim and value_dim default to d_model // heads.
+
+    Streaming (causal only): ``forward(x, initial_state=None, output_final_state=False)`` as
+    gma_attention: the state is the pair (S (batch, heads, K, value_dim), z (batch, heads, K)),
+    float64; with output_final_state the module returns ``(y, (S, z))``. Gradients flow through
+    the states.
     """
 
     def __init__(self, d_model, heads, components, causal=False, key_dim=None, value_dim=None,
@@ -83,10 +88,13 @@ class GaussianMixtureAttention(_Projections):
         self.var_raw = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
         self.prior_logit = nn.Parameter(torch.zeros(heads, components, device=device, dtype=dtype))
 
-    def forward(self, x):
+    def forward(self, x, initial_state=None, output_final_state=False):
         q, k, v = self._heads(x)
         o = gma_attention(q, k, v, self.mean, self.var_raw, self.prior_logit, causal=self.causal,
-                          eps=self.eps, var_floor=self.var_floor)
+                          eps=self.eps, var_floor=self.var_floor, initial_state=initial_state,
+                          output_final_state=output_final_state)
+        if output_final_state:
+            return self._merge(o[0]), o[1]
         return self._merge(o)
 
     def extra_repr(self):
@@ -101,6 +109,9 @@ class OnlineVQAttention(_Projections):
     Parameters: the four projections and beta (heads,), initialised to 1. The remaining keywords
     are mixattn.ovq_attention's options (block, max_centroids, growth, seeding, count_bias,
     grad_through_dictionary, ...).
+
+    Streaming: ``forward(x, initial_state=None, output_final_state=False)`` as ovq_attention (an
+    opaque state, forward only); with output_final_state the module returns ``(y, state)``.
     """
 
     def __init__(self, d_model, heads, key_dim=None, value_dim=None, device=None, dtype=None,
@@ -113,9 +124,13 @@ class OnlineVQAttention(_Projections):
         ovq_attention(q, q, q.new_zeros(1, heads, 0, self.value_dim), self.beta.detach().cpu(),
                       **self.ovq_options)
 
-    def forward(self, x):
+    def forward(self, x, initial_state=None, output_final_state=False):
         q, k, v = self._heads(x)
-        return self._merge(ovq_attention(q, k, v, self.beta, **self.ovq_options))
+        o = ovq_attention(q, k, v, self.beta, initial_state=initial_state,
+                          output_final_state=output_final_state, **self.ovq_options)
+        if output_final_state:
+            return self._merge(o[0]), o[1]
+        return self._merge(o)
 
     def extra_repr(self):
         opts = "".join(f", {k}={v!r}" for k, v in self.ovq_options.items())

@@ -270,3 +270,131 @@ def test_ovq_state_rejections():
     # Options that disagree with the state's: its pending block does not fit block=3.
     with pytest.raises(ValueError, match=r"mixattn::ovq::forward: state.pending_keys"):
         mixattn.ovq_attention(q, k, v, beta, initial_state=state, block=3, max_centroids=6)
+
+
+# --- decoding: the prepared mixture kept across calls --------------------------------------------
+
+def decode(inputs, mixture=None):
+    """One token per call from the empty state; `mixture(mix)` gives each call's mixture."""
+    q, k, v, *mix = inputs
+    state, outs = None, []
+    for t in range(q.shape[2]):
+        out, state = mixattn.gma_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                           *(mixture(mix) if mixture else mix), causal=True,
+                                           initial_state=state, output_final_state=True)
+        outs.append(out)
+    return torch.cat(outs, 2), state
+
+
+def test_gma_decode_reuses_the_prepared_mixture_with_the_same_bits():
+    from mixattn import functional
+    cache = functional._PREPARED
+    inputs = gma_inputs(2, 3, 9, 9, 5, 4, 6, seed=131, contiguous=True)
+    mixattn.clear_prepared_cache()
+    hits, misses, stale = cache.hits, cache.misses, cache.stale
+    with torch.no_grad():
+        out, (S, z) = decode(inputs)
+    assert (cache.hits - hits, cache.misses - misses, cache.stale - stale) == (8, 1, 0)
+    # The kernel with and without the prepared mixture: the same reduction, so the same bits.
+    q, k, v, *mix = (x.detach() for x in inputs)
+    prepared = cache.get(*mix, 1e-4, True)
+    S0, z0 = (t.detach() for t in random_state(2, 3, 6, 4, seed=132))
+    plain = mixattn._C.gma_forward_state(q, k, v, *mix, S0, z0, 1e-6, 1e-4, True, None)
+    fast = mixattn._C.gma_forward_state(q, k, v, *mix, S0, z0, 1e-6, 1e-4, True, prepared)
+    assert fast[4] and not plain[4]
+    for a, b in zip(fast[:3], plain[:3]):
+        assert torch.equal(a, b)
+    # Against the eager twin, token by token and as one call.
+    expected, (S_e, z_e) = eager.gma_continued(*inputs, torch.zeros(2, 3, 6, 4, dtype=DOUBLE),
+                                               torch.zeros(2, 3, 6, dtype=DOUBLE))
+    assert_rel(out, expected, "decoded output")
+    assert_rel(S, S_e, "decoded final S")
+    assert_rel(z, z_e, "decoded final z")
+
+
+def test_gma_decode_sees_every_parameter_update():
+    inputs = gma_inputs(1, 2, 6, 6, 4, 3, 5, seed=141, contiguous=True)
+    q, k, v, mean, var_raw, prior = inputs
+    gen = torch.Generator().manual_seed(142)
+    opt = torch.optim.SGD([mean, var_raw, prior], lr=0.5)
+
+    def step(t, state):
+        """Token t continuing `state`, ours against the eager twin on the current mixture."""
+        args = (q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], mean, var_raw, prior)
+        with torch.no_grad():
+            out, new = mixattn.gma_attention(*args, causal=True, initial_state=state,
+                                             output_final_state=True)
+            e_out, e_new = eager.gma_continued(*args, *state)
+        assert_rel(out, e_out, f"token {t} output")
+        assert_rel(new[0], e_new[0], f"token {t} S")
+        return new
+
+    state = (torch.zeros(1, 2, 5, 3, dtype=DOUBLE), torch.zeros(1, 2, 5, dtype=DOUBLE))
+    state = step(0, step(1, state))                          # the cache is warm
+    for p in (mean, var_raw, prior):                         # an optimizer step, in place
+        p.grad = torch.randn(p.shape, generator=gen, dtype=DOUBLE)
+    opt.step()
+    state = step(2, state)
+    with torch.no_grad():                                    # each parameter alone, in place
+        var_raw[1, 2, 0] += 0.25
+    state = step(3, state)
+    from mixattn import functional
+    stale = functional._PREPARED.stale
+    prior.data[0, 1] -= 0.5                                  # unseen by the version counter
+    state = step(4, state)
+    assert functional._PREPARED.stale == stale + 1           # the fingerprint caught it
+    step(5, state)
+
+
+def test_gma_decode_gradcheck_with_a_warm_cache():
+    # One token continuing a state, the mixture prepared by an earlier call; gradcheck perturbs
+    # the inputs through .data, which only the kernel's fingerprint check sees.
+    inputs = gma_inputs(2, 2, 1, 1, 3, 2, 3, seed=151)
+    state = random_state(2, 2, 3, 2, seed=152)
+    gma_state_call(*inputs, *state)
+    assert torch.autograd.gradcheck(lambda *x: gma_state_call(*x), (*inputs, *state), eps=1e-6,
+                                    atol=1e-7, rtol=1e-5)
+
+
+# --- the modules' states --------------------------------------------------------------------------
+
+def test_gma_module_continues_its_state():
+    torch.manual_seed(3)
+    layer = mixattn.GaussianMixtureAttention(12, heads=3, components=5, causal=True, key_dim=3,
+                                             value_dim=2, dtype=DOUBLE)
+    x = torch.randn(2, 9, 12, dtype=DOUBLE)
+    whole = layer(x)
+    y1, s1 = layer(x[:, :4], output_final_state=True)
+    y2, (S, z) = layer(x[:, 4:], initial_state=s1, output_final_state=True)
+    assert_rel(torch.cat([y1, y2], 1), whole, "module in pieces", rel=PIECES_REL)
+    # The end state against the eager twin on the module's own projections.
+    b, n = x.shape[:2]
+    split = lambda y, d: y.view(b, n, 3, d).transpose(1, 2)
+    q, k, v = split(layer.q_proj(x), 3), split(layer.k_proj(x), 3), split(layer.v_proj(x), 2)
+    _, (S_e, z_e) = eager.gma_continued(q, k, v, layer.mean, layer.var_raw, layer.prior_logit,
+                                        torch.zeros(2, 3, 5, 2, dtype=DOUBLE),
+                                        torch.zeros(2, 3, 5, dtype=DOUBLE), eps=layer.eps)
+    assert_rel(S, S_e, "module final S")
+    assert_rel(z, z_e, "module final z")
+    # Gradients through the module's state: x and the initial state, gradcheck.
+    small = torch.randn(1, 3, 12, dtype=DOUBLE, requires_grad=True)
+    S0, z0 = random_state(1, 3, 5, 2, seed=161)
+    assert torch.autograd.gradcheck(
+        lambda x, S0, z0: (lambda y, st: (y, *st))(*layer(x, initial_state=(S0, z0),
+                                                          output_final_state=True)),
+        (small, S0, z0), eps=1e-6, atol=1e-7, rtol=1e-5)
+    bidir = mixattn.GaussianMixtureAttention(12, heads=3, components=5, key_dim=3, value_dim=2)
+    with pytest.raises(ValueError, match="causal"):
+        bidir(x.float(), output_final_state=True)
+
+
+def test_ovq_module_continues_its_state():
+    torch.manual_seed(4)
+    layer = mixattn.OnlineVQAttention(8, heads=2, key_dim=4, value_dim=3, dtype=DOUBLE,
+                                      **OVQ_STREAM)
+    x = torch.randn(2, 11, 8, dtype=DOUBLE)
+    whole = layer(x)
+    y1, s1 = layer(x[:, :6], output_final_state=True)
+    y2, s2 = layer(x[:, 6:], initial_state=s1, output_final_state=True)
+    assert (s2.batch, s2.heads) == (2, 2)
+    assert_rel(torch.cat([y1, y2], 1), whole, "OVQ module in pieces", rel=PIECES_REL)
