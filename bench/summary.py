@@ -421,6 +421,7 @@ def heap_growth(op):
 
 TORCH = "PyTorch side-by-side runs only with MIXATTN_BENCH_TORCH=1"
 TORCH_EXT = "the PyTorch extension's benchmark runs only where PyTorch is installed"
+TORCH_EXT_N = 2048  # bench/torch_ext_bench.py: (B, H, N) = (4, 8, 2048), r = d_v = K = 64
 
 
 def torch_ratio(torch_op, op):
@@ -428,13 +429,25 @@ def torch_ratio(torch_op, op):
     loaded: against the reference BLAS (libblas3, which can win the loader's search when both it
     and OpenBLAS are installed) the ratio says nothing about the operators, so no verdict."""
     def value(m):
-        q = m.time(torch_op) / m.time(op)
-        blas = m.context("torch_blas") or ""
-        if not any(fast in blas.lower() for fast in ("openblas", "mkl", "blis")):
-            q.refuse("reference BLAS", f"PyTorch loaded {blas or 'an unknown BLAS'}; install "
-                                       "libopenblas0-pthread and make it the libblas.so.3 "
-                                       "PyTorch loads")
-        return q
+        return torch_blas_checked(m, m.time(torch_op) / m.time(op))
+    return value
+
+
+def torch_blas_checked(m, q):
+    blas = m.context("torch_blas") or ""
+    if not any(fast in blas.lower() for fast in ("openblas", "mkl", "blis")):
+        q.refuse("reference BLAS", f"PyTorch loaded {blas or 'an unknown BLAS'}; install "
+                                   "libopenblas0-pthread and make it the libblas.so.3 "
+                                   "PyTorch loads")
+    return q
+
+
+def torch_ext_ratio(torch_op, op, threads):
+    """The extension's benchmark (N = 2048): eager PyTorch's time over mixattn's, on `threads`
+    threads, with torch_ratio's BLAS rule (the eager side is matmuls)."""
+    def value(m):
+        return torch_blas_checked(m, m.time(torch_op, TORCH_EXT_N, threads)
+                                  / m.time(op, TORCH_EXT_N, threads))
     return value
 
 # ---- decoding (bench_decode.cpp): one token per call at position P -------------------------------
@@ -576,15 +589,14 @@ TARGETS = [
     # number of threads (CPU time on one thread, wall time on two).
     *[Target(f"PyTorch eager GMA fwd+bwd / mixattn.gma_attention, {mode}, B·H = 32, N = 2048, "
              f"{threads} thread{'s' if threads > 1 else ''}",
-             (lambda mode, threads: lambda m: m.time(f"torch_ext_eager_gma_fwd_bwd_{mode}", 2048,
-                                                     threads)
-              / m.time(f"torch_ext_mixattn_fwd_bwd_{mode}", 2048, threads))(mode, threads),
+             torch_ext_ratio(f"torch_ext_eager_gma_fwd_bwd_{mode}",
+                             f"torch_ext_mixattn_fwd_bwd_{mode}", threads),
              (">=", 10), optional=TORCH_EXT)
       for mode in ("bidir", "causal") for threads in (1, 2)],
     *[Target(f"2-layer causal LM training step, eager-GMA model / mixattn modules (d_model 256, "
              f"N = 2048, batch 4), {threads} thread{'s' if threads > 1 else ''}",
-             (lambda threads: lambda m: m.time("torch_ext_eager_gma_step_causal", 2048, threads)
-              / m.time("torch_ext_mixattn_step_causal", 2048, threads))(threads),
+             torch_ext_ratio("torch_ext_eager_gma_step_causal", "torch_ext_mixattn_step_causal",
+                             threads),
              (">=", 3), optional=TORCH_EXT)
       for threads in (1, 2)],
     # Speed-up on 2 threads (thread_speedup: bounded by 2, no verdict on a busy machine).
@@ -836,6 +848,44 @@ def headline_rows(points, contexts):
     return rows
 
 
+# ---- the README's "From PyTorch" table (bench/torch_ext_bench.py) -------------------------------
+
+TORCH_EXT_ROWS = [  # (label, operator suffix, threads)
+    *[(f"GMA {mode_label} {kind_label}", f"{kind}_{mode}", threads)
+      for threads in (1, 2)
+      for mode, mode_label in (("bidir", "bidirectional"), ("causal", "causal"))
+      for kind, kind_label in (("forward", "forward"), ("fwd_bwd", "forward+backward"))],
+    ("training step, 2-layer causal LM (d_model 256, 4 heads, K = 64, N = 2048, batch 4)",
+     "step_causal", 1),
+    ("training step, same", "step_causal", 2),
+]
+TORCH_EXT_HEADER = ["operation", "threads", "mixattn", "eager GMA", "eager softmax",
+                    "eager GMA / mixattn"]
+
+
+def torch_ext_rows(points, contexts):
+    """Median time per call of each side (CPU on one thread, wall on two) and the speed-up."""
+    m, rows = Measurements(points, contexts), []
+    for label, what, threads in TORCH_EXT_ROWS:
+        cells, times = [label, str(threads)], {}
+        for impl in ("mixattn", "eager_gma", "softmax"):
+            try:
+                q = m.time(f"torch_ext_{impl}_{what}", TORCH_EXT_N, threads)
+            except Missing:
+                cells.append("not measured")
+                continue
+            times[impl] = q
+            cells.append(fmt_time(q.med) + spread_text(q, fmt_time)
+                         + ("" if q.ok else " (too few samples)"))
+        if "mixattn" in times and "eager_gma" in times:
+            r = torch_blas_checked(m, times["eager_gma"] / times["mixattn"])
+            cells.append(fmt_ratio(r.med) if r.ok else f"({r.refusal})")
+        else:
+            cells.append("—")
+        rows.append(cells)
+    return rows
+
+
 # ---- main ----------------------------------------------------------------------------------------
 
 def is_quick(contexts):
@@ -945,6 +995,9 @@ def main(argv=None):
           "## Targets", md_table(["target", "measured [min – max]", "goal", "verdict"],
                                  target_rows), "",
           "## README table", md_table(HEADLINE_HEADER, headline_rows(points, contexts)), "",
+          "## README table: From PyTorch (bench/torch_ext_bench.py, float32, (B, H, N) = "
+          "(4, 8, 2048), r = d_v = K = 64)",
+          md_table(TORCH_EXT_HEADER, torch_ext_rows(points, contexts)), "",
           "## All results", md_table(HEADER, all_rows), ""]
     if errors:
         md += ["## Errors", *[f"- {e}" for e in errors], ""]

@@ -3,6 +3,11 @@ torch_ext_bench.py). Imported only after torch is known to be present.
 
 Every function works on one head (N x r) or on a batch of heads (..., N, r) with a mixture of
 shape (..., K, r) broadcasting against it (e.g. q (B, H, N, r) with mean (H, K, r)).
+
+Two eager GMAs: gma, the paper's broadcast form (N x K x r differences; the side-by-side's
+baseline, one head at a time), and gma_chunked, the matmul form eager linear attention is
+written in (the extension's benchmark, whole batches: the broadcast form would form
+B H N K r floats per intermediate there).
 """
 
 import datetime
@@ -29,7 +34,8 @@ def gamma(x, mean, var_raw, prior_logit):
 
 
 def gma(q, k, v, mix, causal):
-    """The paper-style eager GMA; mix = (mean, var_raw, prior_logit)."""
+    """The paper-style eager GMA; mix = (mean, var_raw, prior_logit). The causal prefix sums are
+    materialised token by token (N x K x d_v)."""
     gq, gk = gamma(q, *mix), gamma(k, *mix)
     if not causal:
         num = gq @ (gk.transpose(-1, -2) @ v)
@@ -39,6 +45,48 @@ def gma(q, k, v, mix, causal):
         num = torch.einsum("...nk,...nkd->...nd", gq, state)
         den = (gq * torch.cumsum(gk, -2)).sum(-1, keepdim=True) + EPS
     return num / den
+
+
+def gamma_matmul(x, mean, var_raw, prior_logit):
+    """SPEC 1.2 with the quadratic form expanded into matmuls, as an eager GMM is usually written:
+    sum_j (x_j - mu_kj)^2 / var_kj = x^2 . (1/var_k) - 2 x . (mu_k / var_k) + mu_k^2 . (1/var_k).
+    Nothing of size N x K x r is formed, so the batched call ((B, H, N, r) against (H, K, r))
+    stays two (N x r) @ (r x K) products per head."""
+    var = F.softplus(var_raw) + VAR_FLOOR
+    inv = 1.0 / var                                                   # (..., K, r)
+    const = (torch.log_softmax(prior_logit, -1) - 0.5 * torch.log(var).sum(-1)
+             - 0.5 * (mean * mean * inv).sum(-1))                     # (..., K)
+    s = const[..., None, :] - 0.5 * ((x * x) @ inv.transpose(-1, -2)) \
+        + x @ (mean * inv).transpose(-1, -2)
+    return torch.softmax(s, -1)
+
+
+def gma_chunked(q, k, v, mix, causal, chunk=64):
+    """Eager GMA the way linear attention is written in eager PyTorch: responsibilities by
+    gamma_matmul; bidirectional as Gamma_Q (Gamma_K^T V); causal in chunks of `chunk` tokens
+    (the chunkwise form of linear attention): the masked chunk-local Gamma_Q Gamma_K^T plus the
+    prefix state (K x d_v) of the earlier chunks, so no N x K x d_v or N x N tensor is formed.
+    mix = (mean, var_raw, prior_logit); the same result as gma() up to rounding."""
+    gq, gk = gamma_matmul(q, *mix), gamma_matmul(k, *mix)
+    if not causal:
+        num = gq @ (gk.transpose(-1, -2) @ v)
+        den = gq @ gk.sum(-2)[..., None] + EPS
+        return num / den
+    n = q.shape[-2]
+    pad = -n % chunk
+    if pad:  # zero responsibilities and values add nothing; the padded queries are dropped
+        gq, gk, v = (F.pad(t, (0, 0, 0, pad)) for t in (gq, gk, v))
+    c = (n + pad) // chunk
+    gq, gk, v = (t.reshape(*t.shape[:-2], c, chunk, t.shape[-1]) for t in (gq, gk, v))
+    kv = gk.transpose(-1, -2) @ v                                     # (..., c, K, d_v)
+    S = torch.cumsum(kv, -3) - kv                                     # before each chunk
+    zc = gk.sum(-2)                                                   # (..., c, K)
+    z = torch.cumsum(zc, -2) - zc
+    local = (gq @ gk.transpose(-1, -2)).tril()                        # (..., c, chunk, chunk)
+    num = gq @ S + local @ v
+    den = (gq * z[..., None, :]).sum(-1, keepdim=True) + local.sum(-1, keepdim=True) + EPS
+    out = (num / den).reshape(*q.shape[:-2], n + pad, v.shape[-1])
+    return out[..., :n, :]
 
 
 def softmax_attention(q, k, v, _mix, causal):

@@ -1,27 +1,34 @@
 #!/usr/bin/python3
 """mixattn's PyTorch extension against eager PyTorch, float32, on one thread and on two.
 
-    PYTHON bench/torch_ext_bench.py [--out FILE.json] [--threads 1,2]
+    PYTHON bench/torch_ext_bench.py [--out FILE.json] [--threads 1,2] [--tokens 2048]
 
 PYTHON must import both torch and mixattn (bench/run.sh builds the extension into a virtual
 environment with python/venv.sh and runs this with it). Measures, at (B, H, N) = (4, 8, 2048),
 r = d_v = 64, K = 64:
   torch_ext_<impl>_{forward,fwd_bwd}_{bidir,causal}/2048   impl = mixattn (gma_attention),
-        eager_gma (the paper-style eager GMA of bench/torch_eager.py, whole batch at once),
+        eager_gma (bench/torch_eager.py's gma_chunked on the whole batch: responsibilities as
+        two matmuls per head, causal in 64-token chunks carrying the K x d_v prefix state, as
+        eager linear attention is written; the broadcast form torch_eager.gma materialises
+        B H N K r floats, 1 GiB per intermediate here, and took minutes per call),
         softmax (scaled_dot_product_attention when torch has it, >= 2.0; else the eager
         softmax(Q K^T / sqrt(r) + mask) V)
   torch_ext_<impl>_step_causal/2048   one training step (forward, backward, Adam) of a
-        2-layer causal language model, d_model 256, 4 heads (r = d_v = 64), K = 64, N = 2048, batch 4: the same
-        model with mixattn.GaussianMixtureAttention, with eager GMA on the same parameters, or
-        with softmax attention.
+        2-layer causal language model, d_model 256, 4 heads (r = d_v = 64), K = 64, N = 2048,
+        batch 4: the same model with mixattn.GaussianMixtureAttention, with eager GMA on the
+        same parameters, or with softmax attention.
 Each thread count runs in its own process, with OMP/OpenBLAS threads set before torch loads
 and torch.set_num_threads; one thread is pinned to one core (MIXATTN_BENCH_CPU, default the
 last). Every point: one untimed call, then at least --min-calls (3) timed calls and --min-time
-seconds.
+seconds; each timed call is written as one repetition, so the summary shows their median and
+[min - max]. Both modes in quick mode too (MIXATTN_BENCH_QUICK=1: no --min-time).
 Times: CPU time of the calling thread on one thread, wall time on two (names end in
-/real_time). Both sides run in the same process, so under the same allocator (bench/run.sh sets
-GLIBC_TUNABLES as for every other benchmark; recorded in the context). Writes Google-Benchmark-
-style JSON for bench/summary.py. Exits 0 with a message when torch or mixattn is missing.
+/real_time). Allocator: both sides run in the same process, so under the same policy: PyTorch's
+CPU tensors (inputs, outputs, every eager intermediate) and the extension's working memory all
+come from glibc malloc, with GLIBC_TUNABLES as bench/run.sh sets it for every other benchmark
+(glibc's defaults unless MIXATTN_BENCH_MALLOC=keep; recorded in the context as "malloc").
+Writes Google-Benchmark-style JSON for bench/summary.py. Exits 0 with a message when torch or
+mixattn is missing. About 3 minutes on an idle 2-core machine (both thread counts).
 """
 
 import argparse
@@ -56,23 +63,24 @@ def child(threads, min_time, min_calls, quick):
             walls.append(time.perf_counter() - w0)
             calls += 1
         full = f"{name}/{N}/threads:{threads}" + ("/real_time" if wall else "")
-        w, c = sum(walls) / calls, sum(cpus) / calls
-        print(f"{full:55s} {c * 1e3:10.1f} ms cpu {w * 1e3:10.1f} ms wall ({calls} calls)",
+        print(f"{full:55s} {sorted(cpus)[calls // 2] * 1e3:10.1f} ms cpu "
+              f"{sorted(walls)[calls // 2] * 1e3:10.1f} ms wall (median of {calls} calls)",
               file=sys.stderr, flush=True)
-        entries.append({"name": full, "run_name": full, "run_type": "iteration",
-                        "iterations": calls, "real_time": w * 1e3, "cpu_time": c * 1e3,
-                        "time_unit": "ms", "N": N, "threads": threads, "warm_up_calls": 1})
+        for i, (w, c) in enumerate(zip(walls, cpus)):  # one repetition per timed call
+            entries.append({"name": full, "run_name": full, "run_type": "iteration",
+                            "repetitions": calls, "repetition_index": i, "iterations": 1,
+                            "real_time": w * 1e3, "cpu_time": c * 1e3, "time_unit": "ms",
+                            "N": N, "threads": threads, "warm_up_calls": 1})
 
     g = torch.Generator().manual_seed(7)
     q, k, v, d_out = (torch.randn(B, H, N, d, generator=g) for d in (R, R, DV, DV))
     mix = (torch.randn(H, K, R, generator=g), torch.zeros(H, K, R), torch.zeros(H, K))
     impls = {
         "mixattn": lambda q, k, v, mix, causal: mixattn.gma_attention(q, k, v, *mix, causal=causal),
-        "eager_gma": torch_eager.gma,
+        "eager_gma": torch_eager.gma_chunked,
         "softmax": torch_eager.softmax_attention,
     }
-    modes = (False,) if quick else (False, True)
-    for causal in modes:
+    for causal in (False, True):
         mode = "causal" if causal else "bidir"
         for impl, op in impls.items():
             for kind in ("forward", "fwd_bwd"):
@@ -101,8 +109,8 @@ def training_step(impl, torch, mixattn, torch_eager):
     class EagerGma(mixattn.GaussianMixtureAttention):
         def forward(self, x):
             q, k, v = self._heads(x)
-            return self._merge(torch_eager.gma(q, k, v, (self.mean, self.var_raw,
-                                                         self.prior_logit), self.causal))
+            return self._merge(torch_eager.gma_chunked(q, k, v, (self.mean, self.var_raw,
+                                                                 self.prior_logit), self.causal))
 
     class Softmax(mixattn.GaussianMixtureAttention):  # the same projections, no mixture used
         def forward(self, x):
@@ -143,6 +151,11 @@ def training_step(impl, torch, mixattn, torch_eager):
     return step
 
 
+def set_tokens(n):
+    global N
+    N = MODEL["tokens"] = n
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -152,8 +165,12 @@ def main():
                     help="seconds of timed calls per point beyond the 3 calls (default 1, quick 0)")
     ap.add_argument("--min-calls", type=int, default=3,
                     help="timed calls per point at least (the summary judges none below 3)")
+    ap.add_argument("--tokens", type=int, default=N,
+                    help="N of every case (default 2048; bench/summary.py reads only 2048: "
+                         "another N is a smoke run of this script)")
     ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    set_tokens(args.tokens)
     quick = os.environ.get("MIXATTN_BENCH_QUICK", "0") not in ("", "0")
     min_time = args.min_time if args.min_time is not None else (0.0 if quick else 1.0)
 
@@ -174,7 +191,8 @@ def main():
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(threads)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(threads),
-               "--min-time", str(min_time), "--min-calls", str(args.min_calls)]
+               "--min-time", str(min_time), "--min-calls", str(args.min_calls),
+               "--tokens", str(N)]
         if threads == 1 and hasattr(os, "sched_getaffinity"):
             cpu = os.environ.get("MIXATTN_BENCH_CPU", str(max(os.sched_getaffinity(0))))
             cmd = ["taskset", "-c", cpu] + cmd
