@@ -7,7 +7,7 @@
 #                                            python3-torch and libopenblas0-pthread)
 # Where PyTorch is installed (install-deps installs it), the PyTorch extension is built into
 # $MIXATTN_BENCH_BUILD_DIR/venv and measured against eager PyTorch (bench/torch_ext_bench.py,
-# bench/results/torch_ext.json; about 3 minutes on an idle 2-core machine, both thread counts).
+# bench/results/torch_ext.json; about 5 minutes on an idle 2-core machine).
 #
 # On a fresh Debian 12 machine run it as root (or with sudo available): it installs the build
 # dependencies through cmake/install-deps.sh. Other knobs:

@@ -28,7 +28,9 @@ CPU tensors (inputs, outputs, every eager intermediate) and the extension's work
 come from glibc malloc, with GLIBC_TUNABLES as bench/run.sh sets it for every other benchmark
 (glibc's defaults unless MIXATTN_BENCH_MALLOC=keep; recorded in the context as "malloc").
 Writes Google-Benchmark-style JSON for bench/summary.py. Exits 0 with a message when torch or
-mixattn is missing. About 3 minutes on an idle 2-core machine (both thread counts).
+mixattn is missing. About 5 minutes on an idle 2-core machine (an estimate from per-call CPU
+times), most of it in eager softmax, whose N x N float tensors are 512 MiB each: where page
+faults are slow, every fresh one costs a large part of a second.
 """
 
 import argparse

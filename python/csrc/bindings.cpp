@@ -224,8 +224,8 @@ SavedBox gma_prepare_py(at::Tensor mean, at::Tensor var_raw, at::Tensor prior_lo
                         double var_floor, bool check_finite) {
   const std::string fn = "mixattn.gma_attention";
   const at::Tensor q = checked(mean, fn, "mean", 3, mean).unsqueeze(0);  // (1, H, K, r)
-  const GmaArgs a = gma_args(fn, q, q, q, mean, var_raw, prior_logit, false, 0, var_floor,
-                             check_finite);
+  const GmaArgs a =
+      gma_args(fn, q, q, q, mean, var_raw, prior_logit, false, 0, var_floor, check_finite);
   SavedPtr heads = dispatch(a.q, [&](auto t) {
     using T = decltype(t);
     return gma_prepare<T>(a.shape, a.config, gma_inputs<T>(a));

@@ -96,9 +96,10 @@ SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in,
     st.z = slice(state->z0, pair, 1, K).transpose();
     const auto q = slice(in.q, pair, N, r), k = slice(in.k, pair, M, r);
     const auto v = slice(in.v, pair, M, dv);
-    slice(out, pair, N, dv) = prep != nullptr
-                                  ? mixattn::gma::forward(prep->heads[head], q, k, v, opt, st, saved)
-                                  : mixattn::gma::forward(mix, q, k, v, opt, st, saved);
+    if (prep != nullptr)
+      slice(out, pair, N, dv) = mixattn::gma::forward(prep->heads[head], q, k, v, opt, st, saved);
+    else
+      slice(out, pair, N, dv) = mixattn::gma::forward(mix, q, k, v, opt, st, saved);
     slice(state->S, pair, K, dv) = st.S;
     slice(state->z, pair, 1, K) = st.z.transpose();
   });
