@@ -1,15 +1,24 @@
-// bench/bench_linear.cpp — linear attention (SPEC §4, elu + 1 features), float, one thread.
+// bench/bench_linear.cpp — linear attention (SPEC §4, elu + 1 features) and Performer (SPEC §5,
+// FAVOR+ random features on the same scan), float, one thread.
 //
 //   linear_forward_{bidir,causal}    SPEC 4.2 (causal with the default chunk shared with GMA)
 //   linear_fwd_bwd_{bidir,causal}    forward with Saved, then backward (SPEC 4.3)
 //   floor_linear_*                   the Eigen GEMMs of the same shapes: GMA's floor with K = r
 //                                    features and no responsibilities (gma_floor.hpp)
+//   performer_{forward,fwd_bwd}_{bidir,causal}   SPEC 5.2 / 5.3 with m = 256 orthogonal features
+//                                    (the reference's default r ln r = 266, rounded to a multiple
+//                                    of 16)
+//   floor_performer_*                the GEMMs of the same shapes: the read/write of GMA's floor
+//                                    with K = m features, plus the feature projections X W^T
+//                                    (N x r x m, for q and k) and, backward, dPhi-weighted W
+//                                    (N x m x r, for q and k)
 // N = 256 ... 65536, r = d_v = 64 (GMA's K = r = d_v, so linear and GMA rows compare at equal
 // state size). The FLOPS counter is the floor's GEMM work for both an operator and its floor.
 #include "bench_common.hpp"
 #include "gma_floor.hpp"
 
 #include <mixattn/linear.hpp>
+#include <mixattn/performer.hpp>
 
 #include <cmath>
 
@@ -19,12 +28,14 @@ using mixattn::Index;
 using mixattn::Matrix;
 namespace mb = mixattn::bench;
 namespace linear = mixattn::linear;
+namespace performer = mixattn::performer;
 
 constexpr Index kR = 64;
 constexpr Index kDv = 64;
 constexpr Index kMaxN = 65536;
 constexpr Index kQuickSet[] = {256, 1024, 4096, 16384, 65536};
 constexpr Index kChunk = mixattn::detail::gma_default_chunk;
+constexpr Index kFeatures = 256;  // Performer's m
 
 struct Inputs : mb::QkvInputs {
   explicit Inputs(Index n) : QkvInputs(n, kR, kDv) {}
@@ -77,6 +88,75 @@ void run_floor(benchmark::State& state, bool causal, bool backward) {
   mb::finish(state, n, heap);
 }
 
+// Performer: the same read/write with m features, plus its projection GEMMs.
+double performer_flops(Index n, bool causal, bool backward) {
+  const double proj = 2.0 * 2.0 * static_cast<double>(n) * kR * kFeatures;  // q and k
+  double f = mb::GmaFloor::forward_flops(n, kFeatures, kR, kDv, kChunk, causal, false) + proj;
+  if (backward)
+    f += mb::GmaFloor::backward_flops(n, kFeatures, kR, kDv, kChunk, causal, false) + proj;
+  return f;
+}
+
+void run_performer(benchmark::State& state, bool causal, bool backward) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  const auto features = performer::Features<float>::random(kFeatures, kR, 7);
+  performer::Options opt;
+  opt.causal = causal;
+  mb::PeakHeap heap;
+  mb::timed_loop(state, heap, [&] {
+    performer::Saved<float> saved;
+    Matrix<float> out =
+        performer::forward<float>(in.q, in.k, in.v, features, opt, backward ? &saved : nullptr);
+    benchmark::DoNotOptimize(out.data());
+    if (backward) {
+      performer::Grad<float> g =
+          performer::backward<float>(in.q, in.k, in.v, in.d_out, features, saved, opt);
+      benchmark::DoNotOptimize(g.q.data());
+    }
+  });
+  mb::set_flops(state, performer_flops(n, causal, backward));
+  mb::set_bytes(state, io_bytes(n, backward));
+  mb::finish(state, n, heap);
+}
+
+void run_performer_floor(benchmark::State& state, bool causal, bool backward) {
+  const Index n = state.range(0);
+  mb::GmaFloor floor(n, kFeatures, kR, kDv, kChunk, /*density=*/false);
+  const Matrix<float> x = mb::random_matrix<float>(n, kR, 21);
+  const Matrix<float> w = mb::random_matrix<float>(kFeatures, kR, 22);
+  const Matrix<float> e = mb::random_matrix<float>(n, kFeatures, 23);
+  Matrix<float> phi(n, kFeatures), dx(n, kR);
+  double proj_flops = 0;
+  mb::PeakHeap heap;
+  mb::timed_loop(state, heap, [&] {
+    floor.reset_flops();
+    proj_flops = 0;
+    for (int path = 0; path < 2; ++path) {  // q and k
+      phi.noalias() = x * w.transpose();
+      proj_flops += 2.0 * static_cast<double>(n) * kR * kFeatures;
+    }
+    if (backward) {
+      floor.forward_backward(causal);
+      for (int path = 0; path < 2; ++path) {
+        dx.noalias() = e * w;
+        proj_flops += 2.0 * static_cast<double>(n) * kR * kFeatures;
+      }
+    } else {
+      floor.forward(causal);
+    }
+    benchmark::DoNotOptimize(floor.sink());
+    benchmark::DoNotOptimize(phi.data());
+    benchmark::DoNotOptimize(dx.data());
+  });
+  const double total = floor.flops() + proj_flops, expected = performer_flops(n, causal, backward);
+  if (std::abs(total - expected) > 1e-9 * expected)
+    state.SkipWithError("Performer floor's closed-form FLOP count disagrees with the issued GEMMs");
+  mb::set_flops(state, total);
+  mb::set_bytes(state, io_bytes(n, backward));
+  mb::finish(state, n, heap);
+}
+
 void linear_forward_bidir(benchmark::State& s) {
   run_operator(s, false, false);
 }
@@ -102,6 +182,31 @@ void floor_linear_fwd_bwd_causal(benchmark::State& s) {
   run_floor(s, true, true);
 }
 
+void performer_forward_bidir(benchmark::State& s) {
+  run_performer(s, false, false);
+}
+void floor_performer_forward_bidir(benchmark::State& s) {
+  run_performer_floor(s, false, false);
+}
+void performer_forward_causal(benchmark::State& s) {
+  run_performer(s, true, false);
+}
+void floor_performer_forward_causal(benchmark::State& s) {
+  run_performer_floor(s, true, false);
+}
+void performer_fwd_bwd_bidir(benchmark::State& s) {
+  run_performer(s, false, true);
+}
+void floor_performer_fwd_bwd_bidir(benchmark::State& s) {
+  run_performer_floor(s, false, true);
+}
+void performer_fwd_bwd_causal(benchmark::State& s) {
+  run_performer(s, true, true);
+}
+void floor_performer_fwd_bwd_causal(benchmark::State& s) {
+  run_performer_floor(s, true, true);
+}
+
 void sweep(benchmark::internal::Benchmark* b) {
   mb::sweep(b, 256, kMaxN, kQuickSet);
 }
@@ -114,6 +219,14 @@ BENCHMARK(linear_fwd_bwd_bidir)->Apply(sweep);
 BENCHMARK(floor_linear_fwd_bwd_bidir)->Apply(sweep);
 BENCHMARK(linear_fwd_bwd_causal)->Apply(sweep);
 BENCHMARK(floor_linear_fwd_bwd_causal)->Apply(sweep);
+BENCHMARK(performer_forward_bidir)->Apply(sweep);
+BENCHMARK(floor_performer_forward_bidir)->Apply(sweep);
+BENCHMARK(performer_forward_causal)->Apply(sweep);
+BENCHMARK(floor_performer_forward_causal)->Apply(sweep);
+BENCHMARK(performer_fwd_bwd_bidir)->Apply(sweep);
+BENCHMARK(floor_performer_fwd_bwd_bidir)->Apply(sweep);
+BENCHMARK(performer_fwd_bwd_causal)->Apply(sweep);
+BENCHMARK(floor_performer_fwd_bwd_causal)->Apply(sweep);
 
 }  // namespace
 

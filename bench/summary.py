@@ -537,6 +537,13 @@ LINEAR_TARGETS = [
       for mode, goal in (("bidir", 1.5), ("causal", 1.5))],
     Target(f"linear attention causal forward / GMA causal forward, r = K = 64 (N={N})",
            lambda m: m.time("linear_forward_causal") / m.time("gma_forward_causal"), ("<=", 1)),
+    # Performer (bench_linear, SPEC §5): the same read/write with m = 256 random features, plus
+    # the feature projections X Wᵀ (and, backward, the exponents' gradient times W) in its floor.
+    *[Target(f"Performer {mode} {label} / its GEMM floor (N={N})",
+             (lambda op: lambda m: m.time(op) / m.time("floor_" + op))(f"performer_{kind}_{mode}"),
+             ("<=", 1.5))
+      for kind, label in (("forward", "forward"), ("fwd_bwd", "fwd+bwd"))
+      for mode in ("bidir", "causal")],
 ]
 
 
@@ -627,6 +634,7 @@ PRODUCERS = [
     ("gma_separate_", ["bench_batched"]), ("layer_", ["bench_batched"]),
     ("gma_", ["bench_gma"]), ("floor_gma_", ["bench_gma"]),
     ("linear_", ["bench_linear"]), ("floor_linear_", ["bench_linear"]),
+    ("performer_", ["bench_linear"]), ("floor_performer_", ["bench_linear"]),
     ("ovq_", ["bench_ovq"]), ("floor_ovq_", ["bench_ovq"]),
     ("flash_forward_causal", ["bench_reference", "bench_ovq"]),
     ("naive_", ["bench_reference"]), ("flash_", ["bench_reference"]),
@@ -830,6 +838,10 @@ HEADLINE = [  # (label, operator, N)
     ("linear attention bidirectional forward+backward", "linear_fwd_bwd_bidir", N),
     ("linear attention causal forward", "linear_forward_causal", N),
     ("linear attention causal forward+backward", "linear_fwd_bwd_causal", N),
+    ("Performer (m = 256) bidirectional forward", "performer_forward_bidir", N),
+    ("Performer (m = 256) bidirectional forward+backward", "performer_fwd_bwd_bidir", N),
+    ("Performer (m = 256) causal forward", "performer_forward_causal", N),
+    ("Performer (m = 256) causal forward+backward", "performer_fwd_bwd_causal", N),
 ]
 HEADLINE_HEADER = ["operator (N = 4096 unless said)", "time [min – max]", "ratio to GEMM floor",
                    "fraction of FMA peak (GFLOP/s)", "speed-up vs flash", "peak extra heap"]

@@ -101,6 +101,35 @@ void linear_check_inputs(const char* fn, const ConstMatrixRef<T>& q, const Const
   gma_check_qkv<T>(fn, q.cols(), q, k, v, g);
 }
 
+/// The read-out of SPEC 4.2 given feature matrices (phi_q: N x F, phi_k: M x F, non-negative;
+/// elu + 1 here, Performer's random features in performer.hpp): writes out (N x d_v, sized by
+/// the caller), den (N) and, bidirectionally, kv = Phi_K^T V and ksum = Phi_K^T 1.
+template <class T>
+void linear_attend(const Matrix<T>& phi_q, const Matrix<T>& phi_k, const ConstMatrixRef<T>& v,
+                   const linear::Options& opt, Matrix<T>& out, Vector<T>& den, Matrix<T>& kv,
+                   Vector<T>& ksum) {
+  using W = wide_t<T>;
+  const Index r = phi_q.cols(), dv = v.cols();
+  const T eps = static_cast<T>(opt.eps);
+  den.resize(phi_q.rows());
+  if (opt.causal) {
+    Matrix<W> S = Matrix<W>::Zero(r, dv);
+    Vector<W> z = Vector<W>::Zero(r);
+    GmaScanScratch<T> scan;
+    gma_causal_forward<T>(phi_q, phi_k, v, eps, linear_chunk(opt), out, den, S, z, scan);
+  } else {
+    // write KV = Phi_K^T V, z = Phi_K^T 1; read numerators by GEMM, denominators by GEMV
+    kv.resize(r, dv);
+    kv.noalias() = phi_k.transpose() * v;
+    ksum.setZero(r);
+    if (phi_k.rows() > 0) ksum = phi_k.colwise().sum().transpose();  // (no columns of empty data)
+    out.noalias() = phi_q * kv;
+    den.noalias() = phi_q * ksum;
+    den.array() += eps;
+    out.array().colwise() /= den.array();
+  }
+}
+
 template <class T>
 void linear_fingerprints(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                          const ConstMatrixRef<T>& v, std::uint64_t* out) {
@@ -109,12 +138,41 @@ void linear_fingerprints(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   out[2] = fingerprint(v);
 }
 
+/// Forward from feature matrices (SPEC 4.2 read-out, overflow check, the record for backward),
+/// shared by linear::forward and performer::forward. q, k, v: only fingerprinted.
+template <class T>
+Matrix<T> linear_forward_features(const char* fn, const ConstMatrixRef<T>& q,
+                                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                                  Matrix<T>&& phi_q, Matrix<T>&& phi_k, const linear::Options& opt,
+                                  linear::Saved<T>* saved) {
+  Matrix<T> kv, out(q.rows(), v.cols());
+  Vector<T> den, ksum;
+  linear_attend<T>(phi_q, phi_k, v, opt, out, den, kv, ksum);
+  // The output is a sub-convex combination of v's rows; only the sums can overflow.
+  if (opt.check_finite) require_finite_result(out, fn, "the output", "q, k or v is");
+  if (saved) {
+    saved->phi_q = std::move(phi_q);
+    saved->phi_k = std::move(phi_k);
+    saved->den = std::move(den);
+    saved->out = out;
+    saved->kv = std::move(kv);
+    saved->ksum = std::move(ksum);
+    saved->causal = opt.causal;
+    saved->eps = opt.eps;
+    saved->chunk = linear_chunk(opt);
+    linear_fingerprints<T>(q, k, v, saved->fingerprint);
+    saved->valid = true;
+  }
+  return out;
+}
+
 template <class T>
 void linear_check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                            const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
-                           const linear::Saved<T>& saved, const linear::Options& opt) {
+                           const linear::Saved<T>& saved, const linear::Options& opt,
+                           Index features) {
   linear_check_inputs<T>(fn, q, k, v, opt);
-  const Index N = q.rows(), M = k.rows(), r = q.cols(), dv = v.cols();
+  const Index N = q.rows(), M = k.rows(), r = features, dv = v.cols();
   require(grad_out.rows() == N && grad_out.cols() == dv, fn, "grad_out is ", shape_str(grad_out),
           " but the output is ", N, " x ", dv, " (q rows x v columns)");
   if (opt.check_finite) require_finite(grad_out, fn, "grad_out");
@@ -123,8 +181,8 @@ void linear_check_backward(const char* fn, const ConstMatrixRef<T>& q, const Con
               saved.phi_k.cols() == r && saved.den.size() == N && saved.out.rows() == N &&
               saved.out.cols() == dv,
           fn, "saved is for N = ", saved.phi_q.rows(), ", M = ", saved.phi_k.rows(),
-          ", r = ", saved.phi_q.cols(), ", d_v = ", saved.out.cols(),
-          " but the inputs have N = ", N, ", M = ", M, ", r = ", r, ", d_v = ", dv);
+          ", features = ", saved.phi_q.cols(), ", d_v = ", saved.out.cols(),
+          " but the inputs have N = ", N, ", M = ", M, ", features = ", r, ", d_v = ", dv);
   require(saved.causal == opt.causal && saved.eps == opt.eps && saved.chunk == linear_chunk(opt),
           fn, "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
           ", chunk = ", saved.chunk, " but options give causal = ", opt.causal, ", eps = ", opt.eps,
@@ -186,6 +244,37 @@ void linear_backward_causal(const ConstMatrixRef<T>& v, const ConstMatrixRef<T>&
                          nullptr, nullptr, G, u, scan);
 }
 
+/// The backward around a feature map: dPhi_Q, dPhi_K (SPEC 4.3) into grad.q, grad.k and dV into
+/// grad.v, then feature_backward(grad) turns the first two into dQ, dK (N x r, M x r), then the
+/// overflow checks. Shared by linear::backward and performer::backward.
+template <class T, class FeatureBackward>
+linear::Grad<T> linear_backward_features(const char* fn, Index r, Index M,
+                                         const ConstMatrixRef<T>& v,
+                                         const ConstMatrixRef<T>& grad_out,
+                                         const linear::Saved<T>& saved, const linear::Options& opt,
+                                         FeatureBackward&& feature_backward) {
+  linear::Grad<T> grad;
+  if (saved.phi_q.rows() == 0) {  // no query reads anything (and an empty matrix has no columns)
+    grad.q.resize(0, r);
+    grad.k.setZero(M, r);
+    grad.v.setZero(M, v.cols());
+    return grad;
+  }
+  grad.v.resize(M, v.cols());
+  if (opt.causal)
+    linear_backward_causal<T>(v, grad_out, saved, grad.q, grad.k, grad.v);
+  else
+    linear_backward_bidirectional<T>(v, grad_out, saved, grad.q, grad.k, grad.v);
+  feature_backward(grad);
+  if (opt.check_finite) {  // overflow: q, k, v or grad_out near T's range, or a tiny eps
+    const char* culprit = "q, k, v or grad_out is";
+    require_finite_result(grad.q, fn, "the gradient of q", culprit);
+    require_finite_result(grad.k, fn, "the gradient of k", culprit);
+    require_finite_result(grad.v, fn, "the gradient of v", culprit);
+  }
+  return grad;
+}
+
 }  // namespace detail
 
 namespace linear {
@@ -200,47 +289,11 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
   static constexpr const char* fn = "mixattn::linear::forward";
   detail::linear_check_inputs<T>(fn, q, k, v, opt);
-  using W = detail::wide_t<T>;
-  const Index N = q.rows(), r = q.cols(), dv = v.cols();
-  const T eps = static_cast<T>(opt.eps);
-  Matrix<T> phi_q, phi_k, kv;
-  Vector<T> den(N), ksum;
+  Matrix<T> phi_q, phi_k;
   detail::linear_features<T>(q, phi_q);
   detail::linear_features<T>(k, phi_k);
-  Matrix<T> out(N, dv);
-  if (opt.causal) {
-    Matrix<W> S = Matrix<W>::Zero(r, dv);
-    Vector<W> z = Vector<W>::Zero(r);
-    detail::GmaScanScratch<T> scan;
-    detail::gma_causal_forward<T>(phi_q, phi_k, v, eps, detail::linear_chunk(opt), out, den, S, z,
-                                  scan);
-  } else {
-    // write KV = Phi_K^T V, z = Phi_K^T 1; read numerators by GEMM, denominators by GEMV
-    kv.resize(r, dv);
-    kv.noalias() = phi_k.transpose() * v;
-    ksum.setZero(r);
-    if (phi_k.rows() > 0) ksum = phi_k.colwise().sum().transpose();  // (no columns of empty data)
-    out.noalias() = phi_q * kv;
-    den.noalias() = phi_q * ksum;
-    den.array() += eps;
-    out.array().colwise() /= den.array();
-  }
-  // The output is a sub-convex combination of v's rows; only the sums can overflow.
-  if (opt.check_finite) detail::require_finite_result(out, fn, "the output", "q, k or v is");
-  if (saved) {
-    saved->phi_q = std::move(phi_q);
-    saved->phi_k = std::move(phi_k);
-    saved->den = std::move(den);
-    saved->out = out;
-    saved->kv = std::move(kv);
-    saved->ksum = std::move(ksum);
-    saved->causal = opt.causal;
-    saved->eps = opt.eps;
-    saved->chunk = detail::linear_chunk(opt);
-    detail::linear_fingerprints<T>(q, k, v, saved->fingerprint);
-    saved->valid = true;
-  }
-  return out;
+  return detail::linear_forward_features<T>(fn, q, k, v, std::move(phi_q), std::move(phi_k), opt,
+                                            saved);
 }
 
 /// Linear attention backward (SPEC 4.3): gradients of sum(grad_out . forward(q, k, v)) with
@@ -252,28 +305,12 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
                  const ConstMatrixRef<T>& grad_out, const Saved<T>& saved,
                  const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::linear::backward";
-  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved, opt);
-  Grad<T> grad;
-  if (q.rows() == 0) {  // no query reads anything (and a column of an empty matrix has no data)
-    grad.q.resize(0, q.cols());
-    grad.k.setZero(k.rows(), k.cols());
-    grad.v.setZero(v.rows(), v.cols());
-    return grad;
-  }
-  grad.v.resize(v.rows(), v.cols());
-  if (opt.causal)
-    detail::linear_backward_causal<T>(v, grad_out, saved, grad.q, grad.k, grad.v);
-  else
-    detail::linear_backward_bidirectional<T>(v, grad_out, saved, grad.q, grad.k, grad.v);
-  detail::linear_feature_backward<T>(saved.phi_q, grad.q);
-  detail::linear_feature_backward<T>(saved.phi_k, grad.k);
-  if (opt.check_finite) {  // overflow: q, k, v or grad_out near T's range, or a tiny eps
-    const char* culprit = "q, k, v or grad_out is";
-    detail::require_finite_result(grad.q, fn, "the gradient of q", culprit);
-    detail::require_finite_result(grad.k, fn, "the gradient of k", culprit);
-    detail::require_finite_result(grad.v, fn, "the gradient of v", culprit);
-  }
-  return grad;
+  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved, opt, q.cols());
+  return detail::linear_backward_features<T>(
+      fn, q.cols(), k.rows(), v, grad_out, saved, opt, [&](Grad<T>& grad) {
+        detail::linear_feature_backward<T>(saved.phi_q, grad.q);
+        detail::linear_feature_backward<T>(saved.phi_k, grad.k);
+      });
 }
 
 // Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a

@@ -6,6 +6,7 @@
 #include "mixattn/ovq.hpp"
 #include "mixattn/reference.hpp"
 #include "mixattn/linear.hpp"
+#include "mixattn/performer.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/batched.hpp"
 #include "mixattn/packed.hpp"

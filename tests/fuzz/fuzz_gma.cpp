@@ -1,19 +1,22 @@
 // libFuzzer target: Gaussian Mixture Attention (SPEC §1), forward and backward, bidirectional and
 // causal (any chunk length), plus responsibilities; and linear attention (SPEC §4, the same causal
-// scan) on the same inputs and options. Decodes the mixture (K ≤ 8 components, r ≤ 16, hostile
+// scan) and Performer (SPEC §5, random features on that scan) on the same inputs and options.
+// Decodes the mixture (K ≤ 8 components, r ≤ 16, hostile
 // means, raw variances, prior logits, var_floor), options (eps, chunk, causal with N != M,
 // check_finite) and inputs (≤ 64 tokens, NaN/Inf/huge/tiny/zero/duplicate rows), and holds every
 // call to the oracle in fuzz_common.hpp. Where the inputs are moderate, causal results must not
 // depend on the chunk length, responsibility rows must lie on the simplex and linear attention
-// must match its O(N^2) double twin.
+// and Performer must match their O(N^2) double twins.
 #include <mixattn/gma.hpp>
 #include <mixattn/linear.hpp>
+#include <mixattn/performer.hpp>
 
 #include "fuzz_common.hpp"
 
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 namespace {
 
@@ -22,6 +25,7 @@ using mixattn::Matrix;
 using mixattn::Vector;
 namespace gma = mixattn::gma;
 namespace linear = mixattn::linear;
+namespace performer = mixattn::performer;
 namespace fz = mixattn::fuzz;
 
 using fz::max_abs;
@@ -50,6 +54,96 @@ Matrix<double> linear_oracle(const Matrix<T>& q, const Matrix<T>& k, const Matri
   return out;
 }
 
+/// SPEC 5.2 in double: U = s X W^T - s^2 |x|^2 / 2, Phi = e^(U - c) / sqrt(m) with c the
+/// query row's / all keys' largest U, then SPEC 4.2's read-out.
+template <class T>
+Matrix<double> performer_oracle(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                                const Matrix<T>& w, const performer::Options& opt) {
+  const double s = opt.scale > 0 ? opt.scale : std::pow(double(q.cols()), -0.25);
+  const auto exponents = [&](const Matrix<T>& x) {
+    const Matrix<double> d = x.template cast<double>();
+    Matrix<double> u = s * d * w.template cast<double>().transpose();
+    u.array().colwise() -= s * s / 2 * d.rowwise().squaredNorm().array();
+    return u;
+  };
+  Matrix<double> uq = exponents(q), uk = exponents(k);
+  uq.array().colwise() -= uq.rowwise().maxCoeff().array();
+  if (uk.size() > 0) uk.array() -= uk.maxCoeff();
+  Matrix<double> a = uq.array().exp().matrix() * uk.array().exp().matrix().transpose() / w.rows();
+  if (opt.causal) a.template triangularView<Eigen::StrictlyUpper>().setZero();
+  const Vector<double> d = a.rowwise().sum().array() + opt.eps;
+  Matrix<double> out = a * v.template cast<double>();
+  out.array().colwise() /= d.array();
+  return out;
+}
+
+/// The operators on the scan, as feature_case calls them.
+template <class T>
+struct LinearOp {
+  using Options = linear::Options;
+  using Saved = linear::Saved<T>;
+  static constexpr const char* name = "linear";
+  fz::Flags flags;  // of what the operator reads beyond q, k, v: nothing
+  bool invalid(const Options&, Index) const { return false; }
+  // Compared with the oracle for entries up to 1e4, to rounding of sums of at most r + M <= 80
+  // terms of one sign, relative to max |v|.
+  double moderate(bool) const { return 1e4; }
+  double tol(bool is_float) const { return is_float ? 1e-4 : 1e-10; }
+  // phi grows like |x|: the sums reach r M (1 + A)^3 for entries up to A.
+  double growth(double a, Index r, Index m) const {
+    return static_cast<double>(r) * static_cast<double>(m) * (1 + a) * (1 + a) * (1 + a);
+  }
+  Matrix<T> forward(const fz::Strided<T>& q, const fz::Strided<T>& k, const fz::Strided<T>& v,
+                    const Options& o, Saved* sv) const {
+    return linear::forward<T>(q.view(), k.view(), v.view(), o, sv);
+  }
+  linear::Grad<T> backward(const fz::Strided<T>& q, const fz::Strided<T>& k,
+                           const fz::Strided<T>& v, const fz::Strided<T>& g, const Saved& sv,
+                           const Options& o) const {
+    return linear::backward<T>(q.view(), k.view(), v.view(), g.view(), sv, o);
+  }
+  Matrix<double> oracle(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                        const Options& o) const {
+    return linear_oracle(q, k, v, o.causal, o.eps);
+  }
+};
+
+template <class T>
+struct PerformerOp {
+  using Options = performer::Options;
+  using Saved = performer::Saved<T>;
+  static constexpr const char* name = "performer";
+  performer::Features<T> f;
+  fz::Flags flags;  // of W
+  bool invalid(const Options& o, Index r) const {
+    return f.w.rows() == 0 || f.w.cols() != r || !(o.scale >= 0) ||
+           !std::isfinite(static_cast<T>(o.scale));
+  }
+  // The exponents s w . x (r <= 16 terms of entries up to A) carry ~16 A^2 u absolute
+  // rounding, which is the weights' relative error: A <= 8 in float gives ~6e-5, A <= 100 in
+  // double ~2e-11, under the tolerances by ~10x.
+  double moderate(bool is_float) const { return is_float ? 8 : 100; }
+  double tol(bool is_float) const { return is_float ? 1e-3 : 1e-9; }
+  // Features are <= 1/sqrt(m) whatever the inputs; s w . x and s^2 |x|^2 (s <= 2) and the
+  // read-out's sums of M values must stay in range.
+  double growth(double a, Index r, Index m) const {
+    return 4.0 * static_cast<double>(r) * (1 + a) * (1 + a) + static_cast<double>(m) * (1 + a);
+  }
+  Matrix<T> forward(const fz::Strided<T>& q, const fz::Strided<T>& k, const fz::Strided<T>& v,
+                    const Options& o, Saved* sv) const {
+    return performer::forward<T>(q.view(), k.view(), v.view(), f, o, sv);
+  }
+  performer::Grad<T> backward(const fz::Strided<T>& q, const fz::Strided<T>& k,
+                              const fz::Strided<T>& v, const fz::Strided<T>& g, const Saved& sv,
+                              const Options& o) const {
+    return performer::backward<T>(q.view(), k.view(), v.view(), g.view(), f, sv, o);
+  }
+  Matrix<double> oracle(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                        const Options& o) const {
+    return performer_oracle(q, k, v, f.w, o);
+  }
+};
+
 /// What linear attention is given: the GMA case's q, k, v, grad_out and options.
 template <class T>
 struct LinearCase {
@@ -65,14 +159,14 @@ struct LinearCase {
   bool padded;
 };
 
-/// Linear attention's oracle: validation, finiteness, sub-convex outputs (positive weights
-/// summing to less than 1), the double oracle and chunk independence on moderate inputs, and
-/// backward with the same record mismatches as GMA's.
-template <class T>
-void linear_case(const LinearCase<T>& c) {
+/// Linear attention's and Performer's oracle: validation, finiteness, sub-convex outputs
+/// (positive weights summing to less than 1), the double oracle and chunk independence on
+/// moderate inputs, and backward with the same record mismatches as GMA's.
+template <class T, class Op>
+void feature_case(const LinearCase<T>& c, const Op& op, typename Op::Options opt) {
   const bool is_float = std::is_same<T, float>::value;
   const Index n = c.q.rows(), m = c.k.rows(), r = c.q.cols(), dv = c.v.cols();
-  linear::Options opt;
+  const auto why = [](const char* what) { return std::string(Op::name) + " " + what; };
   opt.causal = c.gopt.causal;
   opt.eps = c.gopt.eps;
   opt.chunk = c.gopt.chunk;
@@ -80,52 +174,48 @@ void linear_case(const LinearCase<T>& c) {
   fz::Expect ex;
   ex.check_finite = opt.check_finite;
   ex.flags = c.flags;
+  ex.flags.merge(op.flags);
   ex.invalid = c.k.cols() != r || c.v.rows() != m || (opt.causal && n != m) || (n > 0 && m == 0) ||
                !(opt.eps > 0) || !std::isfinite(opt.eps) || static_cast<T>(opt.eps) == T(0) ||
-               opt.chunk < 0;
-  // phi grows like |x|: the sums reach r M (1 + A)^3 for entries up to A.
+               opt.chunk < 0 || op.invalid(opt, r);
   const double a = ex.flags.max_abs;
-  if (static_cast<double>(r) * static_cast<double>(m) * (1 + a) * (1 + a) * (1 + a) >
-      (is_float ? 1e37 : 1e306))
-    ex.flags.extreme = true;
+  if (op.growth(a, r, m) > (is_float ? 1e37 : 1e306)) ex.flags.extreme = true;
   const auto unchanged = [&] {
     return fz::same_bits(c.qs.view(), c.q) && fz::same_bits(c.ks.view(), c.k) &&
            fz::same_bits(c.vs.view(), c.v);
   };
-  linear::Saved<T> saved;
+  typename Op::Saved saved;
   Matrix<T> out;
-  const fz::Outcome fo = fz::run(
-      ex, [&] { out = linear::forward<T>(c.qs.view(), c.ks.view(), c.vs.view(), opt, &saved); });
-  MIXATTN_FUZZ_CHECK(unchanged(), "linear::forward wrote through an input");
+  const fz::Outcome fo = fz::run(ex, [&] { out = op.forward(c.qs, c.ks, c.vs, opt, &saved); });
+  MIXATTN_FUZZ_CHECK(unchanged(), why("forward wrote through an input").c_str());
   if (fo != fz::Outcome::returned) return;
-  fz::check_result(out, n, dv, ex.must_be_finite(), "linear forward output");
+  fz::check_result(out, n, dv, ex.must_be_finite(), why("forward output").c_str());
   if (ex.must_be_finite() && m > 0)
     MIXATTN_FUZZ_CHECK(max_abs(out) <= max_abs(c.v) * (1 + 1e-4) + 1e-30,
-                       "linear output outside the convex hull of the values");
-  const bool moderate = ex.must_be_finite() && a <= 1e4 && opt.eps >= 1e-6;
+                       why("output outside the convex hull of the values").c_str());
+  const bool moderate = ex.must_be_finite() && a <= op.moderate(is_float) && opt.eps >= 1e-6;
   if (moderate) {
-    // Rounding of sums of at most r + M <= 80 terms of one sign, relative to max |v|.
-    const double tol = (is_float ? 1e-4 : 1e-10) * (max_abs(c.v) + 1e-300);
-    MIXATTN_FUZZ_CHECK(max_abs(out.template cast<double>() -
-                               linear_oracle(c.q, c.k, c.v, opt.causal, opt.eps)) <= tol,
-                       "linear forward differs from the double oracle");
+    const double tol = op.tol(is_float) * (max_abs(c.v) + 1e-300);
+    MIXATTN_FUZZ_CHECK(max_abs(out.template cast<double>() - op.oracle(c.q, c.k, c.v, opt)) <= tol,
+                       why("forward differs from the double oracle").c_str());
     if (opt.causal) {
-      linear::Options o2 = opt;
+      typename Op::Options o2 = opt;
       o2.chunk = c.chunk2;
-      const Matrix<T> out2 = linear::forward<T>(c.qs.view(), c.ks.view(), c.vs.view(), o2);
-      MIXATTN_FUZZ_CHECK(max_abs(out2 - out) <= tol, "linear result depends on the chunk length");
+      const Matrix<T> out2 = op.forward(c.qs, c.ks, c.vs, o2, nullptr);
+      MIXATTN_FUZZ_CHECK(max_abs(out2 - out) <= tol,
+                         why("result depends on the chunk length").c_str());
     }
   }
   fz::Expect bex = ex;
   bex.flags.merge(c.grad_flags);
-  // Gradients stay below ~1e21 for |x| <= 1e4 and eps >= 1e-6; beyond, overflow may be
-  // reported (domain_error) or, unchecked, returned.
+  // Gradients stay below ~1e21 for moderate inputs, |grad_out| <= 1e4 and eps >= 1e-6;
+  // beyond, overflow may be reported (domain_error) or, unchecked, returned.
   const bool finite = moderate && !c.grad_flags.non_finite && c.grad_flags.max_abs <= 1e4;
   if (!finite) bex.flags.extreme = true;
   Matrix<T> g = c.dout;
-  linear::Saved<T> empty;
-  const linear::Saved<T>* sv = &saved;
-  linear::Options bopt = opt;
+  typename Op::Saved empty;
+  const typename Op::Saved* sv = &saved;
+  typename Op::Options bopt = opt;
   switch (c.backward_mode % 10) {
     case 0:
       g = Matrix<T>::Zero(n + 1, dv);
@@ -148,16 +238,14 @@ void linear_case(const LinearCase<T>& c) {
   }
   const fz::Strided<T> gs = fz::strided(g, c.padded);
   linear::Grad<T> grad;
-  const fz::Outcome bo = fz::run(bex, [&] {
-    grad = linear::backward<T>(c.qs.view(), c.ks.view(), c.vs.view(), gs.view(), *sv, bopt);
-  });
+  const fz::Outcome bo = fz::run(bex, [&] { grad = op.backward(c.qs, c.ks, c.vs, gs, *sv, bopt); });
   MIXATTN_FUZZ_CHECK(unchanged() && fz::same_bits(gs.view(), g),
-                     "linear::backward wrote through an input");
+                     why("backward wrote through an input").c_str());
   if (bo != fz::Outcome::returned) return;
   const bool must = finite || (opt.check_finite && !bex.invalid && !bex.flags.non_finite);
-  fz::check_result(grad.q, n, r, must, "linear grad q");
-  fz::check_result(grad.k, m, r, must, "linear grad k");
-  fz::check_result(grad.v, m, dv, must, "linear grad v");
+  fz::check_result(grad.q, n, r, must, why("grad q").c_str());
+  fz::check_result(grad.k, m, r, must, why("grad k").c_str());
+  fz::check_result(grad.v, m, dv, must, why("grad v").c_str());
 }
 
 template <class T>
@@ -239,10 +327,23 @@ void run_case(fz::Bytes& in) {
   const gma::Mixture<T> mix_copy = mix;
   const fz::Strided<T> qs = fz::strided(q, padded), ks = fz::strided(k, padded),
                        vs = fz::strided(v, padded);
-  // Causal GMA and linear attention share the causal scan: the same inputs and options drive
-  // linear attention (SPEC 4) before GMA's own checks.
-  linear_case<T>(LinearCase<T>{q, k, v, dout, qs, ks, vs, opt, q_flags, grad_flags, chunk2,
-                               backward_mode, padded});
+  // Causal GMA, linear attention and Performer share the causal scan: the same inputs and
+  // options drive linear attention (SPEC 4) and Performer (SPEC 5; its W and scale decoded
+  // last, so earlier inputs keep their meaning) before GMA's own checks.
+  const LinearCase<T> lc{q,       k,          v,      dout, qs, ks, vs, opt, q_flags,
+                         grad_flags, chunk2, backward_mode, padded};
+  feature_case<T>(lc, LinearOp<T>{}, linear::Options{});
+  {
+    PerformerOp<T> op;
+    const Index features = in.range(0, 12);
+    const Index wr = in.u8() % 8 == 0 ? r + 1 : r;
+    op.f.w = fz::matrix<T>(in, features, wr, op.flags);
+    static constexpr double scale_menu[] = {
+        0, 0, 0, 0.5, 2, -1, std::numeric_limits<double>::quiet_NaN()};
+    performer::Options popt;
+    popt.scale = in.pick(scale_menu);
+    feature_case<T>(lc, op, popt);
+  }
   const auto inputs_unchanged = [&] {
     return same_mixture(mix, mix_copy) && fz::same_bits(qs.view(), q) &&
            fz::same_bits(ks.view(), k) && fz::same_bits(vs.view(), v);

@@ -1,0 +1,275 @@
+// mixattn/performer.hpp — Performer attention with FAVOR+ positive random features (Choromanski
+// et al. 2021, "Rethinking Attention with Performers"), the baseline of SPEC.md section 5,
+// forward and backward, bidirectional and causal.
+//
+// With m random directions w_l (the rows of a constant m x r matrix W, drawn from a seed) and the
+// scale s (default r^(-1/4)), every row x of q and k gets the m features
+//   phi(x)_l = exp(s w_l . x - s^2 |x|^2 / 2 - c) / sqrt(m),
+// whose products estimate the softmax kernel: E[phi(q) . phi(k)] = exp(s^2 q . k) e^(-c_q - c_k).
+// c is the stabiliser (SPEC 5.2), as in the FAVOR+ reference: per query row the row's largest
+// exponent, for keys one largest exponent over the whole call; it changes the result only
+// through eps. Then it is linear attention (SPEC 4.2)
+// with these features: the read-out, the causal chunked scan (detail/gma_scan.hpp) and the
+// backward to the features are linear.hpp's, shared, not copied. Cost O((N + M) m (r + d_v)).
+//
+// Thread safety: every function is reentrant; distinct calls may run concurrently.
+#pragma once
+
+#include "mixattn/core.hpp"
+#include "mixattn/linear.hpp"
+
+#include <Eigen/Core>
+#include <Eigen/QR>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <utility>
+
+MIXATTN_BEGIN_NAMESPACE
+namespace performer {
+
+/// How the m x r directions are drawn (SPEC 5.1).
+enum class Draw {
+  orthogonal,  // blocks of r exactly orthogonal rows, each scaled by an independent chi_r norm
+  iid,         // every entry N(0, 1) independently
+};
+
+/// The random features' directions W (m x r), a constant input of forward and backward: no
+/// gradient flows to it. Redraw it (a new seed) between training steps as the paper does, or
+/// keep it fixed; a backward must be given the W its forward saw.
+template <class T>
+struct Features {
+  Matrix<T> w;  // m x r, row l is the direction w_l
+  Draw draw = Draw::orthogonal;
+
+  /// m features for dimension r from `seed`: the same W on every platform for a given seed
+  /// (mt19937_64 and Box-Muller in double, rounded to T last, so float and double agree).
+  static Features random(Index m, Index r, std::uint64_t seed, Draw draw = Draw::orthogonal);
+  /// A new W of the same shape and kind from another seed.
+  void redraw(std::uint64_t seed) { *this = random(w.rows(), w.cols(), seed, draw); }
+  Index count() const { return w.rows(); }
+  Index dim() const { return w.cols(); }
+};
+
+/// Linear attention's options (causal, eps, check_finite, chunk; SPEC 4.4) plus the scale.
+struct Options : linear::Options {
+  /// s, applied to q and k inside the features so that phi(q) . phi(k) estimates
+  /// exp(s^2 q . k); 0 picks r^(-1/4), which estimates softmax attention's exp(q . k / sqrt(r))
+  /// (the reference's data_normalizer). >= 0 and finite.
+  double scale = 0;
+};
+
+/// What forward keeps for backward: O((N + M) m + N d_v + m d_v), never O(N M).
+template <class T>
+struct Saved {
+  linear::Saved<T> attn;                         // linear attention's record with phi_q: N x m,
+                                                 // phi_k: M x m the stabilised features
+  Eigen::Matrix<Index, Eigen::Dynamic, 1> q_at;  // N: the l whose s w_l . q_i was subtracted
+  Index k_row = 0, k_col = 0;                    // (j, l) of the key maximum subtracted
+  double scale = 0;                              // options.scale the forward ran with
+  std::uint64_t w_fingerprint = 0;
+};
+
+/// Gradients with respect to q (N x r), k (M x r) and v (M x d_v); W is a constant.
+template <class T>
+using Grad = linear::Grad<T>;
+
+}  // namespace performer
+
+namespace detail {
+
+/// n standard normal draws in double (Box-Muller on 53-bit uniforms: platform-independent,
+/// unlike std::normal_distribution).
+inline void performer_gaussians(std::mt19937_64& rng, double* out, Index n) {
+  const double two_pi = 6.283185307179586476925286766559;
+  const auto unit = [&rng] { return (static_cast<double>(rng() >> 11) + 0.5) * 0x1.0p-53; };
+  for (Index i = 0; i < n; i += 2) {
+    const double radius = std::sqrt(-2.0 * std::log(unit())), angle = two_pi * unit();
+    out[i] = radius * std::cos(angle);
+    if (i + 1 < n) out[i + 1] = radius * std::sin(angle);
+  }
+}
+
+/// The resolved scale s (options.scale, or r^(-1/4) for 0).
+template <class T>
+T performer_scale(const performer::Options& opt, Index r) {
+  return static_cast<T>(opt.scale > 0 ? opt.scale : std::pow(static_cast<double>(r), -0.25));
+}
+
+/// phi = exp(s X W^T - s^2 |x|^2 / 2 - c) / sqrt(m) (SPEC 5.2); x: n x r, phi: n x m. The
+/// stabiliser c is the largest exponent: per_row (queries) c_i = max_l (s w_l . x_i -
+/// s^2 |x_i|^2 / 2), its l in at[i] (the |x_i|^2 term cancels: the exponents are s (w_l -
+/// w_l*) . x_i); otherwise (keys) one c over all (j, l), its (j, l) in (row, col). Every
+/// exponent is <= 0, so phi <= 1/sqrt(m), and every query row has one feature equal to it.
+template <class T>
+void performer_features(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s, bool per_row,
+                        Matrix<T>& phi, Eigen::Matrix<Index, Eigen::Dynamic, 1>* at, Index* row,
+                        Index* col) {
+  const Index n = x.rows(), m = w.rows();
+  phi.resize(n, m);
+  if (n == 0) return;
+  phi.noalias() = x * w.transpose();
+  phi *= s;
+  if (per_row) {
+    at->resize(n);
+    for (Index i = 0; i < n; ++i) {
+      Index l = 0;
+      const T c = phi.row(i).maxCoeff(&l);
+      (*at)[i] = l;
+      phi.row(i).array() -= c;
+    }
+  } else {
+    phi.array().colwise() -= (s * s / T(2)) * x.rowwise().squaredNorm().array();
+    const T c = phi.maxCoeff(row, col);
+    phi.array() -= c;
+  }
+  phi = phi.array().exp() * static_cast<T>(1.0 / std::sqrt(static_cast<double>(m)));
+}
+
+/// Through the feature map (SPEC 5.3), with E = dphi o phi (the gradient of the exponents)
+/// and e_i = sum_l E_il. Queries (exponents s (w_l - w_at[i]) . x_i):
+///   dx_i = s E_i W - s e_i w_at[i].
+/// Keys (exponents s w_l . x_j - s^2 |x_j|^2 / 2 - c, c that of (row, col)):
+///   dx_j = s E_j W - s^2 e_j x_j,  and  dx_row -= (sum_j e_j) (s w_col - s^2 x_row).
+/// dphi: n x m on entry (overwritten with E); returns dx: n x r.
+template <class T>
+Matrix<T> performer_feature_backward(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s,
+                                     const Matrix<T>& phi, Matrix<T>& dphi,
+                                     const Eigen::Matrix<Index, Eigen::Dynamic, 1>* at, Index row,
+                                     Index col) {
+  const Index n = x.rows();
+  Matrix<T> dx(n, w.cols());
+  if (n == 0) return dx;
+  dphi.array() *= phi.array();
+  const Vector<T> e = dphi.rowwise().sum();
+  dx.noalias() = s * dphi * w;
+  if (at != nullptr) {
+    for (Index i = 0; i < n; ++i) dx.row(i) -= (s * e[i]) * w.row((*at)[i]);
+  } else {
+    dx.array() -= (s * s) * (x.array().colwise() * e.array());
+    dx.row(row) -= e.sum() * (s * w.row(col) - (s * s) * x.row(row));
+  }
+  return dx;
+}
+
+template <class T>
+void performer_check(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                     const ConstMatrixRef<T>& v, const performer::Features<T>& f,
+                     const performer::Options& opt) {
+  linear_check_inputs<T>(fn, q, k, v, opt);
+  require(f.w.rows() > 0 && f.w.cols() == q.cols(), fn, "features.w is ", shape_str(f.w),
+          " but q is ", shape_str(q), ": it must be m x ", q.cols(), " with m >= 1");
+  require(opt.scale >= 0 && std::isfinite(opt.scale) && std::isfinite(static_cast<T>(opt.scale)),
+          fn, "options.scale is ", opt.scale, "; it must be >= 0 and finite (0: r^(-1/4))");
+  if (opt.check_finite) require_finite(f.w, fn, "features.w");
+}
+
+}  // namespace detail
+
+namespace performer {
+
+template <class T>
+Features<T> Features<T>::random(Index m, Index r, std::uint64_t seed, Draw draw) {
+  detail::require(m > 0 && r > 0, "mixattn::performer::Features::random", "m is ", m, " and r is ",
+                  r, "; both must be positive");
+  std::mt19937_64 rng(seed);
+  Matrix<double> w(m, r);
+  if (draw == Draw::iid) {
+    detail::performer_gaussians(rng, w.data(), w.size());
+  } else {
+    // Each block of r rows: a Haar-distributed orthogonal matrix (rows exactly orthonormal, each
+    // uniform on the sphere), then row l scaled by the norm of an independent Gaussian r-vector, so
+    // every row keeps the N(0, I) row's length distribution (the reference's scaling = 0).
+    Matrix<double> g(r, r), norms(m, r);
+    for (Index b = 0; b < m; b += r) {
+      detail::performer_gaussians(rng, g.data(), g.size());
+      const Eigen::HouseholderQR<Matrix<double>> qr(g);
+      Matrix<double> qm = qr.householderQ();
+      // Q diag(sign(R_cc)) is Haar-distributed; Householder's Q alone is not (its columns' signs
+      // follow g's), which biases the directions and so the kernel estimate.
+      for (Index c = 0; c < r; ++c)
+        if (qr.matrixQR()(c, c) < 0) qm.col(c) *= -1.0;
+      const Index rows = std::min(r, m - b);
+      w.middleRows(b, rows) = qm.topRows(rows);
+    }
+    detail::performer_gaussians(rng, norms.data(), norms.size());
+    w.array().colwise() *= norms.rowwise().norm().array();
+  }
+  Features f;
+  f.w = w.cast<T>();
+  f.draw = draw;
+  return f;
+}
+
+/// Performer forward (SPEC 5.2). q: N x r, k: M x r, v: M x d_v, row-major (M == N when causal;
+/// M == 0 only with N == 0); features.w: m x r. Returns N x d_v. If `saved` is given it receives
+/// what backward needs. T is not deduced: write performer::forward<float>(q, k, v, features).
+/// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
+/// for non-finite q, k, v or W, or for an output that overflowed T.
+template <class T, detail::enable_if_supported<T> = 0>
+Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const Features<T>& features, const Options& opt = {},
+                  Saved<T>* saved = nullptr) {
+  static constexpr const char* fn = "mixattn::performer::forward";
+  detail::performer_check<T>(fn, q, k, v, features, opt);
+  const T s = detail::performer_scale<T>(opt, q.cols());
+  Matrix<T> phi_q, phi_k;
+  Eigen::Matrix<Index, Eigen::Dynamic, 1> at;
+  Index row = 0, col = 0;
+  detail::performer_features<T>(q, features.w, s, true, phi_q, &at, nullptr, nullptr);
+  detail::performer_features<T>(k, features.w, s, false, phi_k, nullptr, &row, &col);
+  Matrix<T> out = detail::linear_forward_features<T>(
+      fn, q, k, v, std::move(phi_q), std::move(phi_k), opt, saved ? &saved->attn : nullptr);
+  if (saved) {
+    saved->q_at = std::move(at);
+    saved->k_row = row;
+    saved->k_col = col;
+    saved->scale = opt.scale;
+    saved->w_fingerprint = detail::fingerprint(features.w);
+  }
+  return out;
+}
+
+/// Performer backward (SPEC 5.3): gradients of sum(grad_out . forward(q, k, v, features)) with
+/// respect to q (N x r), k (M x r) and v (M x d_v); W is a constant. grad_out: N x d_v; saved:
+/// filled by forward with the same q, k, v, features and options. With check_finite,
+/// non-finite grad_out or overflowed gradients throw std::domain_error.
+template <class T, detail::enable_if_supported<T> = 0>
+Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 const ConstMatrixRef<T>& grad_out, const Features<T>& features,
+                 const Saved<T>& saved, const Options& opt = {}) {
+  static constexpr const char* fn = "mixattn::performer::backward";
+  detail::performer_check<T>(fn, q, k, v, features, opt);
+  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, features.count());
+  detail::require(saved.scale == opt.scale && saved.q_at.size() == q.rows(), fn,
+                  "saved was made with scale = ", saved.scale,
+                  " but options give scale = ", opt.scale);
+  if (detail::fingerprint(features.w) != saved.w_fingerprint)
+    detail::raise_other_data(fn, "saved", "features.w");
+  const T s = detail::performer_scale<T>(opt, q.cols());
+  return detail::linear_backward_features<T>(
+      fn, q.cols(), k.rows(), v, grad_out, saved.attn, opt, [&](Grad<T>& grad) {
+        grad.q = detail::performer_feature_backward<T>(q, features.w, s, saved.attn.phi_q, grad.q,
+                                                       &saved.q_at, 0, 0);
+        grad.k = detail::performer_feature_backward<T>(k, features.w, s, saved.attn.phi_k, grad.k,
+                                                       nullptr, saved.k_row, saved.k_col);
+      });
+}
+
+// Compile-time refusals (core.hpp, refuse_arguments), as in linear.hpp.
+template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
+Matrix<T> forward(const Q&, const K&, const V&, const Features<T>&, const Options& = {},
+                  Saved<T>* = nullptr) {
+  detail::refuse_arguments<T, Q, K, V>();
+  return {};
+}
+template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
+Grad<T> backward(const Q&, const K&, const V&, const G&, const Features<T>&, const Saved<T>&,
+                 const Options& = {}) {
+  detail::refuse_arguments<T, Q, K, V, G>();
+  return {};
+}
+
+}  // namespace performer
+MIXATTN_END_NAMESPACE

@@ -1,0 +1,375 @@
+// The papers' baselines beyond linear attention: Performer / FAVOR+ (SPEC.md section 5). Forward
+// against a direct double loop over (i, j) from the definition (no stabiliser), the random draw's
+// properties, every backward against central differences in double, argument validation.
+#include <mixattn/performer.hpp>
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using mixattn::Index;
+using mixattn::Matrix;
+using mixattn::testing::all_close;
+using mixattn::testing::expect_throw;
+using mixattn::testing::numeric_gradient;
+using mixattn::testing::random_matrix;
+namespace performer = mixattn::performer;
+
+struct Shape {
+  Index n, m, r, dv, features;
+  bool causal;
+  Index chunk;  // 0: default
+};
+
+// N != M, N = 1, m < r, m > r and not a multiple of r, causal lengths around the default chunk
+// (32) and small explicit chunks that leave a partial last chunk.
+const Shape kShapes[] = {{1, 1, 3, 2, 5, false, 0},   {5, 8, 4, 3, 6, false, 0},
+                         {9, 3, 2, 5, 1, false, 0},   {1, 1, 3, 2, 4, true, 0},
+                         {37, 37, 5, 4, 12, true, 0}, {13, 13, 4, 3, 9, true, 4},
+                         {9, 9, 2, 2, 3, true, 1},    {6, 6, 4, 3, 2, true, 0}};
+
+performer::Options options(const Shape& s, double eps = 1e-6) {
+  performer::Options o;
+  o.causal = s.causal;
+  o.chunk = s.chunk;
+  o.eps = eps;
+  return o;
+}
+
+/// The definition in double, term by term, without stabilising the features: with the
+/// exponents u(x)_l = s w_l . x - s^2 |x|^2 / 2, a_ij = phi(q_i) . phi(k_j) = (1/m) sum_l
+/// e^(u(q_i)_l + u(k_j)_l), and the read-out of SPEC 4.2 with the guard SPEC 5.2 says the
+/// stabiliser turns eps into: eps e^(c_i + c_K), c_i = max_l u(q_i)_l, c_K = max_{j,l} u(k_j)_l.
+/// Evaluated in log space (log a_ij by log-sum-exp, then a softmax over j and the guard), so it
+/// stays exact where e^u overflows.
+template <class T>
+Matrix<double> twin(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v, const Matrix<T>& w,
+                    bool causal, double eps, double s = 0) {
+  const Index n = q.rows(), m = k.rows(), r = q.cols(), dv = v.cols(), f = w.rows();
+  if (s == 0) s = std::pow(double(r), -0.25);
+  const auto u = [&](const Matrix<T>& x, Index i, Index l) {
+    double a = 0, sq = 0;
+    for (Index c = 0; c < r; ++c) {
+      a += s * double(w(l, c)) * double(x(i, c));
+      sq += double(x(i, c)) * double(x(i, c));
+    }
+    return a - s * s * sq / 2;
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  double c_k = -inf;
+  for (Index j = 0; j < m; ++j)
+    for (Index l = 0; l < f; ++l) c_k = std::max(c_k, u(k, j, l));
+  Matrix<double> out = Matrix<double>::Zero(n, dv);
+  for (Index i = 0; i < n; ++i) {
+    double c_i = -inf;
+    for (Index l = 0; l < f; ++l) c_i = std::max(c_i, u(q, i, l));
+    const Index visible = causal ? i + 1 : m;
+    std::vector<double> log_a(visible);
+    double top = std::log(eps) + c_i + c_k;  // the guard's log
+    for (Index j = 0; j < visible; ++j) {
+      double mx = -inf, sum = 0;
+      for (Index l = 0; l < f; ++l) mx = std::max(mx, u(q, i, l) + u(k, j, l));
+      for (Index l = 0; l < f; ++l) sum += std::exp(u(q, i, l) + u(k, j, l) - mx);
+      log_a[j] = mx + std::log(sum / double(f));
+      top = std::max(top, log_a[j]);
+    }
+    double den = std::exp(std::log(eps) + c_i + c_k - top);
+    for (Index j = 0; j < visible; ++j) {
+      const double a = std::exp(log_a[j] - top);
+      den += a;
+      for (Index c = 0; c < dv; ++c) out(i, c) += a * double(v(j, c));
+    }
+    out.row(i) /= den;
+  }
+  return out;
+}
+
+template <class T>
+struct Tol;
+// float: the features carry ~r * 6e-8 relative rounding in the exponent (|s w . x| <~ 10, so
+// ~1e-6 relative in phi), the sums over M <= 37 keys another 37 * 6e-8, the state is in double,
+// and O(1) outputs are ratios of positive sums: 5e-5 relative / 5e-6 absolute leaves ~10x.
+template <>
+struct Tol<float> {
+  static constexpr double rtol = 5e-5, atol = 5e-6;
+};
+// double: the same argument at 1.1e-16 gives ~1e-14; 1e-11 leaves a margin of ~100 over
+// exp's amplification of the exponent's rounding.
+template <>
+struct Tol<double> {
+  static constexpr double rtol = 1e-11, atol = 1e-12;
+};
+
+template <class T>
+class Performer : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+struct ScalarName {
+  template <class T>
+  static std::string GetName(int) {
+    return std::is_same<T, float>::value ? "float" : "double";
+  }
+};
+TYPED_TEST_SUITE(Performer, Scalars, ScalarName);
+
+// Both draws, both modes; eps = 1e-6 (the default) and 0.05, where eps e^(c_i + c_K) is a
+// visible share of the denominator: the twin agrees only if the library's features carry
+// exactly the definition's 1/sqrt(m), |x|^2 / 2 and stabilisers.
+TYPED_TEST(Performer, ForwardMatchesDoubleLoop) {
+  using T = TypeParam;
+  std::uint64_t seed = 100;
+  for (const Shape& s : kShapes)
+    for (double eps : {1e-6, 5e-2})
+      for (performer::Draw draw : {performer::Draw::orthogonal, performer::Draw::iid}) {
+        const Matrix<T> q = random_matrix<T>(s.n, s.r, ++seed),
+                        k = random_matrix<T>(s.m, s.r, ++seed);
+        const Matrix<T> v = random_matrix<T>(s.m, s.dv, ++seed);
+        const auto f = performer::Features<T>::random(s.features, s.r, ++seed, draw);
+        const Matrix<T> out = performer::forward<T>(q, k, v, f, options(s, eps));
+        EXPECT_TRUE(all_close(out, twin(q, k, v, f.w, s.causal, eps), Tol<T>::rtol, Tol<T>::atol))
+            << "seed " << seed << " n " << s.n << " m " << s.m << " causal " << s.causal << " eps "
+            << eps;
+      }
+}
+
+// Directions of equal length a (a times orthonormal rows, m = r = 4) and q, k near w_l / s:
+// the unstabilised features reach e^(a^2 / 2), beyond T's range (a^2 = 400 in float, 2000 in
+// double); the stabilised ones stay <= 1/sqrt(m) and the output matches the log-space twin.
+// Tolerance: the exponents (~a^2) carry ~a^2 * r * 6e-8 ~ 1e-4 absolute rounding in float
+// (~1e-12 in double), which is the relative error of the weights: 1e-3 / 1e-9 leave ~10x.
+TYPED_TEST(Performer, LargeExponentsStayExact) {
+  using T = TypeParam;
+  const bool is_float = std::is_same<T, float>::value;
+  const double a = is_float ? 20 : std::sqrt(2000.0);
+  ASSERT_GT(a * a / 2, std::log(double(std::numeric_limits<T>::max())));
+  const auto unit = performer::Features<double>::random(4, 4, 30);
+  const Matrix<double> rows = unit.w.rowwise().normalized();
+  performer::Features<T> f;
+  f.w = (a * rows).template cast<T>();
+  const double s = std::pow(4.0, -0.25);
+  Matrix<T> q(8, 4), k(8, 4);
+  const Matrix<double> nq = random_matrix<double>(8, 4, 31, 0.05);
+  const Matrix<double> nk = random_matrix<double>(8, 4, 32, 0.05);
+  for (Index i = 0; i < 8; ++i) {
+    q.row(i) = (a * rows.row(i % 4) / s + nq.row(i)).template cast<T>();
+    k.row(i) = (a * rows.row((i * 3) % 4) / s + nk.row(i)).template cast<T>();
+  }
+  const Matrix<T> v = random_matrix<T>(8, 3, 33);
+  for (bool causal : {false, true}) {
+    performer::Options o;
+    o.causal = causal;
+    const Matrix<T> out = performer::forward<T>(q, k, v, f, o);
+    const double tol = is_float ? 1e-3 : 1e-9;
+    EXPECT_TRUE(all_close(out, twin(q, k, v, f.w, causal, o.eps), tol, tol)) << "causal " << causal;
+  }
+}
+
+// The estimator's purpose: with many features phi(q) . phi(k) estimates exp(q . k / sqrt(r)),
+// so the output approaches softmax attention's. r = 4, entries N(0, 0.5^2), m = 65536: the
+// relative standard deviation of one pair's estimate is sqrt((e^(s^2 |q + k|^2) - 1) / m)
+// ~ 0.005 for typical pairs (iid; orthogonal rows only lower it). In a model of this computation
+// over 20 draws of such inputs the output error averaged 0.004 and peaked at 0.011 (the
+// estimate is heavy-tailed in |q + k|). 0.025 absolute is ~6x the mean; an error in the
+// definition (a missing |x|^2 / 2, the wrong scale, or directions not uniform on the sphere:
+// Householder's Q without the sign fix errs by ~0.05 here) fails it.
+TEST(PerformerKernel, ApproximatesSoftmaxAttention) {
+  const Matrix<double> q = random_matrix<double>(6, 4, 41, 0.5);
+  const Matrix<double> k = random_matrix<double>(6, 4, 42, 0.5);
+  const Matrix<double> v = random_matrix<double>(6, 3, 43);
+  const auto f = performer::Features<double>::random(65536, 4, 44);
+  const Matrix<double> out = performer::forward<double>(q, k, v, f);
+  Matrix<double> a = (q * k.transpose() / 2.0).array().exp();  // 1 / sqrt(r) = 1 / 2
+  a.array().colwise() /= a.rowwise().sum().array();
+  EXPECT_TRUE(all_close(out, a * v, 0, 0.025));
+}
+
+TEST(PerformerFeatures, SeededRedrawableAndOrthogonal) {
+  const auto a = performer::Features<double>::random(10, 4, 7);
+  const auto b = performer::Features<double>::random(10, 4, 7);
+  EXPECT_TRUE(a.w == b.w);
+  EXPECT_EQ(a.count(), 10);
+  EXPECT_EQ(a.dim(), 4);
+  // Rows within a block of r = 4 are orthogonal (the blocks are rows 0-3, 4-7, 8-9).
+  for (Index b0 : {0, 4, 8}) {
+    const Index rows = std::min<Index>(4, 10 - b0);
+    const Matrix<double> blk = a.w.middleRows(b0, rows);
+    Matrix<double> gram = blk * blk.transpose();
+    const Matrix<double> diag = gram.diagonal().asDiagonal();
+    EXPECT_TRUE(all_close(gram, diag, 0, 1e-12)) << "block " << b0;
+    EXPECT_GT(gram.diagonal().minCoeff(), 0.0);
+  }
+  auto c = a;
+  c.redraw(8);
+  EXPECT_EQ(c.w.rows(), 10);
+  EXPECT_EQ(c.w.cols(), 4);
+  EXPECT_FALSE(c.w == a.w);
+  c.redraw(7);
+  EXPECT_TRUE(c.w == a.w);
+  const auto iid = performer::Features<double>::random(10, 4, 7, performer::Draw::iid);
+  EXPECT_FALSE(iid.w == a.w);
+  const Matrix<double> g = iid.w.topRows(4) * iid.w.topRows(4).transpose();
+  EXPECT_GT(std::abs(g(0, 1)), 1e-3);  // iid rows are not orthogonal
+  // float is the double draw rounded
+  EXPECT_TRUE(performer::Features<float>::random(10, 4, 7).w == a.w.cast<float>());
+}
+
+// Central differences in double of L = sum(G . forward(q, k, v)) for every entry of q, k, v,
+// both modes. h = 1e-6: truncation O(h^2 L''') and rounding O(1e-16 / h) give ~1e-9 absolute;
+// the stabilisers' argmax never changes within h for these seeds (no ties in the draws).
+// 1e-6 relative / 1e-7 absolute leaves ~100x. eps = 0.05 makes the stabilisers' own gradient
+// (it acts through eps e^(c_i + c_K)) a part of dq and dk well above the tolerance.
+TEST(PerformerBackward, MatchesCentralDifferences) {
+  std::uint64_t seed = 500;
+  for (const Shape& s : kShapes)
+    for (double eps : {1e-6, 5e-2}) {
+      Matrix<double> q = random_matrix<double>(s.n, s.r, ++seed);
+      Matrix<double> k = random_matrix<double>(s.m, s.r, ++seed);
+      Matrix<double> v = random_matrix<double>(s.m, s.dv, ++seed);
+      const Matrix<double> g = random_matrix<double>(s.n, s.dv, ++seed);
+      const auto f = performer::Features<double>::random(s.features, s.r, ++seed);
+      const performer::Options o = options(s, eps);
+      performer::Saved<double> saved;
+      performer::forward<double>(q, k, v, f, o, &saved);
+      const performer::Grad<double> gr = performer::backward<double>(q, k, v, g, f, saved, o);
+      const auto loss = [&] {
+        return performer::forward<double>(q, k, v, f, o).cwiseProduct(g).sum();
+      };
+      const std::string where = "seed " + std::to_string(seed) + " n " + std::to_string(s.n) +
+                                " causal " + std::to_string(s.causal) + " eps " +
+                                std::to_string(eps);
+      EXPECT_TRUE(all_close(gr.q, numeric_gradient(q, loss), 1e-6, 1e-7)) << "dq " << where;
+      EXPECT_TRUE(all_close(gr.k, numeric_gradient(k, loss), 1e-6, 1e-7)) << "dk " << where;
+      EXPECT_TRUE(all_close(gr.v, numeric_gradient(v, loss), 1e-6, 1e-7)) << "dv " << where;
+    }
+}
+
+// float against double on the same (float-representable) inputs and features, backward. The
+// float path's relative error is ~1e-6 in the features and ~M * 6e-8 per sum: 2e-4 relative /
+// 2e-5 absolute on O(1) gradients leaves ~10x and still catches any missing term.
+TEST(PerformerBackward, FloatAgreesWithDouble) {
+  for (bool causal : {false, true}) {
+    const Matrix<float> qf = random_matrix<float>(40, 6, 21), kf = random_matrix<float>(40, 6, 22);
+    const Matrix<float> vf = random_matrix<float>(40, 5, 23), gf = random_matrix<float>(40, 5, 24);
+    const auto ff = performer::Features<float>::random(16, 6, 25);
+    const auto fd = performer::Features<double>::random(16, 6, 25);
+    performer::Options o;
+    o.causal = causal;
+    performer::Saved<float> sf;
+    performer::Saved<double> sd;
+    performer::forward<float>(qf, kf, vf, ff, o, &sf);
+    const Matrix<double> qd = qf.cast<double>(), kd = kf.cast<double>(), vd = vf.cast<double>();
+    performer::forward<double>(qd, kd, vd, fd, o, &sd);
+    const auto a = performer::backward<float>(qf, kf, vf, gf, ff, sf, o);
+    const auto b = performer::backward<double>(qd, kd, vd, gf.cast<double>(), fd, sd, o);
+    EXPECT_TRUE(all_close(a.q, b.q, 2e-4, 2e-5)) << "causal " << causal;
+    EXPECT_TRUE(all_close(a.k, b.k, 2e-4, 2e-5)) << "causal " << causal;
+    EXPECT_TRUE(all_close(a.v, b.v, 2e-4, 2e-5)) << "causal " << causal;
+  }
+}
+
+TEST(PerformerEdges, EmptySequences) {
+  const Matrix<double> none(0, 3), v0(0, 2);
+  const auto f = performer::Features<double>::random(5, 3, 1);
+  for (bool causal : {false, true}) {
+    performer::Options o;
+    o.causal = causal;
+    performer::Saved<double> s;
+    EXPECT_EQ(performer::forward<double>(none, none, v0, f, o, &s).rows(), 0);
+    const auto g = performer::backward<double>(none, none, v0, Matrix<double>(0, 2), f, s, o);
+    EXPECT_EQ(g.q.rows(), 0);
+    EXPECT_EQ(g.k.cols(), 3);
+  }
+  const Matrix<double> k = random_matrix<double>(4, 3, 1), v = random_matrix<double>(4, 2, 2);
+  performer::Saved<double> s;
+  EXPECT_EQ(performer::forward<double>(none, k, v, f, {}, &s).rows(), 0);
+  const auto g = performer::backward<double>(none, k, v, Matrix<double>(0, 2), f, s);
+  EXPECT_TRUE(g.k == Matrix<double>::Zero(4, 3) && g.v == Matrix<double>::Zero(4, 2));
+}
+
+class PerformerErrors : public ::testing::Test {
+ protected:
+  Matrix<double> q = random_matrix<double>(6, 3, 2), k = random_matrix<double>(6, 3, 3);
+  Matrix<double> v = random_matrix<double>(6, 2, 4), g = random_matrix<double>(6, 2, 5);
+  performer::Features<double> f = performer::Features<double>::random(4, 3, 6);
+  static constexpr const char* fwd = "mixattn::performer::forward";
+  static constexpr const char* bwd = "mixattn::performer::backward";
+  using IA = std::invalid_argument;
+  using DE = std::domain_error;
+};
+
+TEST_F(PerformerErrors, BadShapesAndOptions) {
+  const Matrix<double> k4 = random_matrix<double>(6, 4, 6), v5 = random_matrix<double>(5, 2, 7);
+  expect_throw<IA>([&] { performer::forward<double>(q, k4, v, f); },
+                   {fwd, "k has 4 columns but q has 3"});
+  expect_throw<IA>([&] { performer::forward<double>(q, k, v5, f); },
+                   {fwd, "v has 5 rows but k has 6"});
+  performer::Features<double> wrong = performer::Features<double>::random(4, 5, 1);
+  expect_throw<IA>([&] { performer::forward<double>(q, k, v, wrong); },
+                   {fwd, "features.w is 4 x 5 but q is 6 x 3"});
+  performer::Features<double> none;
+  none.w.resize(0, 3);
+  expect_throw<IA>([&] { performer::forward<double>(q, k, v, none); },
+                   {fwd, "features.w is 0 x 3", "m >= 1"});
+  for (double sc :
+       {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    performer::Options o;
+    o.scale = sc;
+    expect_throw<IA>([&] { performer::forward<double>(q, k, v, f, o); }, {fwd, "options.scale"});
+  }
+  performer::Options causal;
+  causal.causal = true;
+  const Matrix<double> q7 = random_matrix<double>(7, 3, 8);
+  expect_throw<IA>([&] { performer::forward<double>(q7, k, v, f, causal); },
+                   {fwd, "q has 7 rows and k has 6"});
+  performer::Options eps;
+  eps.eps = 0;
+  expect_throw<IA>([&] { performer::forward<double>(q, k, v, f, eps); }, {fwd, "options.eps"});
+  expect_throw<IA>([&] { performer::Features<double>::random(0, 3, 1); },
+                   {"performer::Features::random", "m is 0"});
+}
+
+TEST_F(PerformerErrors, NonFiniteInputs) {
+  performer::Features<double> bad = f;
+  bad.w(1, 2) = std::numeric_limits<double>::quiet_NaN();
+  expect_throw<DE>([&] { performer::forward<double>(q, k, v, bad); },
+                   {fwd, "features.w has a non-finite entry at (1, 2)"});
+  Matrix<double> qb = q;
+  qb(2, 1) = std::numeric_limits<double>::infinity();
+  expect_throw<DE>([&] { performer::forward<double>(qb, k, v, f); },
+                   {fwd, "q has a non-finite entry at (2, 1)"});
+}
+
+TEST_F(PerformerErrors, BackwardRecordMismatches) {
+  performer::Saved<double> saved, empty;
+  performer::forward<double>(q, k, v, f, {}, &saved);
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g, f, empty); },
+                   {bwd, "saved was not filled"});
+  performer::Features<double> other = f;
+  other.redraw(99);
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g, other, saved); },
+                   {bwd, "saved came from other data: features.w is different"});
+  performer::Options scaled;
+  scaled.scale = 0.5;
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g, f, saved, scaled); },
+                   {bwd, "scale = 0 but options give scale = 0.5"});
+  const auto more = performer::Features<double>::random(5, 3, 6);
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g, more, saved); },
+                   {bwd, "saved is for", "features = 4", "features = 5"});
+  Matrix<double> k2 = k;
+  k2(0, 0) += 1;
+  expect_throw<IA>([&] { performer::backward<double>(q, k2, v, g, f, saved); },
+                   {bwd, "saved came from other data: k is different"});
+  const Matrix<double> g3 = random_matrix<double>(6, 3, 9);
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g3, f, saved); },
+                   {bwd, "grad_out is 6 x 3"});
+}
+
+}  // namespace
