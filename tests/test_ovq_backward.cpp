@@ -1,6 +1,7 @@
-// OVQ backward (SPEC.md §2.4) against central finite differences in double, for q, k, v and
-// beta, in both gradient modes, from an empty state and from a state with a partial pending
-// block. Perturbations must not move any assignment or seed (checked at every x +- h), since
+// OVQ backward (SPEC.md §2.4) against central finite differences in double, for q, k, v, beta
+// and the start state's keys, values and pending tokens, in both gradient modes, from an empty
+// state and from a state with a partial pending block, with and without a gradient on the end
+// state. Perturbations must not move any assignment or seed (checked at every x +- h), since
 // those are constants of the gradient.
 #include <mixattn/ovq.hpp>
 
@@ -10,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -28,8 +30,9 @@ constexpr double kRtol = 1e-6, kAtol = 1e-7;
 struct Problem {
   ovq::Options opt;
   ovq::State<double> start;
-  Matrix<double> q, k, v, w;  // w: weights of the loss L = sum(w o out)
+  Matrix<double> q, k, v, w;  // w: weights of the loss L = sum(w o out) [+ <G, end state>]
   double beta = 1.2;
+  bool absorbs = true;  // whether a block completes inside the call
 };
 
 /// Start state from a prefix of `prefix` tokens (empty when 0), then a call of n tokens.
@@ -70,25 +73,43 @@ struct Eval {
   std::vector<std::int64_t> seeds;
 };
 
-/// Full gradient mode: one call from the start state.
-Eval eval_through(const Problem& p, const Matrix<double>& q, const Matrix<double>& k,
-                  const Matrix<double>& v, double beta) {
-  ovq::State<double> st = p.start;
-  ovq::Saved<double> saved;
-  const Matrix<double> out = ovq::forward<double>(q, k, v, beta, p.opt, st, &saved);
-  return {p.w.cwiseProduct(out).sum(), saved.assignment, saved.seeds};
+/// <G, end state>: the end-state part of the loss. The dictionary part is left out when `dict`
+/// is false (a constant of the gradient: the stopped mode's dictionary after an update). A
+/// shape that differs from G's (a moved seed) gives NaN, which the flip count reports.
+double end_term(const ovq::StateGrad<double>* G, const ovq::State<double>& end, bool dict) {
+  if (G == nullptr) return 0;
+  if (G->keys.rows() != end.keys.rows() || G->pending_keys.rows() != end.pending_keys.rows())
+    return std::numeric_limits<double>::quiet_NaN();
+  double l = G->pending_keys.cwiseProduct(end.pending_keys).sum() +
+             G->pending_values.cwiseProduct(end.pending_values).sum();
+  if (dict) l += G->keys.cwiseProduct(end.keys).sum() + G->values.cwiseProduct(end.values).sum();
+  return l;
 }
 
-/// Stopped mode: each block runs from the state the *unperturbed* input left before it, so the
-/// dictionary every block sees is a constant while the block's own keys move.
-Eval eval_stopped(const Problem& p, const std::vector<ovq::State<double>>& before,
-                  const Matrix<double>& q, const Matrix<double>& k, const Matrix<double>& v,
-                  double beta) {
+/// Full gradient mode: one call from the (perturbed) start state.
+Eval eval_through(const Problem& p, const ovq::State<double>& start, const Matrix<double>& q,
+                  const Matrix<double>& k, const Matrix<double>& v, double beta,
+                  const ovq::StateGrad<double>* G) {
+  ovq::State<double> st = start;
+  ovq::Saved<double> saved;
+  const Matrix<double> out = ovq::forward<double>(q, k, v, beta, p.opt, st, &saved);
+  return {p.w.cwiseProduct(out).sum() + end_term(G, st, true), saved.assignment, saved.seeds};
+}
+
+/// Stopped mode: the first block runs from the (perturbed) start state, each later one from the
+/// state the *unperturbed* input left before it, so the dictionary every block but the first
+/// sees is a constant while the block's own keys move; the end state's dictionary is then a
+/// constant too, unless no block completed (it is the start state's).
+Eval eval_stopped(const Problem& p, const ovq::State<double>& start,
+                  const std::vector<ovq::State<double>>& before, const Matrix<double>& q,
+                  const Matrix<double>& k, const Matrix<double>& v, double beta,
+                  const ovq::StateGrad<double>* G) {
   Eval e;
   Index at = 0;
   const std::vector<Index> pieces = block_pieces(p);
+  ovq::State<double> st;
   for (std::size_t b = 0; b < pieces.size(); ++b) {
-    ovq::State<double> st = before[b];
+    st = b == 0 ? start : before[b];
     ovq::Saved<double> saved;
     const Index len = pieces[b];
     const Matrix<double> out = ovq::forward<double>(q.middleRows(at, len), k.middleRows(at, len),
@@ -98,16 +119,32 @@ Eval eval_stopped(const Problem& p, const std::vector<ovq::State<double>>& befor
     e.seeds.insert(e.seeds.end(), saved.seeds.begin(), saved.seeds.end());
     at += len;
   }
+  e.loss += end_term(G, st, !p.absorbs);
   return e;
 }
 
-/// Compares backward with central differences for every entry of q, k, v and for beta.
-void check_gradients(Problem p, bool through) {
+/// A gradient for the end state `end`, random, of its shapes.
+ovq::StateGrad<double> random_state_grad(const ovq::State<double>& end, std::uint64_t seed) {
+  const Index r = end.keys.cols(), dv = end.values.cols();
+  ovq::StateGrad<double> G;
+  G.keys = random_matrix<double>(end.keys.rows(), r, seed);
+  G.values = random_matrix<double>(end.keys.rows(), dv, seed + 1);
+  G.pending_keys = random_matrix<double>(end.pending_keys.rows(), r, seed + 2);
+  G.pending_values = random_matrix<double>(end.pending_keys.rows(), dv, seed + 3);
+  return G;
+}
+
+/// Compares backward with central differences for every entry of q, k, v, beta and the start
+/// state's keys, values, pending_keys and pending_values; with `end_grad`, the loss also reads
+/// the end state (L += <G, end state>, G random), whose gradient backward is given.
+void check_gradients(Problem p, bool through, bool end_grad = false) {
   p.opt.grad_through_dictionary = through;
   ovq::State<double> st = p.start;
   ovq::Saved<double> saved;
   ovq::forward<double>(p.q, p.k, p.v, p.beta, p.opt, st, &saved);
-  const ovq::Grad<double> g = ovq::backward<double>(p.q, p.k, p.v, p.beta, p.w, saved, p.opt);
+  const ovq::StateGrad<double> G = random_state_grad(st, 77);
+  const ovq::StateGrad<double>* gp = end_grad ? &G : nullptr;
+  const ovq::Grad<double> g = ovq::backward<double>(p.q, p.k, p.v, p.beta, p.w, saved, p.opt, gp);
 
   std::vector<ovq::State<double>> before;
   {
@@ -122,14 +159,15 @@ void check_gradients(Problem p, bool through) {
   }
   Matrix<double> q = p.q, k = p.k, v = p.v;
   Matrix<double> beta = Matrix<double>::Constant(1, 1, p.beta);
+  ovq::State<double> start = p.start;
   const auto eval = [&] {
-    return through ? eval_through(p, q, k, v, beta(0, 0))
-                   : eval_stopped(p, before, q, k, v, beta(0, 0));
+    return through ? eval_through(p, start, q, k, v, beta(0, 0), gp)
+                   : eval_stopped(p, start, before, q, k, v, beta(0, 0), gp);
   };
   const Eval base = eval();
-  // At least one block is absorbed inside the call, so the running means are differentiated.
-  ASSERT_TRUE(std::any_of(base.assignment.begin() + p.start.pending_keys.rows(),
-                          base.assignment.end(), [](std::int32_t a) { return a >= 0; }));
+  // Whether a block is absorbed inside the call (then the running means are differentiated).
+  ASSERT_EQ(p.absorbs, std::any_of(base.assignment.begin() + p.start.pending_keys.rows(),
+                                   base.assignment.end(), [](std::int32_t a) { return a >= 0; }));
   int flips = 0;
   const auto loss = [&] {
     const Eval e = eval();
@@ -141,6 +179,14 @@ void check_gradients(Problem p, bool through) {
   EXPECT_TRUE(close(g.v, numeric_gradient(v, loss), kRtol, kAtol)) << "dv";
   const Matrix<double> gb = numeric_gradient(beta, loss);
   EXPECT_NEAR(g.beta, gb(0, 0), kAtol + kRtol * std::abs(gb(0, 0))) << "dbeta";
+  EXPECT_TRUE(close(g.state.keys, numeric_gradient(start.keys, loss), kRtol, kAtol)) << "dD_k,0";
+  EXPECT_TRUE(close(g.state.values, numeric_gradient(start.values, loss), kRtol, kAtol))
+      << "dD_v,0";
+  EXPECT_TRUE(close(g.state.pending_keys, numeric_gradient(start.pending_keys, loss), kRtol, kAtol))
+      << "d pending_keys_0";
+  EXPECT_TRUE(
+      close(g.state.pending_values, numeric_gradient(start.pending_values, loss), kRtol, kAtol))
+      << "d pending_values_0";
   EXPECT_EQ(flips, 0) << "an assignment or seed moved under perturbation: pick another input";
 }
 
@@ -200,6 +246,42 @@ TEST(OvqBackward, FiniteDifferencesManyBlocks) {
   opt.block = 3;
   opt.max_centroids = 5;
   check_gradients(make_problem(opt, 0, 40, 4000), true);
+}
+
+// Across pieces (SPEC 2.4): the start state's dictionary and pending tokens are inputs, and the
+// loss also reads the end state. From a state with a dictionary and 2 pending tokens, 17 tokens
+// complete 4 blocks (the first one the start's pending tokens began) and leave 3 pending.
+TEST(OvqBackward, FiniteDifferencesStartAndEndState) {
+  const Problem p = make_problem(small_options(), 14, 17, 2000);
+  ASSERT_EQ(p.start.pending_keys.rows(), 2);
+  ASSERT_GT(p.start.keys.rows(), 0);
+  check_gradients(p, true, true);
+  check_gradients(p, false, true);
+}
+
+// A call that ends on a block boundary (nothing pending at the end: the end state's gradient is
+// all dictionary) from a start with 2 pending tokens, and one from an empty start, whose
+// running means are all opened by the call.
+TEST(OvqBackward, FiniteDifferencesEndStateOnBlockBoundary) {
+  const Problem p = make_problem(small_options(), 6, 18, 2500);
+  ASSERT_EQ(p.start.pending_keys.rows(), 2);
+  check_gradients(p, true, true);
+  check_gradients(p, false, true);
+  const Problem fresh = make_problem(small_options(), 0, 12, 2600);
+  check_gradients(fresh, true, true);
+  check_gradients(fresh, false, true);
+}
+
+// A call inside one block: no update, so the end state's dictionary is the start's (its
+// gradient passes straight through, in both modes) and its pending tokens are the start's
+// followed by the call's.
+TEST(OvqBackward, FiniteDifferencesStateWithinOneBlock) {
+  Problem p = make_problem(small_options(), 13, 2, 2700);
+  ASSERT_EQ(p.start.pending_keys.rows(), 1);
+  ASSERT_GT(p.start.keys.rows(), 0);
+  p.absorbs = false;
+  check_gradients(p, true, true);
+  check_gradients(p, false, true);
 }
 
 // The two modes must differ once a dictionary built inside the call is read (else one of the

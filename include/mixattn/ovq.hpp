@@ -102,6 +102,21 @@ struct State {
   }
 };
 
+/// Gradient of a scalar loss with respect to the continuous part of a State (SPEC 2.4, across
+/// pieces), with the shapes of that state:
+///   keys N_t x r, values N_t x d_v (the running means),
+///   pending_keys P x r (with respect to the normalised keys the state holds),
+///   pending_values P x d_v.
+/// Counts, assignments and seeds are constants of the gradient. backward returns it for the
+/// state the call started from (Grad::state) and takes it for the state the call ended in.
+template <class T>
+struct StateGrad {
+  Matrix<T> keys, values, pending_keys, pending_values;
+  /// Fingerprint of the state this is the gradient of, set by backward (Grad::state) and checked
+  /// by the previous piece's backward against the state its forward ended in; 0: not checked.
+  std::uint64_t state_fingerprint = 0;
+};
+
 namespace detail {
 
 /// Lends a state's dictionary storage (keys, values, counts) to a Dictionary without a copy,
@@ -214,6 +229,7 @@ struct BackwardScratch {
   Dictionary<T> work;
   MeanUpdate<T> update;
   Matrix<T> kb, vb, qh, dkb, dvb, ddk, ddv;
+  Matrix<T> dpk, dpv;  // dL/d(end state's pending tokens), read before grad.state is written
   Vector<T> logc;
   AttentionScratch<T> sc;
   std::vector<Index> hits;
@@ -240,6 +256,7 @@ struct Saved {
   bool count_bias = true;
   double norm_eps = 0;
   std::uint64_t fingerprint[3] = {0, 0, 0};  // of q, k, v (mixattn::detail::Fingerprint)
+  std::uint64_t end_fingerprint = 0;         // of the state the call ended in
   bool recorded = false;                     // set by forward
   detail::ForwardScratch<T> scratch;         // the forward's working memory, kept for reuse
 
@@ -253,12 +270,13 @@ struct Saved {
   }
 };
 
-/// Gradients of a scalar loss with respect to the call's q (T x r), k (T x r), v (T x d_v) and
-/// the scale factor beta.
+/// Gradients of a scalar loss with respect to the call's q (T x r), k (T x r), v (T x d_v), the
+/// scale factor beta and the continuous part of the state the call started from (SPEC 2.4).
 template <class T>
 struct Grad {
   Matrix<T> q, k, v;
   T beta;
+  StateGrad<T> state;                  // dL/d(the state the call started from), its shapes
   detail::BackwardScratch<T> scratch;  // backward_into's working memory, kept for reuse
 };
 
@@ -409,6 +427,20 @@ void fingerprints(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   out[0] = mixattn::detail::fingerprint(q);
   out[1] = mixattn::detail::fingerprint(k);
   out[2] = mixattn::detail::fingerprint(v);
+}
+
+/// Fingerprint of a state: the end state a record was made with, or the one whose gradient a
+/// StateGrad carries, so that pieces of a sequence are chained backward as they ran forward.
+template <class T>
+std::uint64_t state_fingerprint(const State<T>& st) {
+  return mixattn::detail::Fingerprint()
+      .add(st.keys)
+      .add(st.values)
+      .add(st.counts)
+      .add(st.pending_keys)
+      .add(st.pending_values)
+      .add(st.tokens_seen)
+      .value();
 }
 
 template <class T>
@@ -624,6 +656,7 @@ void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q, const C
   next.tokens_seen = tokens_after;
   if (saved != nullptr) {
     fingerprints<T>(q, k, v, saved->fingerprint);
+    saved->end_fingerprint = state_fingerprint(next);
     saved->recorded = true;
   }
 }
@@ -725,9 +758,79 @@ void prepare_backward(BackwardScratch<T>& w, Index groups, Index snaps, Index ca
   w.hits.assign(static_cast<std::size_t>(capacity), 0);
 }
 
+/// Validates dL/d(end state) against the state the recorded forward ended in: n_end centroids
+/// and p_end pending tokens, of the start state's widths.
+template <class T>
+void check_state_grad(const char* fn, const StateGrad<T>& gs, const Saved<T>& saved, Index n_end,
+                      Index p_end, bool check_finite) {
+  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols();
+  require(gs.keys.rows() == n_end && gs.keys.cols() == r && gs.values.rows() == n_end &&
+              gs.values.cols() == dv,
+          fn, "grad_state_out.keys is ", shape_str(gs.keys), " and grad_state_out.values is ",
+          shape_str(gs.values), " but the end state's dictionary is ", n_end, " x ", r, " and ",
+          n_end, " x ", dv);
+  require(gs.pending_keys.rows() == p_end && gs.pending_keys.cols() == r &&
+              gs.pending_values.rows() == p_end && gs.pending_values.cols() == dv,
+          fn, "grad_state_out.pending_keys is ", shape_str(gs.pending_keys),
+          " and grad_state_out.pending_values is ", shape_str(gs.pending_values),
+          " but the end state's unfinished block is ", p_end, " x ", r, " and ", p_end, " x ", dv);
+  if (check_finite) {
+    require_finite(gs.keys, fn, "grad_state_out.keys");
+    require_finite(gs.values, fn, "grad_state_out.values");
+    require_finite(gs.pending_keys, fn, "grad_state_out.pending_keys");
+    require_finite(gs.pending_values, fn, "grad_state_out.pending_values");
+  }
+  if (gs.state_fingerprint != 0 && gs.state_fingerprint != saved.end_fingerprint)
+    mixattn::detail::raise_invalid_argument(concat(
+        fn,
+        ": grad_state_out came from other data: it is the gradient of a state other than the "
+        "one this piece's forward ended in (run the pieces' backwards in reverse order, each "
+        "given its successor's grad.state)"));
+}
+
+/// Starts the reverse pass from dL/d(end state) (SPEC 2.4, across pieces; zero without one):
+/// the running-mean accumulators ddk, ddv (zeroed by prepare_backward) take dD_T on the end
+/// dictionary's n_end rows, dpk, dpv take d pending_T. Reads gs before grad.state (which gs may
+/// be) is overwritten.
+template <class T>
+void load_end_grad(BackwardScratch<T>& w, const StateGrad<T>* gs, Index n_end, Index r, Index dv) {
+  if (gs == nullptr) {
+    w.dpk.resize(0, r);
+    w.dpv.resize(0, dv);
+    return;
+  }
+  w.ddk.topRows(n_end) = gs->keys;
+  w.ddv.topRows(n_end) = gs->values;
+  w.dpk = gs->pending_keys;
+  w.dpv = gs->pending_values;
+}
+
+/// Zeroes grad.state to the start state's shapes and adds d pending_T to the tokens the end
+/// state's pending rows copy: sequence positions [complete C, P0 + T), the start's own pending
+/// tokens below P0 (only when no block completed), the call's rows (normalised keys) above.
+template <class T>
+void begin_state_grad(Grad<T>& g, const BackwardScratch<T>& w, const State<T>& st,
+                      const Blocks& blocks) {
+  g.state.keys.setZero(st.keys.rows(), st.keys.cols());
+  g.state.values.setZero(st.values.rows(), st.values.cols());
+  g.state.pending_keys.setZero(blocks.p0, st.pending_keys.cols());
+  g.state.pending_values.setZero(blocks.p0, st.pending_values.cols());
+  const Index first = blocks.complete * blocks.c;
+  for (Index i = 0; i < w.dpk.rows(); ++i) {
+    const Index pos = first + i;
+    if (pos < blocks.p0) {
+      g.state.pending_keys.row(pos) += w.dpk.row(i);
+      g.state.pending_values.row(pos) += w.dpv.row(i);
+    } else {
+      g.k.row(pos - blocks.p0) += w.dpk.row(i);
+      g.v.row(pos - blocks.p0) += w.dpv.row(i);
+    }
+  }
+}
+
 /// Through the running means of block u's update (grad_through_dictionary): token j -> n
-/// receives dD_new[n] / c_new; a surviving row keeps (c_old / c_new) dD_new[n]; rows the block
-/// opened did not exist before it.
+/// receives dD_new[n] / c_new (the start state's pending tokens into grad.state); a surviving
+/// row keeps (c_old / c_new) dD_new[n]; rows the block opened did not exist before it.
 template <class T>
 void through_update(BackwardScratch<T>& w, const Dictionary<T>& d, const Saved<T>& saved,
                     const Blocks& blocks, Index u, Grad<T>& g) {
@@ -737,12 +840,12 @@ void through_update(BackwardScratch<T>& w, const Dictionary<T>& d, const Saved<T
   const Index nu = saved.new_centroids[static_cast<std::size_t>(u)];
   for (Index j = 0; j < c; ++j) ++w.hits[a[j]];
   for (Index j = 0; j < c; ++j) {
-    if (b0 + j < blocks.p0) continue;  // the start state's pending tokens are constants
-    const Index nn = a[j], i = b0 + j - blocks.p0;
+    const Index nn = a[j], pos = b0 + j;
     const W c_old = nn < n ? static_cast<W>(d.counts[nn]) : W(0);
     const T inv = static_cast<T>(W(1) / (c_old + static_cast<W>(w.hits[nn])));
-    g.k.row(i) += inv * w.ddk.row(nn);
-    g.v.row(i) += inv * w.ddv.row(nn);
+    const bool start = pos < blocks.p0;
+    (start ? g.state.pending_keys.row(pos) : g.k.row(pos - blocks.p0)) += inv * w.ddk.row(nn);
+    (start ? g.state.pending_values.row(pos) : g.v.row(pos - blocks.p0)) += inv * w.ddv.row(nn);
   }
   for (Index j = 0; j < c; ++j) {
     const Index nn = a[j];
@@ -759,16 +862,25 @@ void through_update(BackwardScratch<T>& w, const Dictionary<T>& d, const Saved<T
   w.ddv.middleRows(n, nu).setZero();
 }
 
-/// The backward of one block u from the dictionary d it attended to.
+/// The backward of one block u from the dictionary d it attended to. With the gradient stopped
+/// at the dictionary nothing passes a block's update, and only block 0's reads of the start
+/// dictionary are differentiated (the start state is an input of the call).
 template <class T>
 void block_backward(BackwardScratch<T>& w, const Dictionary<T>& d, const ConstMatrixRef<T>& q,
                     const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
                     const Blocks& blocks, Index u, T s, wide_t<T>& ds, Grad<T>& g) {
   const Index n = d.size, pq = blocks.query_offset(u), m = blocks.queries(u);
   const Index row = blocks.call_row(u);
-  const bool through = opt.grad_through_dictionary;
+  const bool through = opt.grad_through_dictionary, dict_grad = through || u == 0;
   normalize_rows<T>(q.middleRows(row, m), w.qh.topRows(m), opt.norm_eps);
-  if (through && blocks.is_complete(u)) through_update(w, d, saved, blocks, u, g);
+  if (blocks.is_complete(u)) {
+    if (through) {
+      through_update(w, d, saved, blocks, u, g);
+    } else {
+      w.ddk.setZero();
+      w.ddv.setZero();
+    }
+  }
   log_counts(d, w.logc);
   const T* lc = opt.count_bias ? w.logc.data() : nullptr;
   const Index l_all = pq + m;
@@ -779,45 +891,28 @@ void block_backward(BackwardScratch<T>& w, const Dictionary<T>& d, const ConstMa
     tile_backward<T>(w.qh.middleRows(t0, mt), d.keys.topRows(n), d.values.topRows(n), lc,
                      w.kb.topRows(l), w.vb.topRows(l), pq + t0, s,
                      grad_out.middleRows(row + t0, mt), w.sc, g.q.middleRows(row + t0, mt), ds,
-                     w.dkb.topRows(l), w.dvb.topRows(l), through, w.ddk.topRows(n),
+                     w.dkb.topRows(l), w.dvb.topRows(l), dict_grad, w.ddk.topRows(n),
                      w.ddv.topRows(n));
   }
   g.k.middleRows(row, m) += w.dkb.middleRows(pq, m);
   g.v.middleRows(row, m) += w.dvb.middleRows(pq, m);
+  if (pq > 0) {  // block 0 read the start state's pending tokens
+    g.state.pending_keys += w.dkb.topRows(pq);
+    g.state.pending_values += w.dvb.topRows(pq);
+  }
 }
 
-/// backward_into's body.
+/// The blocks in reverse. Dictionaries before each block come from replaying the recorded
+/// updates: a first pass keeps one checkpoint every `group` blocks; then, group by group from
+/// the end, the group's dictionaries are rebuilt from its checkpoint and its blocks are
+/// differentiated in reverse.
 template <class T>
-void backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-              const ConstMatrixRef<T>& v, T beta, const ConstMatrixRef<T>& grad_out,
-              const Saved<T>& saved, const Options& opt) {
-  using W = wide_t<T>;
-  check_backward<T>(fn, q, k, v, beta, grad_out, saved, opt);
-  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols(), tn = saved.tokens;
-  g.q.setZero(tn, r);
-  g.k.setZero(tn, r);
-  g.v.setZero(tn, dv);
-  g.beta = T(0);
-  if (tn == 0) return;
-  const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));
-  const Index c = saved.block;
+void reverse_blocks(BackwardScratch<T>& w, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                    const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                    const Saved<T>& saved, const Options& opt, const Blocks& blocks, Index group,
+                    T s, wide_t<T>& ds, Grad<T>& g) {
   const State<T>& st = saved.start;
-  const Blocks blocks(c, st.pending_keys.rows(), tn);
-  MIXATTN_ASSERT(static_cast<Index>(saved.new_centroids.size()) == blocks.complete);
-  MIXATTN_ASSERT(static_cast<Index>(saved.assignment.size()) == blocks.total);
-  const Index n_final = st.keys.rows() + static_cast<Index>(saved.seeds.size());
-  const Index capacity = std::max<Index>(n_final, 1);
-
-  // Dictionaries before each block come from replaying the recorded updates: a first pass keeps
-  // one checkpoint every S blocks; then, group by group from the end, the S dictionaries of the
-  // group are rebuilt from its checkpoint and its blocks are differentiated in reverse.
-  const Index group = std::max<Index>(
-      1, static_cast<Index>(std::ceil(std::sqrt(static_cast<double>(blocks.count)))));
   const Index groups = (blocks.count + group - 1) / group;
-  BackwardScratch<T>& w = g.scratch;
-  prepare_backward(w, groups, std::min(group, blocks.count), capacity, c, r, dv);
-  W ds = 0;
-
   // Loads block u's normalised keys and values (the start state's pending ones first).
   const auto load_block = [&](Index u) {
     const Index pq = blocks.query_offset(u), m = blocks.queries(u), row = blocks.call_row(u);
@@ -852,16 +947,62 @@ void backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q, const Cons
                         blocks, u, s, ds, g);
     }
   }
+}
+
+/// backward_into's body; gs: dL/d(end state), or null when the end state has no further use.
+template <class T>
+void backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+              const ConstMatrixRef<T>& v, T beta, const ConstMatrixRef<T>& grad_out,
+              const Saved<T>& saved, const Options& opt, const StateGrad<T>* gs) {
+  using W = wide_t<T>;
+  check_backward<T>(fn, q, k, v, beta, grad_out, saved, opt);
+  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols(), tn = saved.tokens;
+  const Index c = saved.block;
+  const State<T>& st = saved.start;
+  const Blocks blocks(c, st.pending_keys.rows(), tn);
+  MIXATTN_ASSERT(static_cast<Index>(saved.new_centroids.size()) == blocks.complete);
+  MIXATTN_ASSERT(static_cast<Index>(saved.assignment.size()) == blocks.total);
+  const Index n_final = st.keys.rows() + static_cast<Index>(saved.seeds.size());
+  if (gs != nullptr)
+    check_state_grad<T>(fn, *gs, saved, n_final, blocks.total - blocks.complete * c,
+                        opt.check_finite);
+  const Index capacity = std::max<Index>(n_final, 1);
+  const Index group = std::max<Index>(
+      1, static_cast<Index>(std::ceil(std::sqrt(static_cast<double>(blocks.count)))));
+  BackwardScratch<T>& w = g.scratch;
+  prepare_backward(w, (blocks.count + group - 1) / group, std::min(group, blocks.count), capacity,
+                   c, r, dv);
+  load_end_grad(w, gs, n_final, r, dv);
+  g.q.setZero(tn, r);
+  g.k.setZero(tn, r);
+  g.v.setZero(tn, dv);
+  g.beta = T(0);
+  begin_state_grad(g, w, st, blocks);
+  const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));
+  W ds = 0;
+  reverse_blocks<T>(w, q, k, v, grad_out, saved, opt, blocks, group, s, ds, g);
   normalize_backward<T>(q, g.q, opt.norm_eps);
   normalize_backward<T>(k, g.k, opt.norm_eps);
   g.beta = static_cast<T>(ds * std::sqrt(static_cast<W>(r)));
+  g.state.keys = w.ddk.topRows(st.keys.rows());
+  g.state.values = w.ddv.topRows(st.keys.rows());
+  g.state.state_fingerprint = state_fingerprint(st);
   if (opt.check_finite) {
-    const char* culprit = "q, k, v, beta or grad_out is";
+    const char* culprit = gs != nullptr ? "q, k, v, beta, grad_out or grad_state_out is"
+                                        : "q, k, v, beta or grad_out is";
     mixattn::detail::require_finite_result(g.q, fn, "the gradient of q", culprit);
     mixattn::detail::require_finite_result(g.k, fn, "the gradient of k", culprit);
     mixattn::detail::require_finite_result(g.v, fn, "the gradient of v", culprit);
     mixattn::detail::require_finite_result(Eigen::Map<const Vector<T>>(&g.beta, 1), fn,
                                            "the gradient of beta", culprit);
+    mixattn::detail::require_finite_result(g.state.keys, fn,
+                                           "the gradient of the start state's keys", culprit);
+    mixattn::detail::require_finite_result(g.state.values, fn,
+                                           "the gradient of the start state's values", culprit);
+    mixattn::detail::require_finite_result(
+        g.state.pending_keys, fn, "the gradient of the start state's pending_keys", culprit);
+    mixattn::detail::require_finite_result(
+        g.state.pending_values, fn, "the gradient of the start state's pending_values", culprit);
   }
 }
 
@@ -874,13 +1015,38 @@ void backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q, const Cons
 /// Assignments, seeds, counts and the count bias are constants. With grad_through_dictionary the
 /// gradient also flows through the running means into earlier tokens of the call:
 ///   dD_old[n] += (c_old / c_new) dD_new[n],   dk_hat_j += dD_k,new[n] / c_new  (j -> n);
-/// otherwise the dictionary is a constant. The start state is a constant either way.
+/// otherwise nothing passes a block's update (each block reads its dictionary as constant keys
+/// and values, except that block 0 reads the start state's).
+/// grad.state receives dL/d(the state the call started from) (its keys, values, pending_keys
+/// and pending_values; zero-size parts for State::empty); the end state is taken to have no
+/// further use (see the overload with grad_state_out for pieces of a longer sequence).
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
 Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                  typename mixattn::detail::identity<T>::type beta,
                  const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
   Grad<T> g;
-  detail::backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt);
+  detail::backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
+                      static_cast<const StateGrad<T>*>(nullptr));
+  return g;
+}
+
+/// Backward of a piece of a longer sequence (SPEC 2.4, across pieces): as backward, with
+/// grad_state_out (optional) = dL/d(the state the call ended in), which the next piece's
+/// backward returned as its grad.state: keys and values N_end x r and N_end x d_v, pending_keys
+/// and pending_values P_end x r and P_end x d_v, the end state's shapes. Its dictionary part
+/// flows back through the running means (only when no block completed in the call if the
+/// gradient is stopped at the dictionary), its pending part into the tokens those rows copy.
+/// Running the pieces' backwards in reverse, each fed its successor's grad.state, gives the
+/// gradients of one call over the whole sequence. Throws std::invalid_argument on other shapes
+/// or when grad_state_out is the gradient of another state than this call's end state.
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 typename mixattn::detail::identity<T>::type beta,
+                 const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
+                 const StateGrad<typename mixattn::detail::identity<T>::type>* grad_state_out) {
+  Grad<T> g;
+  detail::backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
+                      grad_state_out);
   return g;
 }
 
@@ -890,7 +1056,20 @@ template <class T, mixattn::detail::enable_if_supported<T> = 0>
 void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                    const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
-  detail::backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt);
+  detail::backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt,
+                      static_cast<const StateGrad<T>*>(nullptr));
+}
+
+/// Backward of a piece into caller-owned gradients (see the backward overload with
+/// grad_state_out); grad_state_out may be grad.state itself, so one Grad can run the pieces'
+/// backwards in reverse, each fed the grad.state its successor left.
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                   const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
+                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
+                   const StateGrad<typename mixattn::detail::identity<T>::type>* grad_state_out) {
+  detail::backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt,
+                      grad_state_out);
 }
 
 // Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
@@ -926,6 +1105,21 @@ template <class T, class Q, class K, class V, class G,
 void backward_into(Grad<T>&, const Q&, const K&, const V&,
                    typename mixattn::detail::identity<T>::type, const G&, const Saved<T>&,
                    const Options&) {
+  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
+}
+template <class T, class Q, class K, class V, class G,
+          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
+Grad<T> backward(const Q&, const K&, const V&, typename mixattn::detail::identity<T>::type,
+                 const G&, const Saved<T>&, const Options&,
+                 const StateGrad<typename mixattn::detail::identity<T>::type>*) {
+  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
+  return {};
+}
+template <class T, class Q, class K, class V, class G,
+          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
+void backward_into(Grad<T>&, const Q&, const K&, const V&,
+                   typename mixattn::detail::identity<T>::type, const G&, const Saved<T>&,
+                   const Options&, const StateGrad<typename mixattn::detail::identity<T>::type>*) {
   mixattn::detail::refuse_arguments<T, Q, K, V, G>();
 }
 
