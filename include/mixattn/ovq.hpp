@@ -10,7 +10,9 @@
 // options.block, so a call may start or end mid-block: the unfinished block is carried in the
 // state. Splitting a sequence into any pieces gives the same outputs up to rounding and the
 // same final state, bit for bit (the absorption of a block reads only that block and the
-// dictionary, always with the same shapes).
+// dictionary, always with the same shapes). backward differentiates a call with respect to its
+// start state too (Grad::state, a StateGrad) and takes the end state's gradient, so a sequence
+// also trains piecewise, the pieces' backwards run in reverse (SPEC 2.4, across pieces).
 //
 // Cost per token: O((N_max + C) (r + d_v)) flops, all of it GEMMs; memory O(N_max (r + d_v)).
 //
@@ -244,7 +246,7 @@ struct BackwardScratch {
 /// the call's T rows.
 template <class T>
 struct Saved {
-  State<T> start;                           // the state the call began from (a constant)
+  State<T> start;                           // the state the call began from (backward: Grad::state)
   std::vector<std::int32_t> assignment;     // P0 + T: centroid row each token was absorbed
                                             // into, -1 for tokens still pending at the end
   std::vector<std::int64_t> seeds;          // sequence index of the token that opened each new
@@ -1096,22 +1098,8 @@ void forward_into(Matrix<T>&, const Q&, const K&, const V&,
 template <class T, class Q, class K, class V, class G,
           mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
 Grad<T> backward(const Q&, const K&, const V&, typename mixattn::detail::identity<T>::type,
-                 const G&, const Saved<T>&, const Options&) {
-  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
-  return {};
-}
-template <class T, class Q, class K, class V, class G,
-          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
-void backward_into(Grad<T>&, const Q&, const K&, const V&,
-                   typename mixattn::detail::identity<T>::type, const G&, const Saved<T>&,
-                   const Options&) {
-  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
-}
-template <class T, class Q, class K, class V, class G,
-          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
-Grad<T> backward(const Q&, const K&, const V&, typename mixattn::detail::identity<T>::type,
                  const G&, const Saved<T>&, const Options&,
-                 const StateGrad<typename mixattn::detail::identity<T>::type>*) {
+                 const StateGrad<typename mixattn::detail::identity<T>::type>* = nullptr) {
   mixattn::detail::refuse_arguments<T, Q, K, V, G>();
   return {};
 }
@@ -1119,7 +1107,8 @@ template <class T, class Q, class K, class V, class G,
           mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
 void backward_into(Grad<T>&, const Q&, const K&, const V&,
                    typename mixattn::detail::identity<T>::type, const G&, const Saved<T>&,
-                   const Options&, const StateGrad<typename mixattn::detail::identity<T>::type>*) {
+                   const Options&,
+                   const StateGrad<typename mixattn::detail::identity<T>::type>* = nullptr) {
   mixattn::detail::refuse_arguments<T, Q, K, V, G>();
 }
 
