@@ -179,6 +179,8 @@ void check_gradients(Problem p, bool through, bool end_grad = false) {
   EXPECT_TRUE(close(g.v, numeric_gradient(v, loss), kRtol, kAtol)) << "dv";
   const Matrix<double> gb = numeric_gradient(beta, loss);
   EXPECT_NEAR(g.beta, gb(0, 0), kAtol + kRtol * std::abs(gb(0, 0))) << "dbeta";
+  EXPECT_EQ(flips, 0) << "an assignment or seed moved under perturbation: pick another input";
+  if (!end_grad) return;  // the start state's gradient: checked with the end state's (CI time)
   EXPECT_TRUE(close(g.state.keys, numeric_gradient(start.keys, loss), kRtol, kAtol)) << "dD_k,0";
   EXPECT_TRUE(close(g.state.values, numeric_gradient(start.values, loss), kRtol, kAtol))
       << "dD_v,0";
@@ -249,10 +251,10 @@ TEST(OvqBackward, FiniteDifferencesManyBlocks) {
 }
 
 // Across pieces (SPEC 2.4): the start state's dictionary and pending tokens are inputs, and the
-// loss also reads the end state. From a state with a dictionary and 2 pending tokens, 17 tokens
-// complete 4 blocks (the first one the start's pending tokens began) and leave 3 pending.
+// loss also reads the end state. From a state with a dictionary and 2 pending tokens, 11 tokens
+// complete 3 blocks (the first one the start's pending tokens began) and leave 1 pending.
 TEST(OvqBackward, FiniteDifferencesStartAndEndState) {
-  const Problem p = make_problem(small_options(), 14, 17, 2000);
+  const Problem p = make_problem(small_options(), 14, 11, 2000);
   ASSERT_EQ(p.start.pending_keys.rows(), 2);
   ASSERT_GT(p.start.keys.rows(), 0);
   check_gradients(p, true, true);
@@ -263,11 +265,11 @@ TEST(OvqBackward, FiniteDifferencesStartAndEndState) {
 // all dictionary) from a start with 2 pending tokens, and one from an empty start, whose
 // running means are all opened by the call.
 TEST(OvqBackward, FiniteDifferencesEndStateOnBlockBoundary) {
-  const Problem p = make_problem(small_options(), 6, 18, 2500);
+  const Problem p = make_problem(small_options(), 6, 10, 2500);
   ASSERT_EQ(p.start.pending_keys.rows(), 2);
   check_gradients(p, true, true);
   check_gradients(p, false, true);
-  const Problem fresh = make_problem(small_options(), 0, 12, 2600);
+  const Problem fresh = make_problem(small_options(), 0, 8, 2600);
   check_gradients(fresh, true, true);
   check_gradients(fresh, false, true);
 }
