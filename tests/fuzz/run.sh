@@ -38,14 +38,10 @@ cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 mkdir -p "$build/artifacts"
-status=0
-summary=()
-for t in "${targets[@]}"; do
-  work="$build/corpus/$t"
+# The targets are single-threaded: fuzz up to $jobs of them at once.
+fuzz_one() {  # fuzz_one <target>: fuzzes into $build/<target>.log, returns libFuzzer's status
+  local t=$1 work="$build/corpus/$1"
   mkdir -p "$work"
-  log="$build/$t.log"
-  echo "== $t: ${seconds} s"
-  rc=0
   # A fixed seed and a bounded number of executions (MIXATTN_FUZZ_SEED, default 1;
   # MIXATTN_FUZZ_RUNS, default 20000, -1 for unbounded) make a CI run explore the same inputs every
   # time from a fresh working corpus; a slower machine that hits the time bound first explores a
@@ -53,14 +49,27 @@ for t in "${targets[@]}"; do
   "$build/tests/fuzz/$t" -seed="${MIXATTN_FUZZ_SEED:-1}" -runs="${MIXATTN_FUZZ_RUNS:-20000}" \
     -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
     -print_final_stats=1 -artifact_prefix="$build/artifacts/$t-" \
-    "$work" "tests/fuzz/corpus/$t" >"$log" 2>&1 || rc=$?
+    "$work" "tests/fuzz/corpus/$t" >"$build/$t.log" 2>&1
+}
+for t in "${targets[@]}"; do
+  while (($(jobs -rp | wc -l) >= jobs)); do wait -n || true; done
+  echo "== $t: up to ${seconds} s"
+  rm -f "$build/$t.rc"
+  (fuzz_one "$t" && echo 0 >"$build/$t.rc" || echo $? >"$build/$t.rc") &
+done
+wait
+status=0
+summary=()
+for t in "${targets[@]}"; do
+  log="$build/$t.log"
+  rc=$(cat "$build/$t.rc" 2>/dev/null || echo 1)
   execs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$' || echo "?")
   if ((rc != 0)); then
     status=1
     summary+=("$t: FAILED after $execs executions (see $log)")
     grep -E 'oracle|runtime error|ERROR|SUMMARY|Test unit written' "$log" | head -n 8
   else
-    summary+=("$t: $execs executions in ${seconds} s, no failure")
+    summary+=("$t: $execs executions, no failure")
   fi
 done
 printf '%s\n' "${summary[@]}"
