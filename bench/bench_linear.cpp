@@ -1,5 +1,6 @@
-// bench/bench_linear.cpp — linear attention (SPEC §4, elu + 1 features) and Performer (SPEC §5,
-// FAVOR+ random features on the same scan), float, one thread.
+// bench/bench_linear.cpp — linear attention (SPEC §4, elu + 1 features), Performer (SPEC §5,
+// FAVOR+ random features on the same scan) and static-codebook VQ attention (SPEC §6, one-hot
+// code features on it), float, one thread.
 //
 //   linear_forward_{bidir,causal}    SPEC 4.2 (causal with the default chunk shared with GMA)
 //   linear_fwd_bwd_{bidir,causal}    forward with Saved, then backward (SPEC 4.3)
@@ -12,6 +13,11 @@
 //                                    with K = m features, plus the feature projections X W^T
 //                                    (N x r x m, for q and k) and, backward, dPhi-weighted W
 //                                    (N x m x r, for q and k)
+//   vq_{forward,fwd_bwd}_{bidir,causal}          SPEC 6.2 / 6.3 with S = 64 codes (the state
+//                                    size of linear attention's r = 64)
+//   floor_vq_*                       the read/write with K = S, the code GEMMs Q C^T and K C^T,
+//                                    and backward E C, E^T Q and the S per-code straight-through
+//                                    states (r x N x (d_v + 1) each)
 // N = 256 ... 65536, r = d_v = 64 (GMA's K = r = d_v, so linear and GMA rows compare at equal
 // state size). The FLOPS counter is the floor's GEMM work for both an operator and its floor.
 #include "bench_common.hpp"
@@ -19,6 +25,7 @@
 
 #include <mixattn/linear.hpp>
 #include <mixattn/performer.hpp>
+#include <mixattn/vq.hpp>
 
 #include <cmath>
 
@@ -29,6 +36,7 @@ using mixattn::Matrix;
 namespace mb = mixattn::bench;
 namespace linear = mixattn::linear;
 namespace performer = mixattn::performer;
+namespace vq = mixattn::vq;
 
 constexpr Index kR = 64;
 constexpr Index kDv = 64;
@@ -36,6 +44,7 @@ constexpr Index kMaxN = 65536;
 constexpr Index kQuickSet[] = {256, 1024, 4096, 16384, 65536};
 constexpr Index kChunk = mixattn::detail::gma_default_chunk;
 constexpr Index kFeatures = 256;  // Performer's m
+constexpr Index kCodes = 64;      // VQ attention's S
 
 struct Inputs : mb::QkvInputs {
   explicit Inputs(Index n) : QkvInputs(n, kR, kDv) {}
@@ -157,6 +166,82 @@ void run_performer_floor(benchmark::State& state, bool causal, bool backward) {
   mb::finish(state, n, heap);
 }
 
+// VQ attention: the same read/write with S one-hot/code features, the code GEMMs, and backward
+// the per-code straight-through states.
+double vq_flops(Index n, bool causal, bool backward) {
+  const double proj = 2.0 * 2.0 * static_cast<double>(n) * kR * kCodes;  // q C^T and k C^T
+  double f = mb::GmaFloor::forward_flops(n, kCodes, kR, kDv, kChunk, causal, false) + proj;
+  if (backward)  // + E C, E^T Q, and S GEMMs (r x N)(N x (d_v + 1))
+    f += mb::GmaFloor::backward_flops(n, kCodes, kR, kDv, kChunk, causal, false) + proj +
+         2.0 * static_cast<double>(n) * kCodes * kR * (kDv + 1);
+  return f;
+}
+
+void run_vq(benchmark::State& state, bool causal, bool backward) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  const Matrix<float> codebook = mb::random_matrix<float>(kCodes, kR, 8);
+  vq::Options opt;
+  opt.causal = causal;
+  mb::PeakHeap heap;
+  mb::timed_loop(state, heap, [&] {
+    vq::Saved<float> saved;
+    Matrix<float> out =
+        vq::forward<float>(in.q, in.k, in.v, codebook, opt, backward ? &saved : nullptr);
+    benchmark::DoNotOptimize(out.data());
+    if (backward) {
+      vq::Grad<float> g = vq::backward<float>(in.q, in.k, in.v, codebook, in.d_out, saved, opt);
+      benchmark::DoNotOptimize(g.q.data());
+    }
+  });
+  mb::set_flops(state, vq_flops(n, causal, backward));
+  mb::set_bytes(state, io_bytes(n, backward));
+  mb::finish(state, n, heap);
+}
+
+void run_vq_floor(benchmark::State& state, bool causal, bool backward) {
+  const Index n = state.range(0);
+  mb::GmaFloor floor(n, kCodes, kR, kDv, kChunk, /*density=*/false);
+  const Matrix<float> x = mb::random_matrix<float>(n, kR, 21);
+  const Matrix<float> c = mb::random_matrix<float>(kCodes, kR, 22);
+  const Matrix<float> e = mb::random_matrix<float>(n, kCodes, 23);
+  const Matrix<float> gh = mb::random_matrix<float>(n, kDv + 1, 24);
+  Matrix<float> logits(n, kCodes), dx(n, kR), dc(kCodes, kR), t(kR, kDv + 1);
+  double extra = 0;
+  mb::PeakHeap heap;
+  mb::timed_loop(state, heap, [&] {
+    floor.reset_flops();
+    extra = 0;
+    for (int path = 0; path < 2; ++path) {  // q C^T and k C^T
+      logits.noalias() = x * c.transpose();
+      extra += 2.0 * static_cast<double>(n) * kR * kCodes;
+    }
+    if (backward) {
+      floor.forward_backward(causal);
+      dx.noalias() = e * c;
+      dc.noalias() = e.transpose() * x;
+      extra += 2 * 2.0 * static_cast<double>(n) * kR * kCodes;
+      for (Index s = 0; s < kCodes; ++s) {  // the per-code straight-through states
+        t.noalias() = x.transpose() * gh;
+        extra += 2.0 * static_cast<double>(n) * kR * (kDv + 1);
+      }
+    } else {
+      floor.forward(causal);
+    }
+    benchmark::DoNotOptimize(floor.sink());
+    benchmark::DoNotOptimize(logits.data());
+    benchmark::DoNotOptimize(dx.data());
+    benchmark::DoNotOptimize(dc.data());
+    benchmark::DoNotOptimize(t.data());
+  });
+  const double total = floor.flops() + extra, expected = vq_flops(n, causal, backward);
+  if (std::abs(total - expected) > 1e-9 * expected)
+    state.SkipWithError("VQ floor's closed-form FLOP count disagrees with the issued GEMMs");
+  mb::set_flops(state, total);
+  mb::set_bytes(state, io_bytes(n, backward));
+  mb::finish(state, n, heap);
+}
+
 void linear_forward_bidir(benchmark::State& s) {
   run_operator(s, false, false);
 }
@@ -207,6 +292,31 @@ void floor_performer_fwd_bwd_causal(benchmark::State& s) {
   run_performer_floor(s, true, true);
 }
 
+void vq_forward_bidir(benchmark::State& s) {
+  run_vq(s, false, false);
+}
+void floor_vq_forward_bidir(benchmark::State& s) {
+  run_vq_floor(s, false, false);
+}
+void vq_forward_causal(benchmark::State& s) {
+  run_vq(s, true, false);
+}
+void floor_vq_forward_causal(benchmark::State& s) {
+  run_vq_floor(s, true, false);
+}
+void vq_fwd_bwd_bidir(benchmark::State& s) {
+  run_vq(s, false, true);
+}
+void floor_vq_fwd_bwd_bidir(benchmark::State& s) {
+  run_vq_floor(s, false, true);
+}
+void vq_fwd_bwd_causal(benchmark::State& s) {
+  run_vq(s, true, true);
+}
+void floor_vq_fwd_bwd_causal(benchmark::State& s) {
+  run_vq_floor(s, true, true);
+}
+
 void sweep(benchmark::internal::Benchmark* b) {
   mb::sweep(b, 256, kMaxN, kQuickSet);
 }
@@ -227,6 +337,14 @@ BENCHMARK(performer_fwd_bwd_bidir)->Apply(sweep);
 BENCHMARK(floor_performer_fwd_bwd_bidir)->Apply(sweep);
 BENCHMARK(performer_fwd_bwd_causal)->Apply(sweep);
 BENCHMARK(floor_performer_fwd_bwd_causal)->Apply(sweep);
+BENCHMARK(vq_forward_bidir)->Apply(sweep);
+BENCHMARK(floor_vq_forward_bidir)->Apply(sweep);
+BENCHMARK(vq_forward_causal)->Apply(sweep);
+BENCHMARK(floor_vq_forward_causal)->Apply(sweep);
+BENCHMARK(vq_fwd_bwd_bidir)->Apply(sweep);
+BENCHMARK(floor_vq_fwd_bwd_bidir)->Apply(sweep);
+BENCHMARK(vq_fwd_bwd_causal)->Apply(sweep);
+BENCHMARK(floor_vq_fwd_bwd_causal)->Apply(sweep);
 
 }  // namespace
 

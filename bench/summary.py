@@ -544,6 +544,13 @@ LINEAR_TARGETS = [
              ("<=", 1.5))
       for kind, label in (("forward", "forward"), ("fwd_bwd", "fwd+bwd"))
       for mode in ("bidir", "causal")],
+    # Static-codebook VQ attention (bench_linear, SPEC §6): S = 64 one-hot code features on the
+    # same read/write, the code GEMMs and, backward, the per-code straight-through states.
+    *[Target(f"VQ attention {mode} {label} / its GEMM floor (N={N})",
+             (lambda op: lambda m: m.time(op) / m.time("floor_" + op))(f"vq_{kind}_{mode}"),
+             ("<=", 1.5))
+      for kind, label in (("forward", "forward"), ("fwd_bwd", "fwd+bwd"))
+      for mode in ("bidir", "causal")],
 ]
 
 
@@ -635,6 +642,7 @@ PRODUCERS = [
     ("gma_", ["bench_gma"]), ("floor_gma_", ["bench_gma"]),
     ("linear_", ["bench_linear"]), ("floor_linear_", ["bench_linear"]),
     ("performer_", ["bench_linear"]), ("floor_performer_", ["bench_linear"]),
+    ("vq_", ["bench_linear"]), ("floor_vq_", ["bench_linear"]),
     ("ovq_", ["bench_ovq"]), ("floor_ovq_", ["bench_ovq"]),
     ("flash_forward_causal", ["bench_reference", "bench_ovq"]),
     ("naive_", ["bench_reference"]), ("flash_", ["bench_reference"]),
@@ -842,6 +850,10 @@ HEADLINE = [  # (label, operator, N)
     ("Performer (m = 256) bidirectional forward+backward", "performer_fwd_bwd_bidir", N),
     ("Performer (m = 256) causal forward", "performer_forward_causal", N),
     ("Performer (m = 256) causal forward+backward", "performer_fwd_bwd_causal", N),
+    ("VQ attention (S = 64) bidirectional forward", "vq_forward_bidir", N),
+    ("VQ attention (S = 64) bidirectional forward+backward", "vq_fwd_bwd_bidir", N),
+    ("VQ attention (S = 64) causal forward", "vq_forward_causal", N),
+    ("VQ attention (S = 64) causal forward+backward", "vq_fwd_bwd_causal", N),
 ]
 HEADLINE_HEADER = ["operator (N = 4096 unless said)", "time [min – max]", "ratio to GEMM floor",
                    "fraction of FMA peak (GFLOP/s)", "speed-up vs flash", "peak extra heap"]

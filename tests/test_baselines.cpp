@@ -1,7 +1,10 @@
-// The papers' baselines beyond linear attention: Performer / FAVOR+ (SPEC.md section 5). Forward
-// against a direct double loop over (i, j) from the definition (no stabiliser), the random draw's
-// properties, every backward against central differences in double, argument validation.
+// The papers' baselines beyond linear attention: Performer / FAVOR+ (SPEC.md section 5) and
+// static-codebook VQ attention (section 6). Forwards against direct double loops over (i, j)
+// from the definitions, the random draw's properties, the quantisation, every backward against
+// central differences in double (the straight-through key gradient against differences in the
+// quantised keys), argument validation.
 #include <mixattn/performer.hpp>
+#include <mixattn/vq.hpp>
 
 #include "test_util.hpp"
 
@@ -18,6 +21,7 @@ namespace {
 
 using mixattn::Index;
 using mixattn::Matrix;
+using mixattn::Vector;
 using mixattn::testing::all_close;
 using mixattn::testing::expect_throw;
 using mixattn::testing::numeric_gradient;
@@ -369,6 +373,232 @@ TEST_F(PerformerErrors, BackwardRecordMismatches) {
                    {bwd, "saved came from other data: k is different"});
   const Matrix<double> g3 = random_matrix<double>(6, 3, 9);
   expect_throw<IA>([&] { performer::backward<double>(q, k, v, g3, f, saved); },
+                   {bwd, "grad_out is 6 x 3"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Static-codebook VQ attention (SPEC.md section 6).
+
+namespace vq = mixattn::vq;
+
+/// Nearest code by brute force in double, ties to the lowest index; also the gap between the
+/// best and the second-best squared distance (how far the key is from a tie).
+template <class T>
+Index nearest(const Matrix<T>& k, Index j, const Matrix<T>& c, double* gap = nullptr) {
+  Index best = 0;
+  double d0 = std::numeric_limits<double>::infinity(), d1 = d0;
+  for (Index s = 0; s < c.rows(); ++s) {
+    const double d =
+        (k.row(j).template cast<double>() - c.row(s).template cast<double>()).squaredNorm();
+    if (d < d0) {
+      d1 = d0;
+      d0 = d;
+      best = s;
+    } else if (d < d1) {
+      d1 = d;
+    }
+  }
+  if (gap) *gap = d1 - d0;
+  return best;
+}
+
+/// The definition in double, term by term: softmax-style weights of the quantised keys
+/// w_ij = e^(tau q_i . k^_j - m_i) / sqrt(S), m_i = max_s tau q_i . C_s (SPEC 6.2), and
+/// out_i = sum_j w_ij v_j / (sum_j w_ij + eps). kq: the quantised keys k^ (M x r), free here so
+/// that central differences in them give the straight-through gradient.
+template <class T>
+Matrix<double> vq_twin(const Matrix<T>& q, const Matrix<double>& kq, const Matrix<T>& v,
+                       const Matrix<T>& c, bool causal, double eps) {
+  const Index n = q.rows(), m = kq.rows(), dv = v.cols(), S = c.rows();
+  const double tau = 1 / std::sqrt(double(q.cols()));
+  const Matrix<double> qd = q.template cast<double>(), cd = c.template cast<double>();
+  Matrix<double> out = Matrix<double>::Zero(n, dv);
+  for (Index i = 0; i < n; ++i) {
+    const double mi = tau * (cd * qd.row(i).transpose()).maxCoeff();
+    double den = eps;
+    for (Index j = 0; j < (causal ? i + 1 : m); ++j) {
+      const double w = std::exp(tau * qd.row(i).dot(kq.row(j)) - mi) / std::sqrt(double(S));
+      den += w;
+      out.row(i) += w * v.row(j).template cast<double>();
+    }
+    out.row(i) /= den;
+  }
+  return out;
+}
+
+template <class T>
+Matrix<double> quantised(const Matrix<T>& k, const Matrix<T>& c) {
+  Matrix<double> kq(k.rows(), k.cols());
+  for (Index j = 0; j < k.rows(); ++j) kq.row(j) = c.row(nearest(k, j, c)).template cast<double>();
+  return kq;
+}
+
+struct VqShape {
+  Index n, m, r, dv, codes;
+  bool causal;
+  Index chunk;
+};
+const VqShape kVqShapes[] = {{1, 1, 3, 2, 4, false, 0},  {5, 8, 4, 3, 3, false, 0},
+                             {9, 3, 2, 5, 1, false, 0},  {1, 1, 3, 2, 5, true, 0},
+                             {37, 37, 5, 4, 6, true, 0}, {13, 13, 4, 3, 4, true, 4},
+                             {9, 9, 2, 2, 3, true, 1}};
+
+vq::Options vq_options(const VqShape& s, double eps = 1e-6) {
+  vq::Options o;
+  o.causal = s.causal;
+  o.chunk = s.chunk;
+  o.eps = eps;
+  return o;
+}
+
+template <class T>
+class Vq : public ::testing::Test {};
+TYPED_TEST_SUITE(Vq, Scalars, ScalarName);
+
+// Both modes, eps = 1e-6 and 0.05 (where the guard is a visible share of the denominator).
+// Tolerances as for Performer above: the weights' exponents tau q . C are O(1) here.
+TYPED_TEST(Vq, ForwardMatchesDoubleLoop) {
+  using T = TypeParam;
+  std::uint64_t seed = 700;
+  for (const VqShape& s : kVqShapes)
+    for (double eps : {1e-6, 5e-2}) {
+      const Matrix<T> q = random_matrix<T>(s.n, s.r, ++seed),
+                      k = random_matrix<T>(s.m, s.r, ++seed);
+      const Matrix<T> v = random_matrix<T>(s.m, s.dv, ++seed);
+      const Matrix<T> c = random_matrix<T>(s.codes, s.r, ++seed);
+      const Matrix<T> out = vq::forward<T>(q, k, v, c, vq_options(s, eps));
+      EXPECT_TRUE(all_close(out, vq_twin(q, quantised(k, c), v, c, s.causal, eps), Tol<T>::rtol,
+                            Tol<T>::atol))
+          << "seed " << seed << " n " << s.n << " causal " << s.causal << " eps " << eps;
+      const auto z = vq::assign<T>(k, c);
+      for (Index j = 0; j < s.m; ++j) EXPECT_EQ(z[j], nearest(k, j, c)) << "key " << j;
+    }
+}
+
+// SPEC 6.2's other form: attention over the S codes with a log-count bias and per-code value
+// means, o_i = sum_s e^(tau q_i . C_s + log n_s) vbar_s / sum_s e^(tau q_i . C_s + log n_s),
+// codes without keys left out. eps = 1e-300 makes the guard negligible (relative 1e-299).
+TEST(VqForward, AttentionOverCodesWithLogCountBias) {
+  const Index n = 7, m = 20, r = 3, S = 5;
+  const Matrix<double> q = random_matrix<double>(n, r, 81), k = random_matrix<double>(m, r, 82);
+  const Matrix<double> v = random_matrix<double>(m, 2, 83), c = random_matrix<double>(S, r, 84);
+  Vector<double> count = Vector<double>::Zero(S);
+  Matrix<double> sum = Matrix<double>::Zero(S, 2);
+  for (Index j = 0; j < m; ++j) {
+    const Index s = nearest(k, j, c);
+    count[s] += 1;
+    sum.row(s) += v.row(j);
+  }
+  ASSERT_GE((count.array() > 0).count(), 3);  // several codes in use, at least one count > 1
+  ASSERT_GT(count.maxCoeff(), 1);
+  Matrix<double> expect(n, 2);
+  for (Index i = 0; i < n; ++i) {
+    double den = 0;
+    expect.row(i).setZero();
+    for (Index s = 0; s < S; ++s) {
+      if (count[s] == 0) continue;
+      const double w = std::exp(q.row(i).dot(c.row(s)) / std::sqrt(double(r)) + std::log(count[s]));
+      den += w;
+      expect.row(i) += w * sum.row(s) / count[s];
+    }
+    expect.row(i) /= den;
+  }
+  vq::Options o;
+  o.eps = 1e-300;
+  EXPECT_TRUE(all_close(vq::forward<double>(q, k, v, c, o), expect, 1e-12, 1e-13));
+}
+
+TEST(VqForward, TiesGoToTheLowestCode) {
+  Matrix<double> c(3, 2);
+  c << 1, 0, -1, 0, 1, 0;  // codes 0 and 2 equal; (0, 1) is equidistant from all three
+  Matrix<double> k(3, 2);
+  k << 0, 1, 2, 0, 0.5, 0;
+  const auto z = vq::assign<double>(k, c);
+  EXPECT_EQ(z[0], 0);
+  EXPECT_EQ(z[1], 0);
+  EXPECT_EQ(z[2], 0);
+}
+
+// Central differences in double for q, v and the codebook (the quantisation is piecewise
+// constant: every key is at least 1e-3 in squared distance from a tie, so a step of h = 1e-6 in
+// k or C never changes a code, and the forward is smooth in the step); for k, the forward is
+// constant in such steps (its central difference is exactly 0) and the straight-through gradient
+// is checked against central differences of the twin in the quantised keys k^ instead.
+// Tolerances as for Performer's check.
+TEST(VqBackward, MatchesCentralDifferences) {
+  std::uint64_t seed = 900;
+  for (const VqShape& s : kVqShapes)
+    for (double eps : {1e-6, 5e-2}) {
+      Matrix<double> q = random_matrix<double>(s.n, s.r, ++seed);
+      Matrix<double> k = random_matrix<double>(s.m, s.r, ++seed);
+      Matrix<double> v = random_matrix<double>(s.m, s.dv, ++seed);
+      Matrix<double> c = random_matrix<double>(s.codes, s.r, ++seed);
+      const Matrix<double> g = random_matrix<double>(s.n, s.dv, ++seed);
+      for (Index j = 0; j < s.m; ++j) {
+        double gap = 0;
+        nearest(k, j, c, &gap);
+        ASSERT_GT(gap, 1e-3) << "seed " << seed << " key " << j << " is near a tie";
+      }
+      const vq::Options o = vq_options(s, eps);
+      vq::Saved<double> saved;
+      vq::forward<double>(q, k, v, c, o, &saved);
+      const vq::Grad<double> gr = vq::backward<double>(q, k, v, c, g, saved, o);
+      const auto loss = [&] { return vq::forward<double>(q, k, v, c, o).cwiseProduct(g).sum(); };
+      const std::string where = "seed " + std::to_string(seed) + " n " + std::to_string(s.n) +
+                                " causal " + std::to_string(s.causal);
+      EXPECT_TRUE(all_close(gr.q, numeric_gradient(q, loss), 1e-6, 1e-7)) << "dq " << where;
+      EXPECT_TRUE(all_close(gr.v, numeric_gradient(v, loss), 1e-6, 1e-7)) << "dv " << where;
+      EXPECT_TRUE(all_close(gr.codebook, numeric_gradient(c, loss), 1e-6, 1e-7)) << "dC " << where;
+      EXPECT_TRUE(numeric_gradient(k, loss).isZero(0.0)) << "forward not constant in k " << where;
+      Matrix<double> kq = quantised(k, c);
+      const auto twin_loss = [&] {
+        return vq_twin(q, kq, v, c, s.causal, eps).cwiseProduct(g).sum();
+      };
+      EXPECT_TRUE(all_close(gr.k, numeric_gradient(kq, twin_loss), 1e-6, 1e-7)) << "dk " << where;
+    }
+}
+
+class VqErrors : public ::testing::Test {
+ protected:
+  Matrix<double> q = random_matrix<double>(6, 3, 2), k = random_matrix<double>(6, 3, 3);
+  Matrix<double> v = random_matrix<double>(6, 2, 4), g = random_matrix<double>(6, 2, 5);
+  Matrix<double> c = random_matrix<double>(4, 3, 6);
+  static constexpr const char* fwd = "mixattn::vq::forward";
+  static constexpr const char* bwd = "mixattn::vq::backward";
+  using IA = std::invalid_argument;
+  using DE = std::domain_error;
+};
+
+TEST_F(VqErrors, BadShapesOptionsAndRecords) {
+  const Matrix<double> c5 = random_matrix<double>(4, 5, 1), c0(0, 3);
+  expect_throw<IA>([&] { vq::forward<double>(q, k, v, c5); },
+                   {fwd, "codebook is 4 x 5 but q is 6 x 3"});
+  expect_throw<IA>([&] { vq::forward<double>(q, k, v, c0); }, {fwd, "codebook is 0 x 3", "S >= 1"});
+  expect_throw<IA>([&] { vq::assign<double>(k, c5); },
+                   {"mixattn::vq::assign", "codebook is 4 x 5"});
+  const Matrix<double> v5 = random_matrix<double>(5, 2, 7);
+  expect_throw<IA>([&] { vq::forward<double>(q, k, v5, c); }, {fwd, "v has 5 rows but k has 6"});
+  vq::Options neg;
+  neg.scale = -1;
+  expect_throw<IA>([&] { vq::forward<double>(q, k, v, c, neg); }, {fwd, "options.scale is -1"});
+  Matrix<double> cb = c;
+  cb(1, 1) = std::numeric_limits<double>::quiet_NaN();
+  expect_throw<DE>([&] { vq::forward<double>(q, k, v, cb); },
+                   {fwd, "codebook has a non-finite entry at (1, 1)"});
+  vq::Saved<double> saved, empty;
+  vq::forward<double>(q, k, v, c, {}, &saved);
+  expect_throw<IA>([&] { vq::backward<double>(q, k, v, c, g, empty); },
+                   {bwd, "saved was not filled"});
+  Matrix<double> c2 = c;
+  c2(0, 0) += 1;
+  expect_throw<IA>([&] { vq::backward<double>(q, k, v, c2, g, saved); },
+                   {bwd, "saved came from other data: codebook is different"});
+  vq::Options scaled;
+  scaled.scale = 0.5;
+  expect_throw<IA>([&] { vq::backward<double>(q, k, v, c, g, saved, scaled); },
+                   {bwd, "scale = 0 but options give scale = 0.5"});
+  const Matrix<double> g3 = random_matrix<double>(6, 3, 9);
+  expect_throw<IA>([&] { vq::backward<double>(q, k, v, c, g3, saved); },
                    {bwd, "grad_out is 6 x 3"});
 }
 

@@ -7,6 +7,7 @@
 #include "mixattn/reference.hpp"
 #include "mixattn/linear.hpp"
 #include "mixattn/performer.hpp"
+#include "mixattn/vq.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/batched.hpp"
 #include "mixattn/packed.hpp"

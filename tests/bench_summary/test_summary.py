@@ -8,8 +8,8 @@ results.json is a synthetic, well-sampled run: every point warm, 3 repetitions a
 figures where it has them; FLOP counts, heap sizes and the rest are plausible made-up values (the
 tests below derive every expected verdict from them by hand). The decode_* points (bench_decode's
 per-token counters mean_s, p99_s, max_s, ...) are made up too, each within its target. So are the
-linear_*, floor_linear_*, performer_* and floor_performer_* points (bench_linear, N = 4096; the
-performer ones the linear ones scaled by the ratio of FLOP counts), whose FLOP counts are the floor's closed
+linear_*, performer_*, vq_* points and their floor_* (bench_linear, N = 4096; the
+performer and vq ones the linear ones scaled by the ratio of FLOP counts), whose FLOP counts are the floor's closed
 form. Each test breaks one thing in a copy
 of it and runs summary.py as bench/run.sh does, checking the exit status and the rows.
 """

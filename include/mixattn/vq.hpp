@@ -1,0 +1,259 @@
+// mixattn/vq.hpp — static-codebook vector-quantised attention (Transformer-VQ style: Lingle 2023,
+// "Transformer-VQ: Linear-Time Transformers via Vector Quantization"), the baseline of SPEC.md
+// section 6 that OVQ's online dictionary is compared against; forward and backward,
+// bidirectional and causal.
+//
+// A learned codebook C (S x r). Every key is replaced by its nearest code, k^_j = C_{z_j},
+// z_j = argmin_s |k_j - C_s|^2, and every query attends over the quantised keys with softmax
+// weights e^(tau q_i . k^_j). Grouping the keys by code, that is attention over the S codes with
+// a log-count bias (log of how many visible keys map to each code) and per-code value sums:
+//   O_i = sum_s e^(tau q_i . C_s) U_s / (sum_s e^(tau q_i . C_s) n_s + guard),
+// U_s, n_s the sum of the values and the number of the visible keys in code s: linear
+// attention (SPEC 4.2) with query features e^(tau q_i . C_s - m_i) / sqrt(S) (Performer's
+// query features with W = C, performer.hpp) and one-hot key features, on the same read-out and
+// causal scan (prefix counts and sums, chunk-wise). Cost O((N + M) S (r + d_v)) forward; the
+// straight-through key gradient costs O(N S r d_v) (SPEC 6.3).
+//
+// Thread safety: every function is reentrant; distinct calls may run concurrently.
+#pragma once
+
+#include "mixattn/core.hpp"
+#include "mixattn/linear.hpp"
+#include "mixattn/performer.hpp"
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+MIXATTN_BEGIN_NAMESPACE
+namespace vq {
+
+/// Linear attention's options (causal, eps, check_finite, chunk; SPEC 4.4) plus the scale.
+struct Options : linear::Options {
+  /// tau, the softmax scale of q . k^; 0 picks 1/sqrt(r). >= 0 and finite.
+  double scale = 0;
+};
+
+/// What forward keeps for backward: O((N + M) S + N d_v + S d_v), never O(N M).
+template <class T>
+struct Saved {
+  linear::Saved<T> attn;  // linear attention's record: phi_q N x S, phi_k M x S (one-hot codes)
+  Eigen::Matrix<Index, Eigen::Dynamic, 1> q_at;   // N: the code of the largest q_i . C_s
+  Eigen::Matrix<Index, Eigen::Dynamic, 1> codes;  // M: z_j, the code of key j
+  double scale = 0;                               // options.scale the forward ran with
+  std::uint64_t codebook_fingerprint = 0;
+};
+
+/// Gradients with respect to q (N x r), k (M x r; straight-through, SPEC 6.3), v (M x d_v) and
+/// the codebook (S x r).
+template <class T>
+struct Grad {
+  Matrix<T> q, k, v, codebook;
+};
+
+}  // namespace vq
+
+namespace detail {
+
+using CodeVector = Eigen::Matrix<Index, Eigen::Dynamic, 1>;
+
+/// z_j = argmin_s |k_j - C_s|^2 = argmax_s (k_j . C_s - |C_s|^2 / 2), ties to the lowest s.
+template <class T>
+CodeVector vq_codes(const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& codebook) {
+  CodeVector z(k.rows());
+  if (k.rows() == 0) return z;
+  Matrix<T> score(k.rows(), codebook.rows());
+  score.noalias() = k * codebook.transpose();
+  score.rowwise() -= (codebook.rowwise().squaredNorm() / T(2)).transpose();
+  for (Index j = 0; j < k.rows(); ++j) {
+    Index s = 0;
+    T best = score(j, 0);
+    for (Index c = 1; c < score.cols(); ++c)
+      if (score(j, c) > best) {
+        best = score(j, c);
+        s = c;
+      }
+    z[j] = s;
+  }
+  return z;
+}
+
+template <class T>
+T vq_scale(const vq::Options& opt, Index r) {
+  return static_cast<T>(opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(r)));
+}
+
+template <class T>
+void vq_check(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+              const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
+              const vq::Options& opt) {
+  linear_check_inputs<T>(fn, q, k, v, opt);
+  require(codebook.rows() > 0 && codebook.cols() == q.cols(), fn, "codebook is ",
+          shape_str(codebook), " but q is ", shape_str(q), ": it must be S x ", q.cols(),
+          " with S >= 1");
+  require(opt.scale >= 0 && std::isfinite(opt.scale) && std::isfinite(static_cast<T>(opt.scale)),
+          fn, "options.scale is ", opt.scale, "; it must be >= 0 and finite (0: 1/sqrt(r))");
+  if (opt.check_finite) require_finite(codebook, fn, "codebook");
+}
+
+/// Straight-through key gradient (SPEC 6.3): dk^_j = tau sum_i w_ij (g_i . v_j + h_i) q_i over
+/// the queries that see key j, w_ij = phi_q(i, z_j). Per code s a state
+/// T_s = sum_i phi_q(i, s) q_i [g_i | h_i]^T (r x (d_v + 1)) over the queries already passed,
+/// read as dk^_j += T_{z_j} [v_j; 1]: bidirectionally over all queries at once; causally in
+/// reverse chunks (the later chunks' state, plus the chunk's own lower triangle explicitly).
+/// gh: N x (d_v + 1) = [g | h]. Returns M x r.
+template <class T>
+Matrix<T> vq_key_gradient(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& v,
+                          const Matrix<T>& gh, const Matrix<T>& phi_q, const CodeVector& codes,
+                          T tau, bool causal, Index chunk) {
+  const Index N = q.rows(), M = v.rows(), r = q.cols(), dv = v.cols(), S = phi_q.cols();
+  Matrix<T> dk = Matrix<T>::Zero(M, r), v1(M, dv + 1), scaled;
+  v1.leftCols(dv) = v;
+  v1.col(dv).setOnes();
+  std::vector<char> used(static_cast<std::size_t>(S), 0);
+  for (Index j = 0; j < M; ++j) used[static_cast<std::size_t>(codes[j])] = 1;
+  std::vector<Matrix<T>> state(static_cast<std::size_t>(S));
+  for (Index s = 0; s < S; ++s)
+    if (used[static_cast<std::size_t>(s)]) state[static_cast<std::size_t>(s)].setZero(r, dv + 1);
+  const auto absorb = [&](Index i0, Index c) {  // queries [i0, i0 + c) into every used T_s
+    for (Index s = 0; s < S; ++s) {
+      if (!used[static_cast<std::size_t>(s)]) continue;
+      scaled = q.middleRows(i0, c).array().colwise() * phi_q.col(s).segment(i0, c).array();
+      state[static_cast<std::size_t>(s)].noalias() += scaled.transpose() * gh.middleRows(i0, c);
+    }
+  };
+  const auto read = [&](Index j0, Index c) {  // keys [j0, j0 + c) from the states
+    for (Index j = j0; j < j0 + c; ++j)
+      dk.row(j).noalias() += v1.row(j) * state[static_cast<std::size_t>(codes[j])].transpose();
+  };
+  if (!causal) {
+    absorb(0, N);
+    read(0, M);
+  } else {
+    Matrix<T> b;
+    for (Index c0 = ((N - 1) / chunk) * chunk; N > 0 && c0 >= 0; c0 -= chunk) {
+      const Index c = std::min(chunk, N - c0);
+      read(c0, c);
+      b.noalias() = gh.middleRows(c0, c).leftCols(dv) * v.middleRows(c0, c).transpose();
+      b.colwise() += gh.col(dv).segment(c0, c);
+      for (Index i = 0; i < c; ++i)
+        for (Index j = 0; j < c; ++j) b(i, j) *= j <= i ? phi_q(c0 + i, codes[c0 + j]) : T(0);
+      dk.middleRows(c0, c).noalias() += b.transpose() * q.middleRows(c0, c);
+      absorb(c0, c);
+    }
+  }
+  return dk * tau;
+}
+
+}  // namespace detail
+
+namespace vq {
+
+/// The code of every key (SPEC 6.1): z_j = argmin_s |k_j - C_s|^2, ties to the lowest s.
+/// k: M x r, codebook: S x r. Returns M indices in [0, S).
+template <class T, detail::enable_if_supported<T> = 0>
+Eigen::Matrix<Index, Eigen::Dynamic, 1> assign(const ConstMatrixRef<T>& k,
+                                               const ConstMatrixRef<T>& codebook) {
+  detail::require(codebook.rows() > 0 && codebook.cols() == k.cols(), "mixattn::vq::assign",
+                  "codebook is ", detail::shape_str(codebook), " but k is ", detail::shape_str(k),
+                  ": it must be S x ", k.cols(), " with S >= 1");
+  return detail::vq_codes<T>(k, codebook);
+}
+
+/// VQ attention forward (SPEC 6.2). q: N x r, k: M x r, v: M x d_v, codebook: S x r, row-major
+/// (M == N when causal; M == 0 only with N == 0). Returns N x d_v. If `saved` is given it
+/// receives what backward needs. T is not deduced: write vq::forward<float>(...).
+/// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
+/// for non-finite q, k, v or codebook, or for an output that overflowed T.
+template <class T, detail::enable_if_supported<T> = 0>
+Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
+                  const Options& opt = {}, Saved<T>* saved = nullptr) {
+  static constexpr const char* fn = "mixattn::vq::forward";
+  detail::vq_check<T>(fn, q, k, v, codebook, opt);
+  const T tau = detail::vq_scale<T>(opt, q.cols());
+  const Matrix<T> c = codebook;
+  Matrix<T> phi_q;
+  detail::CodeVector at, codes = detail::vq_codes<T>(k, codebook);
+  detail::performer_features<T>(q, c, tau, true, phi_q, &at, nullptr, nullptr);
+  Matrix<T> phi_k = Matrix<T>::Zero(k.rows(), codebook.rows());
+  for (Index j = 0; j < k.rows(); ++j) phi_k(j, codes[j]) = T(1);
+  Matrix<T> out = detail::linear_forward_features<T>(
+      fn, q, k, v, std::move(phi_q), std::move(phi_k), opt, saved ? &saved->attn : nullptr);
+  if (saved) {
+    saved->q_at = std::move(at);
+    saved->codes = std::move(codes);
+    saved->scale = opt.scale;
+    saved->codebook_fingerprint = detail::fingerprint(codebook);
+  }
+  return out;
+}
+
+/// VQ attention backward (SPEC 6.3): gradients of sum(grad_out . forward(q, k, v, codebook))
+/// with respect to q (N x r), k (M x r, straight-through: the gradient of the quantised key),
+/// v (M x d_v) and the codebook (S x r). grad_out: N x d_v; saved: filled by forward with the
+/// same inputs and options. With check_finite, non-finite grad_out or overflowed gradients
+/// throw std::domain_error.
+template <class T, detail::enable_if_supported<T> = 0>
+Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 const ConstMatrixRef<T>& codebook, const ConstMatrixRef<T>& grad_out,
+                 const Saved<T>& saved, const Options& opt = {}) {
+  static constexpr const char* fn = "mixattn::vq::backward";
+  detail::vq_check<T>(fn, q, k, v, codebook, opt);
+  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, codebook.rows());
+  detail::require(
+      saved.scale == opt.scale && saved.q_at.size() == q.rows() && saved.codes.size() == k.rows(),
+      fn, "saved was made with scale = ", saved.scale, " but options give scale = ", opt.scale);
+  if (detail::fingerprint(codebook) != saved.codebook_fingerprint)
+    detail::raise_other_data(fn, "saved", "codebook");
+  const T tau = detail::vq_scale<T>(opt, q.cols());
+  const Matrix<T> c = codebook;
+  Grad<T> grad;
+  grad.codebook.setZero(codebook.rows(), codebook.cols());
+  const auto& a = saved.attn;
+  linear::Grad<T> g = detail::linear_backward_features<T>(
+      fn, q.cols(), k.rows(), v, grad_out, a, opt, [&](linear::Grad<T>& lg) {
+        Matrix<T> e = std::move(lg.q);  // dPhi_Q, then E = dPhi_Q o Phi_Q
+        lg.q = detail::performer_feature_backward<T>(q, c, tau, a.phi_q, e, &saved.q_at, 0, 0);
+        // dC through the query exponents tau (C_s - C_{s*_i}) . q_i
+        grad.codebook.noalias() = tau * e.transpose() * q;
+        const Vector<T> rows = e.rowwise().sum();
+        for (Index i = 0; i < q.rows(); ++i)
+          grad.codebook.row(saved.q_at[i]) -= (tau * rows[i]) * q.row(i);
+        Matrix<T> gh(q.rows(), v.cols() + 1);  // [g | h] of SPEC 4.3
+        gh.leftCols(v.cols()) = grad_out;
+        gh.col(v.cols()) = -grad_out.cwiseProduct(a.out).rowwise().sum();
+        gh.array().colwise() /= a.den.array();
+        lg.k = detail::vq_key_gradient<T>(q, v, gh, a.phi_q, saved.codes, tau, opt.causal, a.chunk);
+      });
+  if (opt.check_finite)
+    detail::require_finite_result(grad.codebook, fn, "the gradient of the codebook",
+                                  "q, k, v or grad_out is");
+  grad.q = std::move(g.q);
+  grad.k = std::move(g.k);
+  grad.v = std::move(g.v);
+  return grad;
+}
+
+// Compile-time refusals (core.hpp, refuse_arguments), as in linear.hpp.
+template <class T, class Q, class K, class V, class C, detail::enable_if_refused<T, Q, K, V, C> = 0>
+Matrix<T> forward(const Q&, const K&, const V&, const C&, const Options& = {},
+                  Saved<T>* = nullptr) {
+  detail::refuse_arguments<T, Q, K, V, C>();
+  return {};
+}
+template <class T, class Q, class K, class V, class C, class G,
+          detail::enable_if_refused<T, Q, K, V, C, G> = 0>
+Grad<T> backward(const Q&, const K&, const V&, const C&, const G&, const Saved<T>&,
+                 const Options& = {}) {
+  detail::refuse_arguments<T, Q, K, V, C, G>();
+  return {};
+}
+
+}  // namespace vq
+MIXATTN_END_NAMESPACE
