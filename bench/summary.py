@@ -17,9 +17,12 @@ Rules (README, "Benchmarks"):
     such a row reads "impossible: measurement error" and the summary fails;
   - a thread speed-up (one thread's CPU time over the threads' wall time) gives no verdict when
     the one-thread run did not have a whole core ("machine busy");
-  - a target whose benchmark is missing fails the summary, unless the binary that makes it did not
-    build (--not-built: bench/run.sh reports that itself), the run was filtered (--partial), or the
-    row is optional (the PyTorch side-by-side);
+  - a target whose benchmark is missing fails the summary (exit 1, naming the benchmark and N),
+    unless the binary that makes it did not build (--not-built: bench/run.sh reports that itself),
+    the run was filtered (--partial), or the row is optional (the PyTorch side-by-side and the
+    extension's benchmark, which run only where PyTorch is). Quick mode (MIXATTN_BENCH_QUICK=1) is
+    no exemption: it runs fewer sizes and shorter loops, but every binary's quick set keeps each
+    size a target reads, so a target missing from a quick run fails it as it fails a full run;
   - rows show the median over repetitions and the spread [min–max] beside it.
 Exit status: 0 when every row could be judged or was refused for too few samples, 1 otherwise.
 

@@ -180,6 +180,21 @@ class SummaryRules(unittest.TestCase):
         self.assertIn("MISSING: flash_forward_bidir N=4096", md)
         self.assertNotIn("n/a", md)
 
+    def test_missing_benchmark_fails_quick_mode_too(self):
+        # Quick mode runs fewer sizes, but each binary's quick set keeps every size a target
+        # reads: a missing thread-scaling point is an error there as in a full run.
+        doc = base()
+        doc["context"]["mixattn_bench_quick"] = "1"
+        doc["benchmarks"] = [b for b in doc["benchmarks"] if b["name"] != FWD_2T]
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("MISSING: gma_heads_forward_bidir N=4096 threads=2", verdict(md, FWD_ROW))
+        # The failure message on stderr names the row and the benchmark.
+        failed = out.split("summary: FAILED")[1]
+        self.assertIn(FWD_ROW, failed)
+        self.assertIn("gma_heads_forward_bidir", failed)
+        self.assertNotIn("n/a", md)
+
     def test_missing_peak_fails_loudly(self):
         doc = base()
         doc["benchmarks"] = [b for b in doc["benchmarks"] if b["name"] != "peak_fma_float"]
