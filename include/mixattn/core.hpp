@@ -246,6 +246,21 @@ inline void require(bool ok, const char* fn, Args&&... message) {
   if (!ok) raise_invalid_argument(concat(fn, ": ", std::forward<Args>(message)...));
 }
 
+/// The shapes every q, k, v operator without its own dimension needs (reference::, linear::):
+/// r = q.cols() >= 1, k with r columns, v with k's rows, and at least one key for any query.
+template <class T>
+void check_qkv_shapes(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                      const ConstMatrixRef<T>& v) {
+  require(q.cols() > 0, fn,
+          "q has 0 columns: the key dimension r must be at least 1 (q: ", shape_str(q), ")");
+  require(k.cols() == q.cols(), fn, "k has ", k.cols(), " columns but q has ", q.cols(),
+          " (q: ", shape_str(q), ", k: ", shape_str(k), ")");
+  require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows(),
+          " (k: ", shape_str(k), ", v: ", shape_str(v), ")");
+  require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
+          ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
+}
+
 /// Throws std::domain_error naming `arg` when any entry of `x` is NaN or infinite.
 template <class Derived>
 inline void require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, const char* arg) {

@@ -83,16 +83,9 @@ inline Index linear_chunk(const linear::Options& opt) {
 template <class T>
 void linear_check_inputs(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                          const ConstMatrixRef<T>& v, const linear::Options& opt) {
-  require(q.cols() > 0, fn,
-          "q has 0 columns: the key dimension r must be at least 1 (q: ", shape_str(q), ")");
-  require(k.cols() == q.cols(), fn, "k has ", k.cols(), " columns but q has ", q.cols(),
-          " (q: ", shape_str(q), ", k: ", shape_str(k), ")");
-  require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows(),
-          " (k: ", shape_str(k), ", v: ", shape_str(v), ")");
-  require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
-          ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
-  // The rest (v's rows, causal shapes, eps, chunk, finite values) is checked as for GMA, whose
-  // options these mirror; r = q.cols() plays the mixture's dimension.
+  check_qkv_shapes<T>(fn, q, k, v);
+  // The rest (causal shapes, eps, chunk, finite values) is checked as for GMA, whose options
+  // these mirror; r = q.cols() plays the mixture's dimension.
   gma::Options g;
   g.causal = opt.causal;
   g.eps = opt.eps;

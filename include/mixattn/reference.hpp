@@ -72,14 +72,7 @@ using mixattn::detail::shape_str;
 template <class T>
 double check_inputs(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                     const ConstMatrixRef<T>& v, const Options& opt) {
-  require(q.cols() > 0, fn,
-          "q has 0 columns: the key dimension r must be at least 1 (q: ", shape_str(q), ")");
-  require(k.cols() == q.cols(), fn, "k has ", k.cols(), " columns but q has ", q.cols(),
-          " (q: ", shape_str(q), ", k: ", shape_str(k), ")");
-  require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows(),
-          " (k: ", shape_str(k), ", v: ", shape_str(v), ")");
-  require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
-          ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
+  mixattn::detail::check_qkv_shapes<T>(fn, q, k, v);
   require(!opt.causal || q.rows() == k.rows(), fn, "causal attention needs as many keys as ",
           "queries, but q has ", q.rows(), " rows and k has ", k.rows());
   require(std::isfinite(opt.scale), fn, "options.scale is ", opt.scale, ", not finite");
