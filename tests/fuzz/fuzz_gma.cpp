@@ -37,6 +37,80 @@ bool same_mixture(const gma::Mixture<T>& a, const gma::Mixture<T>& b) {
          std::memcmp(&a.var_floor, &b.var_floor, sizeof(T)) == 0;
 }
 
+/// The fields GMA's and linear attention's records share (both run the one causal scan).
+template <class S>
+bool same_scan_record(const S& a, const S& b) {
+  return fz::same_bits(a.den, b.den) && fz::same_bits(a.out, b.out) && a.causal == b.causal &&
+         std::memcmp(&a.eps, &b.eps, sizeof(double)) == 0 && a.chunk == b.chunk &&
+         std::memcmp(a.fingerprint, b.fingerprint, sizeof(a.fingerprint)) == 0 &&
+         a.valid == b.valid;
+}
+
+template <class T>
+bool same_saved(const gma::Saved<T>& a, const gma::Saved<T>& b) {
+  return same_scan_record(a, b) && fz::same_bits(a.gamma_q, b.gamma_q) &&
+         fz::same_bits(a.gamma_k, b.gamma_k) && fz::same_bits(a.vt, b.vt) &&
+         fz::same_bits(a.z, b.z) && a.continued == b.continued &&
+         fz::same_bits(a.start_S, b.start_S) && fz::same_bits(a.start_z, b.start_z) &&
+         a.end_fingerprint == b.end_fingerprint;
+}
+
+template <class T>
+bool same_saved(const linear::Saved<T>& a, const linear::Saved<T>& b) {
+  return same_scan_record(a, b) && fz::same_bits(a.phi_q, b.phi_q) &&
+         fz::same_bits(a.phi_k, b.phi_k) && fz::same_bits(a.kv, b.kv) &&
+         fz::same_bits(a.ksum, b.ksum);
+}
+
+template <class T>
+bool same_saved(const performer::Saved<T>& a, const performer::Saved<T>& b) {
+  return same_saved(a.attn, b.attn) && fz::same_bits(a.q_at, b.q_at) && a.k_row == b.k_row &&
+         a.k_col == b.k_col && std::memcmp(&a.scale, &b.scale, sizeof(double)) == 0 &&
+         a.w_fingerprint == b.w_fingerprint;
+}
+
+/// Whether a record is marked filled (its backward would accept it), and marking one so.
+template <class S>
+bool filled(const S& saved) {
+  return saved.valid;
+}
+template <class T>
+bool filled(const performer::Saved<T>& saved) {
+  return filled(saved.attn);
+}
+template <class S>
+void mark_filled(S& saved) {
+  saved.chunk = 12345;  // recognisable, bit for bit
+  saved.valid = true;
+}
+template <class T>
+void mark_filled(performer::Saved<T>& saved) {
+  mark_filled(saved.attn);
+}
+
+/// A record marked filled, handed to a forward as its output.
+template <class S>
+S marked_record() {
+  S saved;
+  mark_filled(saved);
+  return saved;
+}
+
+/// README, Errors: a forward that throws for a bad argument or a non-finite input leaves the
+/// Saved it was given bitwise as it was; only one whose inputs were all finite and valid and
+/// whose result overflowed (domain_error) may change it, and must then leave it marked unfilled.
+/// `saved` was marked filled before the call.
+template <class S>
+void check_saved_after_throw(fz::Outcome o, const fz::Expect& ex, const S& saved,
+                             const S& before) {
+  const bool overflowed = o == fz::Outcome::domain_error && !ex.invalid && !ex.flags.non_finite;
+  if (overflowed)
+    MIXATTN_FUZZ_CHECK(same_saved(saved, before) || !filled(saved),
+                       "an overflowing forward left saved marked filled");
+  else
+    MIXATTN_FUZZ_CHECK(same_saved(saved, before), "a throwing forward changed saved");
+}
+
 /// SPEC 4.2's exactness oracle in double: O = diag(d)^-1 (mask . Phi_Q Phi_K^T) V,
 /// d = rowsum(mask . Phi_Q Phi_K^T) + eps.
 template <class T>
@@ -184,11 +258,15 @@ void feature_case(const LinearCase<T>& c, const Op& op, typename Op::Options opt
     return fz::same_bits(c.qs.view(), c.q) && fz::same_bits(c.ks.view(), c.k) &&
            fz::same_bits(c.vs.view(), c.v);
   };
-  typename Op::Saved saved;
+  typename Op::Saved saved = marked_record<typename Op::Saved>();
+  const typename Op::Saved saved_before = saved;
   Matrix<T> out;
   const fz::Outcome fo = fz::run(ex, [&] { out = op.forward(c.qs, c.ks, c.vs, opt, &saved); });
   MIXATTN_FUZZ_CHECK(unchanged(), why("forward wrote through an input").c_str());
-  if (fo != fz::Outcome::returned) return;
+  if (fo != fz::Outcome::returned) {
+    check_saved_after_throw(fo, ex, saved, saved_before);
+    return;
+  }
   fz::check_result(out, n, dv, ex.must_be_finite(), why("forward output").c_str());
   if (ex.must_be_finite() && m > 0)
     MIXATTN_FUZZ_CHECK(max_abs(out) <= max_abs(c.v) * (1 + 1e-4) + 1e-30,
@@ -372,13 +450,17 @@ void run_case(fz::Bytes& in) {
     }
   }
 
-  gma::Saved<T> saved;
+  gma::Saved<T> saved = marked_record<gma::Saved<T>>();
+  const gma::Saved<T> saved_before = saved;
   Matrix<T> out;
   const fz::Outcome fo = fz::run(ex, [&] {
     out = gma::forward(mix, qs.view(), ks.view(), vs.view(), opt, &saved);
   });
   MIXATTN_FUZZ_CHECK(inputs_unchanged(), "forward wrote through an input");
-  if (fo != fz::Outcome::returned) return;
+  if (fo != fz::Outcome::returned) {
+    check_saved_after_throw(fo, ex, saved, saved_before);
+    return;
+  }
   fz::check_result(out, n, dv, ex.must_be_finite(), "forward output");
   // Output rows are convex combinations of value rows, shrunk by eps (SPEC 1.6).
   const bool moderate = ex.must_be_finite() && ex.flags.max_abs <= 1e4 && floor_d >= 1e-4 &&

@@ -4,7 +4,8 @@
 // included), beta, the pieces' lengths and contents (NaN/Inf/huge/tiny/zero/identical rows),
 // and sometimes corrupts the state or a piece's shape. Every call is held to the oracle in
 // fuzz_common.hpp, and:
-//   - a call that throws leaves the State (and the Saved it was given) bitwise unchanged;
+//   - a call that throws leaves the State bitwise unchanged, and the Saved it was given too,
+//     unless all its inputs were finite and its result overflowed (then it is marked unfilled);
 //   - a call that returns leaves a consistent State (centroids <= max_centroids, counts >= 1,
 //     pending rows = tokens_seen mod block, centroid keys inside the unit ball);
 //   - for moderate double inputs, the streamed outputs and final state match one call over the
@@ -206,6 +207,7 @@ void run_case(fz::Bytes& in) {
     const ovq::State<T> before = *st;
     ovq::Saved<T> saved;
     saved.tokens = 12345;  // a recognisable Saved must survive a throwing call untouched
+    saved.recorded = true;  // marked filled: an overflow must unmark it, other throws keep it
     const ovq::Saved<T> saved_before = saved;
     Matrix<T> out;
     const fz::Outcome o = fz::run(cex, [&] {
@@ -216,9 +218,15 @@ void run_case(fz::Bytes& in) {
                        "forward wrote through an input");
     if (o != fz::Outcome::returned) {
       MIXATTN_FUZZ_CHECK(same_state(*st, before), "a throwing call changed the state");
-      // A forward whose result overflows may leave saved unrecorded (README, Errors); any other
-      // throw leaves it bitwise as it was.
-      if (o != fz::Outcome::domain_error)
+      // README, Errors: a throw for a bad argument or a non-finite input (q, k, v, beta or the
+      // state) leaves saved bitwise as it was; only a domain_error from finite inputs and valid
+      // arguments (a result that overflowed) may leave it, and then only marked unfilled.
+      const bool overflowed =
+          o == fz::Outcome::domain_error && !cex.invalid && !cex.flags.non_finite;
+      if (overflowed)
+        MIXATTN_FUZZ_CHECK(same_saved(saved, saved_before) || !saved.recorded,
+                           "an overflowing forward left saved marked filled");
+      else
         MIXATTN_FUZZ_CHECK(same_saved(saved, saved_before), "a throwing call changed saved");
       continue;
     }
