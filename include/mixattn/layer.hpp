@@ -412,7 +412,9 @@ class MultiHeadAttention {
   /// token when generating); returns n x d_model, the rows forward() would give for them over
   /// the whole sequence (up to rounding), and advances `state`. Per token and head the cost is
   /// O(K (r + d_v)) for GMA, O((N_max + C)(r + d_v)) for OVQ, O(t (r + d_v)) for softmax at
-  /// position t. On a throw `state` is unchanged only for bad x (shape, non-finite values).
+  /// position t. A throw for x (shape, non-finite values, or projections that overflow T) leaves
+  /// `state` unchanged; after any other (a mismatched state, a non-finite parameter, an output
+  /// that overflowed T), begin_decoding() again.
   Matrix<T> decode(const ConstMatrixRef<T>& x, DecodeState<T>& state) const {
     constexpr const char* fn = "mixattn::layer::MultiHeadAttention::decode";
     check_input(fn, x);
@@ -425,6 +427,7 @@ class MultiHeadAttention {
     if (cfg_.mixer == MixerKind::gma) check_prepared(fn, state);
     const Index n = x.rows(), r = cfg_.key_dim, dv = cfg_.value_dim;
     const Matrix<T> q = x * w_q_, k = x * w_k_, v = x * w_v_;
+    check_projections(fn, q, k, v);  // before any head's state moves
     Matrix<T> mixed(n, cfg_.heads * dv);
     const gma::Options gopt = gma_options();
     const reference::Options sopt = softmax_options();
@@ -448,6 +451,8 @@ class MultiHeadAttention {
     state.tokens_seen += n;
     Matrix<T> y(n, cfg_.model_dim);
     y.noalias() = mixed * w_o_;
+    if (cfg_.check_finite)  // as forward: an overflowed projection is reported, never returned
+      ::mixattn::detail::require_finite_result(y, fn, "the output", "x or a weight is");
     return y;
   }
 
@@ -572,12 +577,7 @@ class MultiHeadAttention {
     gemm<T>(c.q, plain<T>(x), plain<T>(w_q_), T(1), false, c.gemm);
     gemm<T>(c.k, plain<T>(x), plain<T>(w_k_), T(1), false, c.gemm);
     gemm<T>(c.v, plain<T>(x), plain<T>(w_v_), T(1), false, c.gemm);
-    if (cfg_.check_finite) {
-      const char* culprit = "x or a projection weight is";
-      ::mixattn::detail::require_finite_result(c.q, fn, "the queries x W_Q", culprit);
-      ::mixattn::detail::require_finite_result(c.k, fn, "the keys x W_K", culprit);
-      ::mixattn::detail::require_finite_result(c.v, fn, "the values x W_V", culprit);
-    }
+    check_projections(fn, c.q, c.k, c.v);
     c.mixed.resize(n, heads * dv);
     const Index items = (static_cast<Index>(c.offsets.size()) - 1) * heads;
     const std::size_t is = static_cast<std::size_t>(items);
@@ -802,6 +802,17 @@ class MultiHeadAttention {
             "OVQ attention is causal: set config.causal = true");
     require(std::isfinite(cfg_.gma_mean_scale), fn, "config.gma_mean_scale must be finite, got ",
             cfg_.gma_mean_scale);
+  }
+
+  /// With checks on, projections of finite x that overflowed T are reported (naming them), not
+  /// handed to the heads, which would blame q, k or v.
+  void check_projections(const char* fn, const Matrix<T>& q, const Matrix<T>& k,
+                         const Matrix<T>& v) const {
+    if (!cfg_.check_finite) return;
+    const char* culprit = "x or a projection weight is";
+    ::mixattn::detail::require_finite_result(q, fn, "the queries x W_Q", culprit);
+    ::mixattn::detail::require_finite_result(k, fn, "the keys x W_K", culprit);
+    ::mixattn::detail::require_finite_result(v, fn, "the values x W_V", culprit);
   }
 
   void check_input(const char* fn, const ConstMatrixRef<T>& x) const {
