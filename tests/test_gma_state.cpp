@@ -20,20 +20,9 @@ using mixattn::testing::numeric_gradient;
 using mixattn::testing::random_matrix;
 using mixattn::testing::test_mixture;
 
+// Sums of the causal scan in another order (test_util.hpp).
 template <class T>
-struct Tol;
-// float: pieces move the chunk boundaries, so the in-chunk float sums (<= 32 terms of gamma
-// products, relative error ~ 32 eps_f = 4e-6) are taken in another order; the prefix state is
-// double either way. Outputs are convex combinations of O(1) values.
-template <>
-struct Tol<float> {
-  static constexpr double rtol = 2e-5, atol = 2e-6;
-};
-// double: the same reordering with eps_d.
-template <>
-struct Tol<double> {
-  static constexpr double rtol = 1e-12, atol = 1e-13;
-};
+using Tol = mixattn::testing::ScanTol<T>;
 
 /// Random cut points: pieces of 1 .. max_piece tokens covering [0, n).
 std::vector<Index> random_pieces(Index n, Index max_piece, std::uint64_t seed) {

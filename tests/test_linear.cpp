@@ -68,20 +68,9 @@ const Shape kShapes[] = {{1, 1, 3, 2, false, 0},  {5, 8, 4, 3, false, 0},  {9, 3
                          {1, 6, 3, 2, false, 0},  {1, 1, 3, 2, true, 0},   {37, 37, 5, 4, true, 0},
                          {70, 70, 3, 6, true, 0}, {13, 13, 4, 3, true, 4}, {9, 9, 2, 2, true, 1}};
 
+// Sums of the causal scan in another order (test_util.hpp).
 template <class T>
-struct Tol;
-// float: phi and the sums over r and M (<= 70) terms carry ~70 * 6e-8 relative rounding per
-// value, the running state is kept in double, and O(1) outputs are ratios of positive sums
-// (no cancellation in the denominator): 2e-5 relative / 2e-6 absolute leaves a margin of ~10.
-template <>
-struct Tol<float> {
-  static constexpr double rtol = 2e-5, atol = 2e-6;
-};
-// double: the same argument at 1.1e-16 gives ~1e-14; 1e-12 leaves a margin of ~100.
-template <>
-struct Tol<double> {
-  static constexpr double rtol = 1e-12, atol = 1e-12;
-};
+using Tol = mixattn::testing::ScanTol<T>;
 
 template <class T>
 class Linear : public ::testing::Test {};

@@ -21,6 +21,9 @@ namespace {
 using mixattn::Index;
 using mixattn::Matrix;
 using mixattn::testing::random_matrix;
+using mixattn::testing::reference_backward;
+using mixattn::testing::reference_forward;
+using mixattn::testing::small_layer;
 
 template <class T>
 class Records : public ::testing::Test {};
@@ -113,14 +116,10 @@ TYPED_TEST(Records, ReferenceRejectsPermutedData) {
   for (const bool flash : {false, true}) {
     ref::Saved<T> saved;
     const auto fwd = [flash](const Matrix<T>& q_, const Matrix<T>& k_, const Matrix<T>& v_,
-                             ref::Saved<T>* sv) {
-      return flash ? ref::flash_forward<T>(q_, k_, v_, {}, sv)
-                   : ref::naive_forward<T>(q_, k_, v_, {}, sv);
-    };
+                             ref::Saved<T>* sv) { return reference_forward(flash, q_, k_, v_, sv); };
     const auto bwd = [flash](const Matrix<T>& q_, const Matrix<T>& k_, const Matrix<T>& v_,
                              const Matrix<T>& d_, const ref::Saved<T>& sv) {
-      return flash ? ref::flash_backward<T>(q_, k_, v_, d_, sv)
-                   : ref::naive_backward<T>(q_, k_, v_, d_, sv);
+      return reference_backward(flash, q_, k_, v_, d_, sv);
     };
     fwd(q, k, v, &saved);
     const Matrix<T> q_copy = q;
@@ -132,25 +131,11 @@ TYPED_TEST(Records, ReferenceRejectsPermutedData) {
   }
 }
 
-// A small causal layer: d_model 6, 2 heads, r 3, d_v 2, K 4, OVQ blocks of 4.
-mixattn::layer::Config small_layer(mixattn::layer::MixerKind kind) {
-  mixattn::layer::Config cfg;
-  cfg.model_dim = 6;
-  cfg.heads = 2;
-  cfg.key_dim = 3;
-  cfg.value_dim = 2;
-  cfg.components = 4;
-  cfg.mixer = kind;
-  cfg.causal = true;
-  cfg.ovq.block = 4;
-  return cfg;
-}
-
 TYPED_TEST(Records, LayerRejectsCacheOfOtherInputOrParameters) {
   using T = TypeParam;
   for (const auto kind : {mixattn::layer::MixerKind::gma, mixattn::layer::MixerKind::ovq,
                           mixattn::layer::MixerKind::softmax}) {
-    mixattn::layer::MultiHeadAttention<T> attn(small_layer(kind));
+    mixattn::layer::MultiHeadAttention<T> attn(small_layer<mixattn::layer::Config>(kind));
     const Matrix<T> x = random_matrix<T>(10, 6, 31), dy = random_matrix<T>(10, 6, 32);
     mixattn::layer::Cache<T> cache;
     attn.forward(x, &cache);
@@ -269,7 +254,7 @@ TYPED_TEST(Records, LayerIntoFormsRefingerprintTheCache) {
   using T = TypeParam;
   for (const auto kind : {mixattn::layer::MixerKind::gma, mixattn::layer::MixerKind::ovq,
                           mixattn::layer::MixerKind::softmax}) {
-    mixattn::layer::MultiHeadAttention<T> attn(small_layer(kind));
+    mixattn::layer::MultiHeadAttention<T> attn(small_layer<mixattn::layer::Config>(kind));
     const Matrix<T> x = random_matrix<T>(10, 6, 71), dy = random_matrix<T>(10, 6, 72);
     const Matrix<T> x_other = swap_rows(x, 0, 9);
     Matrix<T> y;
@@ -337,7 +322,7 @@ TYPED_TEST(Records, GmaContinuedForwardRecords) {
 // the state instead of decoding with the old mixture.
 TYPED_TEST(Records, LayerDecodeRejectsStaleState) {
   using T = TypeParam;
-  mixattn::layer::MultiHeadAttention<T> attn(small_layer(mixattn::layer::MixerKind::gma));
+  mixattn::layer::MultiHeadAttention<T> attn(small_layer<mixattn::layer::Config>(mixattn::layer::MixerKind::gma));
   const Matrix<T> x = random_matrix<T>(3, 6, 41);
   auto st = attn.begin_decoding();
   EXPECT_NO_THROW(attn.decode(x.topRows(1), st));

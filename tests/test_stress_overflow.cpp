@@ -181,22 +181,14 @@ TYPED_TEST(Overflow, ReferenceForwardAndBackward) {
                         dout = random_matrix<T>(n, dv, 4, p[2]);
         ref::Saved<T> saved;
         const std::string what = label<T>(flash ? "flash" : "naive", p);
-        const auto fwd = [flash](const Matrix<T>& q_, const Matrix<T>& k_, const Matrix<T>& v_,
-                                 ref::Saved<T>* sv) {
-          return flash ? ref::flash_forward<T>(q_, k_, v_, {}, sv)
-                       : ref::naive_forward<T>(q_, k_, v_, {}, sv);
-        };
-        const auto bwd = [flash](const Matrix<T>& q_, const Matrix<T>& k_, const Matrix<T>& v_,
-                                 const Matrix<T>& d_, const ref::Saved<T>& sv) {
-          return flash ? ref::flash_backward<T>(q_, k_, v_, d_, sv)
-                       : ref::naive_backward<T>(q_, k_, v_, d_, sv);
-        };
+        using mixattn::testing::reference_backward;
+        using mixattn::testing::reference_forward;
         if (!finite_or_domain_error(what + " forward", [&] {
-              return std::vector<Matrix<double>>{d(fwd(q, k, v, &saved))};
+              return std::vector<Matrix<double>>{d(reference_forward(flash, q, k, v, &saved))};
             }))
           continue;
         finite_or_domain_error(what + " backward", [&] {
-          const auto g = bwd(q, k, v, dout, saved);
+          const auto g = reference_backward(flash, q, k, v, dout, saved);
           return std::vector<Matrix<double>>{d(g.q), d(g.k), d(g.v)};
         });
       }
@@ -206,22 +198,19 @@ TYPED_TEST(Overflow, LayerForwardAndBackward) {
   using T = TypeParam;
   for (const auto kind : {mixattn::layer::MixerKind::gma, mixattn::layer::MixerKind::ovq,
                           mixattn::layer::MixerKind::softmax}) {
-    mixattn::layer::Config cfg;
-    cfg.model_dim = 6;
-    cfg.heads = 2;
-    cfg.key_dim = 3;
-    cfg.value_dim = 2;
-    cfg.components = 4;
-    cfg.mixer = kind;
-    cfg.causal = true;
-    cfg.ovq.block = 4;
-    const mixattn::layer::MultiHeadAttention<T> attn(cfg);
+    const mixattn::layer::MultiHeadAttention<T> attn(
+        mixattn::testing::small_layer<mixattn::layer::Config>(kind));
     for (const double s : ladder<T>())
       for (const auto& p : patterns(s)) {
         const Matrix<T> x = random_matrix<T>(10, 6, 1, std::max(p[0], p[1])),
                         dy = random_matrix<T>(10, 6, 2, p[2]);
         mixattn::layer::Cache<T> cache;
         const std::string what = label<T>("layer", p);
+        // Decoding the same tokens is held to the same rule (its output projection included).
+        finite_or_domain_error(what + " decode", [&] {
+          auto st = attn.begin_decoding();
+          return std::vector<Matrix<double>>{d(attn.decode(x, st))};
+        });
         if (!finite_or_domain_error(what + " forward", [&] {
               return std::vector<Matrix<double>>{d(attn.forward(x, &cache))};
             }))

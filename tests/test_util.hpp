@@ -93,4 +93,54 @@ void expect_throw(F&& f, std::initializer_list<const char*> fragments) {
   }
 }
 
+/// Tolerances of the causal scan's results (GMA, linear attention) against the same sums taken
+/// in another order: in pieces, with another chunk length, or by an O(N^2) double twin. The
+/// in-chunk and feature sums (at most ~70 terms here) carry ~70 eps relative rounding, the
+/// prefix state is kept in double either way, and outputs are ratios of positive sums of O(1)
+/// values (no cancellation in the denominator).
+template <class T>
+struct ScanTol;
+// float: 70 * 6e-8 = 4e-6 relative; 2e-5 relative / 2e-6 absolute leaves a margin of ~5-10.
+template <>
+struct ScanTol<float> {
+  static constexpr double rtol = 2e-5, atol = 2e-6;
+};
+// double: the same argument at 1.1e-16 gives ~1e-14; 1e-12 relative / 1e-13 absolute.
+template <>
+struct ScanTol<double> {
+  static constexpr double rtol = 1e-12, atol = 1e-13;
+};
+
+/// A small causal layer: d_model 6, 2 heads, r 3, d_v 2, K 4, OVQ blocks of 4. Config is
+/// mixattn::layer::Config (a parameter, so that this header needs no operator header).
+template <class Config>
+Config small_layer(decltype(Config::mixer) kind) {
+  Config cfg;
+  cfg.model_dim = 6;
+  cfg.heads = 2;
+  cfg.key_dim = 3;
+  cfg.value_dim = 2;
+  cfg.components = 4;
+  cfg.mixer = kind;
+  cfg.causal = true;
+  cfg.ovq.block = 4;
+  return cfg;
+}
+
+/// reference::flash_forward when `flash`, else naive_forward, with default options: for tests
+/// that hold both forms to one body. Found through the record's namespace (Saved is
+/// reference::Saved<T>), so that this header needs no operator header.
+template <class T, class Saved>
+Matrix<T> reference_forward(bool flash, const Matrix<T>& q, const Matrix<T>& k,
+                            const Matrix<T>& v, Saved* saved) {
+  return flash ? flash_forward(q, k, v, {}, saved) : naive_forward(q, k, v, {}, saved);
+}
+
+/// The backward matching reference_forward(flash, ...).
+template <class T, class Saved>
+auto reference_backward(bool flash, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                        const Matrix<T>& grad_out, const Saved& saved) {
+  return flash ? flash_backward(q, k, v, grad_out, saved) : naive_backward(q, k, v, grad_out, saved);
+}
+
 }  // namespace mixattn::testing
