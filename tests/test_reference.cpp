@@ -263,6 +263,62 @@ TYPED_TEST(Reference, FlashBackwardMatchesNaive) {
     }
 }
 
+// The one softmax row and its backward (detail/softmax.hpp) that every operator uses, SIMD and
+// scalar, against the formulas in long double, at lengths that cover the vector body, the scalar
+// tail and rows shorter than one register, with masked (-inf) logits inside the row.
+template <class Arch, class T>
+void check_softmax_kernels(Arch arch, std::uint64_t seed) {
+  namespace d = mixattn::detail;
+  using L = long double;
+  for (Index n : {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 100}) {
+    SCOPED_TRACE("n = " + std::to_string(n) + ", seed " + std::to_string(seed));
+    const Matrix<T> x = random_matrix<T>(3, n, seed++, 4.0);
+    std::vector<T> s(x.row(0).data(), x.row(0).data() + n), p(static_cast<size_t>(n));
+    if (n > 2) s[1] = -std::numeric_limits<T>::infinity();  // a masked logit: probability 0
+    L mx = -std::numeric_limits<L>::infinity(), sum = 0;
+    for (T e : s) mx = std::max(mx, static_cast<L>(e));
+    for (T e : s) sum += std::exp(static_cast<L>(e) - mx);
+    std::vector<T> logits = s;
+    ASSERT_TRUE(d::softmax_row(arch, s.data(), n, n, p.data()));
+    // p_j in [0, 1] with a few ulps of rounding from exp, the sum and the scaling
+    const double tol = 8 * std::numeric_limits<T>::epsilon();
+    for (Index j = 0; j < n; ++j)
+      EXPECT_NEAR(double(p[j]), double(std::exp(static_cast<L>(logits[j]) - mx) / sum), tol) << j;
+    if (n > 2) {
+      EXPECT_EQ(p[1], T(0));
+    }
+    // backward: ds_j = p_j (dp_j - sum_l p_l dp_l); the reference uses the same p
+    std::vector<T> ds(x.row(1).data(), x.row(1).data() + n);
+    L delta = 0;
+    for (Index j = 0; j < n; ++j) delta += static_cast<L>(p[j]) * static_cast<L>(ds[j]);
+    std::vector<L> want(static_cast<size_t>(n));
+    for (Index j = 0; j < n; ++j) want[j] = static_cast<L>(p[j]) * (static_cast<L>(ds[j]) - delta);
+    d::softmax_backward_row(arch, p.data(), ds.data(), n);
+    // |dp| <= 4: each term is off by a few ulps of 4 (delta's rounding to T, then p (dp - delta))
+    for (Index j = 0; j < n; ++j) EXPECT_NEAR(double(ds[j]), double(want[j]), 4 * 4 * tol) << j;
+  }
+  // every logit masked: no finite max, reported rather than divided by zero
+  std::vector<T> masked(5, -std::numeric_limits<T>::infinity()), out(5);
+  EXPECT_FALSE(d::softmax_row(arch, masked.data(), 5, 5, out.data()));
+  // a logit at +inf (an overflowing score, check_finite off) or NaN poisons its row, in the
+  // vector body and in the scalar tail alike, so that the caller's finiteness check sees it
+  for (Index n : {3, 40})
+    for (T bad : {std::numeric_limits<T>::infinity(), std::numeric_limits<T>::quiet_NaN()}) {
+      std::vector<T> row(static_cast<size_t>(n), T(1)), pr(static_cast<size_t>(n));
+      row[static_cast<size_t>(n - 2)] = bad;
+      d::softmax_row(arch, row.data(), n, n, pr.data());
+      EXPECT_TRUE(std::isnan(pr[static_cast<size_t>(n - 2)])) << n << " " << bad;
+    }
+  // empty parts (an OVQ row with no dictionary yet): max -inf, sum 0
+  EXPECT_EQ(d::row_max(arch, masked.data(), 0), -std::numeric_limits<T>::infinity());
+  EXPECT_EQ(d::exp_shifted_sum(arch, masked.data(), 0, T(0)), 0);
+}
+
+TYPED_TEST(Reference, SoftmaxRowAndBackwardMatchFormula) {
+  check_softmax_kernels<mixattn::detail::simd_arch, TypeParam>({}, 900);
+  check_softmax_kernels<mixattn::detail::scalar_arch, TypeParam>({}, 900);
+}
+
 // ---------------------------------------------------------------------------------------------
 // central differences in double, for q, k and v of both forms
 

@@ -24,6 +24,7 @@
 #include "mixattn/detail/gemm.hpp"
 #include "mixattn/detail/gma_scan.hpp"
 #include "mixattn/detail/log_density.hpp"
+#include "mixattn/detail/softmax.hpp"
 #include "mixattn/detail/simd.hpp"
 
 #include <Eigen/Core>
@@ -376,16 +377,10 @@ void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T
                                Index lddx) {
   const Index K = p.components, r = p.dim, rp = p.padded_dim;
   for (Index i = 0; i < n; ++i) {
-    // dS = gamma . (dgamma - gamma . dgamma); the row dot in W (K terms of both signs)
-    const T* gi = gamma + i * ldg;
+    // dS = gamma . (dgamma - gamma . dgamma)
     T* di = ds + i * ldds;
-    W dot = 0;
-    for (Index k = 0; k < K; ++k) dot += static_cast<W>(gi[k]) * static_cast<W>(di[k]);
-    for (Index k = 0; k < K; ++k) {
-      const W v = static_cast<W>(gi[k]) * (static_cast<W>(di[k]) - dot);
-      di[k] = static_cast<T>(v);
-      sums.w(k) += static_cast<W>(di[k]);
-    }
+    softmax_backward_row(arch, gamma + i * ldg, di, K);
+    for (Index k = 0; k < K; ++k) sums.w(k) += static_cast<W>(di[k]);
     std::copy(x + i * ldx, x + i * ldx + r, s.xpad.data() + i * rp);  // padding stays zero
   }
   s.acc.topRows(n).setZero();

@@ -17,9 +17,11 @@
 #include "mixattn/core.hpp"
 #include "mixattn/detail/flash_kernels.hpp"
 #include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <utility>
 
 MIXATTN_BEGIN_NAMESPACE
@@ -153,6 +155,9 @@ namespace detail {
 
 using mixattn::detail::gemm;
 using mixattn::detail::plain;
+using mixattn::detail::simd_arch;
+using mixattn::detail::softmax_backward_row;
+using mixattn::detail::softmax_row;
 using mixattn::detail::transposed;
 
 /// naive_forward_into's body (`fn` names the entry point in messages).
@@ -174,13 +179,14 @@ void naive_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
   p.resize(n, m);
   gemm<T>(p, plain<T>(qs), transposed<T>(k), T(1), false, rec.gemm);
   for (Index i = 0; i < n; ++i) {
-    // Causal: keys j > i get probability 0, set explicitly (Eigen's vectorised exp clamps its
-    // argument, so exp(-inf) would be a denormal, not 0).
+    // Causal: keys j > i get probability 0, set rather than computed. The row's max is finite
+    // (key 0 is always visible, scores are finite) unless check_finite is off and a score is
+    // not; the row is then NaN either way.
     const Index visible = opt.causal ? i + 1 : m;
-    const T row_max = p.row(i).head(visible).maxCoeff();  // finite: key 0 is always visible
-    p.row(i).head(visible) = (p.row(i).head(visible).array() - row_max).exp().matrix();
+    T* row = p.row(i).data();
+    if (!softmax_row(simd_arch{}, row, visible, visible, row))
+      p.row(i).head(visible).setConstant(std::numeric_limits<T>::quiet_NaN());
     p.row(i).tail(m - visible).setZero();
-    p.row(i) /= p.row(i).sum();
   }
   out.resize(n, v.cols());
   gemm<T>(out, plain<T>(p), plain<T>(v), T(1), false, rec.gemm);
@@ -208,10 +214,8 @@ void naive_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
   Matrix<T>& ds = g.scratch.s;
   ds.resize(q.rows(), k.rows());
   gemm<T>(ds, plain<T>(grad_out), transposed<T>(v), T(1), false, g.gemm);
-  for (Index i = 0; i < ds.rows(); ++i) {
-    const T d = p.row(i).dot(ds.row(i));
-    ds.row(i) = (p.row(i).array() * (ds.row(i).array() - d)).matrix();
-  }
+  for (Index i = 0; i < ds.rows(); ++i)
+    softmax_backward_row(simd_arch{}, p.row(i).data(), ds.row(i).data(), ds.cols());
   g.q.resize(q.rows(), q.cols());
   gemm<T>(g.q, plain<T>(ds), plain<T>(k), T(1), false, g.gemm);
   g.q *= static_cast<T>(scale);
@@ -444,15 +448,13 @@ Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatri
   Matrix<T> out(n, dv);
   Vector<T> s(start + n);
   for (Index i = 0; i < n; ++i) {
-    // one max-subtracted softmax row over the visible tokens (the query's own key included)
+    // one softmax row over the visible tokens (the query's own key included)
     const Index vis = start + i + 1;
     auto si = s.head(vis);
     si.noalias() = keys.topRows(vis) * (q.row(i).transpose() * scale);
-    const T mx = si.maxCoeff();
-    si = (si.array() - mx).exp().matrix();
-    const T inv = T(1) / si.sum();
+    if (!mixattn::detail::softmax_row(mixattn::detail::simd_arch{}, si.data(), vis, vis, si.data()))
+      si.setConstant(std::numeric_limits<T>::quiet_NaN());  // non-finite scores, unchecked
     out.row(i).noalias() = si.transpose() * values.topRows(vis);
-    out.row(i) *= inv;
   }
   if (opt.check_finite && !out.allFinite()) cache.truncate(start);  // before check_output throws
   detail::check_output(fn, out, opt);

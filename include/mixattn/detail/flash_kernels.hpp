@@ -10,6 +10,7 @@
 #endif
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -38,9 +39,14 @@ template <class T>
 struct FlashScratch {
   Matrix<T> qs;                // forward: scale * one query tile; backward: scale * q (N x r)
   Matrix<T> s, dp;             // one score / probability tile and its gradient
-  Vector<T> row_max, row_sum;  // forward: per row of a query tile
-  Vector<T> delta;             // backward: D_i = dO_i . O_i (N)
+  Vector<T> row_max;                            // forward: per row of a query tile
+  Vector<mixattn::detail::wide_t<T>> row_sum;  // forward: per row of a query tile
+  Vector<T> delta;                              // backward: D_i = dO_i . O_i (N)
 };
+
+using mixattn::detail::exp_shifted_sum;
+using mixattn::detail::row_dot;
+using mixattn::detail::softmax_backward_apply;
 
 /// Columns c of a score tile whose key j0 + c lies after query i (causal mask, inclusive j <= i)
 /// start at c = i - j0 + 1. Returns how many leading columns of the row are visible, in [0, bc].
@@ -65,10 +71,12 @@ void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
   MIXATTN_ASSERT(!causal || n == m_keys);
 
   using RowMap = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
+  using W = mixattn::detail::wide_t<T>;
+  const mixattn::detail::simd_arch arch{};
   Matrix<T>& qs = scratch.qs;  // scale * query tile, so the score GEMM needs no rescale
   Matrix<T>& s = scratch.s;    // scores, then probabilities, of one tile
   Vector<T>& row_max = scratch.row_max;
-  Vector<T>& row_sum = scratch.row_sum;
+  Vector<W>& row_sum = scratch.row_sum;
   qs.resize(BlockQ, r);
   s.resize(BlockQ, BlockK);
   row_max.resize(BlockQ);
@@ -97,15 +105,13 @@ void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
         // computed: Eigen's vectorised exp clamps its argument, exp(-inf) is a denormal).
         RowMap(&st(t, 0) + visible, bc - visible).setZero();
         if (visible == 0) continue;  // nothing visible in this tile: state unchanged
-        RowMap seen(&st(t, 0), visible);
-        const T tile_max = seen.maxCoeff();
-        const T new_max = std::max(row_max[t], tile_max);
+        T* seen = &st(t, 0);
+        const T new_max = std::max(row_max[t], mixattn::detail::row_max(arch, seen, visible));
         // new_max is finite (finite scores); the old max may still be -inf on the first visible
         // tile, where exp(-inf - finite) = 0 correctly discards the empty history and no
         // -inf - -inf can arise.
         const T alpha = std::exp(row_max[t] - new_max);
-        seen = (seen - new_max).exp();
-        row_sum[t] = alpha * row_sum[t] + seen.sum();
+        row_sum[t] = static_cast<W>(alpha) * row_sum[t] + exp_shifted_sum(arch, seen, visible, new_max);
         if (alpha != T(1)) o.row(t) *= alpha;
         row_max[t] = new_max;
       }
@@ -115,11 +121,9 @@ void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
     for (Index t = 0; t < br; ++t) {
       // row_sum >= 1 (the max term contributes exp(0)) whenever a key was visible; NaN only
       // from non-finite input the caller chose not to check.
-      MIXATTN_ASSERT(!(row_sum[t] < T(1)));
-      o.row(t) /= row_sum[t];
-      using W = mixattn::detail::wide_t<T>;
-      lse[i0 + t] =
-          static_cast<T>(static_cast<W>(row_max[t]) + std::log(static_cast<W>(row_sum[t])));
+      MIXATTN_ASSERT(!(row_sum[t] < W(1)));
+      o.row(t) *= static_cast<T>(W(1) / row_sum[t]);
+      lse[i0 + t] = static_cast<T>(static_cast<W>(row_max[t]) + std::log(row_sum[t]));
     }
   }
 }
@@ -139,7 +143,6 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
                           const ConstMatrixRef<T>& grad_out, const Vector<T>& lse, T scale,
                           bool causal, Matrix<T>& dq, Matrix<T>& dk, Matrix<T>& dv,
                           FlashScratch<T>& scratch) {
-  using W = mixattn::detail::wide_t<T>;
   const Index n = q.rows(), m_keys = k.rows();
   MIXATTN_ASSERT(!causal || n == m_keys);
   dq.setZero();
@@ -148,11 +151,12 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
 
   Matrix<T>& qs = scratch.qs;  // scale * q: O(N r), once per call
   qs = scale * q;
-  Vector<T>& delta = scratch.delta;  // D_i, summed in the wide type (d_v terms of either sign)
+  // D_i = rowsum(P o dP)_i = dO_i . O_i: P . dP is never whole here (one key tile at a time)
+  const mixattn::detail::simd_arch arch{};
+  Vector<T>& delta = scratch.delta;
   delta.resize(n);
   for (Index i = 0; i < n; ++i)
-    delta[i] = static_cast<T>(
-        (grad_out.row(i).template cast<W>().array() * out.row(i).template cast<W>().array()).sum());
+    delta[i] = static_cast<T>(row_dot(arch, grad_out.row(i).data(), out.row(i).data(), out.cols()));
 
   using RowMap = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
   Matrix<T>& p = scratch.s;
@@ -187,10 +191,8 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
       dv.middleRows(j0, bcc).noalias() += pt.transpose() * gb;
 
       dpt.noalias() = gb * vb.transpose();
-      for (Index t = 0; t < br; ++t) {
-        RowMap ds(&dpt(t, 0), bcc);
-        ds = RowMap(&pt(t, 0), bcc) * (ds - delta[i0 + t]);
-      }
+      for (Index t = 0; t < br; ++t)
+        softmax_backward_apply(arch, &pt(t, 0), &dpt(t, 0), bcc, delta[i0 + t]);
       dq.middleRows(i0, br).noalias() += dpt * kb;
       dk.middleRows(j0, bcc).noalias() += dpt.transpose() * qsb;
     }

@@ -16,6 +16,7 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/detail/simd.hpp"
+#include "mixattn/detail/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -173,47 +174,6 @@ inline void log_density_rows(Arch arch, const PackedDensity<T>& p, const T* x, I
     for (; v < kv; ++v) log_density_tile<TI, 1>(arch, p, x, ldx, v, s, lds);
 }
 
-/// In-place softmax of one padded row s (padded lanes hold -inf); first K entries go to out.
-/// Returns false, and leaves out to be rewritten, when every log-density overflowed to -inf.
-template <class Arch, class T>
-inline bool softmax_row(Arch, T* s, Index padded, Index K, T* out) {
-  using B = xsimd::batch<T, Arch>;
-  constexpr Index Wd = static_cast<Index>(B::size);
-  B mx = B::load_unaligned(s);
-  for (Index k = Wd; k < padded; k += Wd) mx = xsimd::max(mx, B::load_unaligned(s + k));
-  alignas(64) T lanes[Wd];
-  mx.store_aligned(lanes);
-  T m = lanes[0];
-  for (Index l = 1; l < Wd; ++l) m = std::max(m, lanes[l]);
-  if (m == -std::numeric_limits<T>::infinity()) return false;
-  const B mb(m);
-  B sum(T(0));
-  for (Index k = 0; k < padded; k += Wd) {
-    // Padding lanes hold -inf; clamp at -800 (exp gives 0 in float and double) so xsimd's exp
-    // never converts an infinite exponent to an integer. NaN still propagates (max returns the
-    // second operand when either is NaN).
-    const B x = xsimd::max(B(T(-800)), B::load_unaligned(s + k) - mb);
-    B e;
-    if constexpr (std::is_same<T, double>::value) {
-      // xsimd 8.1's double exp converts its exponent to int64 through a scalar std::copy (its
-      // generic batch_cast does not find the AVX-512DQ vector conversion, so this happens even
-      // on Zen 4); a NaN there (check_finite = false) would be an out-of-range conversion, i.e.
-      // undefined behaviour. Feed exp a 0 in NaN lanes and put the NaN back afterwards.
-      const auto nan = xsimd::isnan(x);
-      e = xsimd::select(nan, x, xsimd::exp(xsimd::select(nan, B(T(0)), x)));
-    } else {
-      e = xsimd::exp(x);  // float: the int32 conversion is a native instruction on every target
-    }
-    e.store_unaligned(s + k);
-    sum += e;
-  }
-  const T invs = T(1) / xsimd::hadd(sum);
-  const B inv(invs);
-  Index k = 0;
-  for (; k + Wd <= K; k += Wd) (B::load_unaligned(s + k) * inv).store_unaligned(out + k);
-  for (; k < K; ++k) out[k] = s[k] * invs;  // scalar tail: the output row is not padded
-  return true;
-}
 #endif
 
 /// Scalar twin of the kernel (also the fallback without SIMD): one token, all components.
@@ -230,18 +190,6 @@ inline void log_density_row_scalar(const PackedDensity<T>& p, const T* x, T* s) 
     }
     s[k] = p.offset[k] - acc;
   }
-}
-
-template <class T>
-inline bool softmax_row_scalar(T* s, Index K, T* out) {
-  T m = s[0];
-  for (Index k = 1; k < K; ++k) m = std::max(m, s[k]);
-  if (m == -std::numeric_limits<T>::infinity()) return false;
-  T sum = 0;
-  for (Index k = 0; k < K; ++k) sum += (s[k] = std::exp(s[k] - m));
-  const T inv = T(1) / sum;
-  for (Index k = 0; k < K; ++k) out[k] = s[k] * inv;
-  return true;
 }
 
 /// One row of responsibilities again in a wider type L, for a token so far from every component
@@ -320,7 +268,7 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
   scratch.resize(static_cast<std::size_t>(P));
   for (Index i = 0; i < n; ++i) {
     log_density_row_scalar(p, x + i * ldx, scratch.data());
-    settle(softmax_row_scalar(scratch.data(), K, out + i * ldo), i);
+    settle(softmax_row(scalar_arch{}, scratch.data(), K, K, out + i * ldo), i);
   }
   return failed;
 }

@@ -13,6 +13,7 @@
 #endif
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +21,11 @@
 
 MIXATTN_BEGIN_NAMESPACE
 namespace ovq::detail {
+
+using mixattn::detail::exp_shifted_sum;
+using mixattn::detail::row_dot;
+using mixattn::detail::row_max;
+using mixattn::detail::softmax_backward_apply;
 
 template <class T>
 using CRef = Eigen::Ref<const Matrix<T>>;
@@ -69,6 +75,8 @@ bool tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRe
   if (n > 0) pd.noalias() = qh * dk.transpose();
   if (lo > 0) pb.leftCols(lo).noalias() = qh * ko.transpose();
   pb.rightCols(l - lo).noalias() = qh * kn.transpose();
+  using W = mixattn::detail::wide_t<T>;
+  const mixattn::detail::simd_arch arch{};
   T probe = 0;  // x * 0 is 0 for finite x, NaN otherwise
   for (Index i = 0; i < m; ++i) {
     const Index vis = p0 + i + 1;
@@ -79,20 +87,16 @@ bool tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRe
       else
         pd.row(i) *= s;
       if (check) probe += (pd.row(i).array() * T(0)).sum();
-      mx = pd.row(i).maxCoeff();
+      mx = row_max(arch, pd.row(i).data(), n);
     }
     pb.row(i).head(vis) *= s;
     if (check) probe += (pb.row(i).head(vis).array() * T(0)).sum();
-    mx = std::max(mx, pb.row(i).head(vis).maxCoeff());
-    T sum = 0;
-    if (n > 0) {
-      pd.row(i).array() = (pd.row(i).array() - mx).exp();
-      sum += pd.row(i).sum();
-    }
-    pb.row(i).head(vis).array() = (pb.row(i).head(vis).array() - mx).exp();
-    sum += pb.row(i).head(vis).sum();
+    mx = std::max(mx, row_max(arch, pb.row(i).data(), vis));
+    // one softmax over both parts: joint max, joint sum (sum >= 1: the max contributes exp(0))
+    const W sum = exp_shifted_sum(arch, pd.row(i).data(), n, mx) +
+                  exp_shifted_sum(arch, pb.row(i).data(), vis, mx);
     pb.row(i).tail(l - vis).setZero();
-    sc.inv[i] = T(1) / sum;  // sum >= 1: the max entry contributes exp(0)
+    sc.inv[i] = static_cast<T>(W(1) / sum);
   }
   return probe == T(0);
 }
@@ -147,12 +151,13 @@ void tile_backward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, cons
     pd = sc.inv.head(m).asDiagonal() * pd;
     dpd.noalias() = dout * dv.transpose();
   }
+  const mixattn::detail::simd_arch arch{};
   for (Index i = 0; i < m; ++i) {
-    // delta_i = sum_j P_ij dP_ij = dO_i . o_i; masked entries have P = 0.
-    T delta = pb.row(i).dot(dpb.row(i));
-    if (n > 0) delta += pd.row(i).dot(dpd.row(i));
-    dpb.row(i).array() = pb.row(i).array() * (dpb.row(i).array() - delta);
-    if (n > 0) dpd.row(i).array() = pd.row(i).array() * (dpd.row(i).array() - delta);
+    // delta_i = sum_j P_ij dP_ij over both parts; masked entries have P = 0.
+    const T delta = static_cast<T>(row_dot(arch, pb.row(i).data(), dpb.row(i).data(), l) +
+                                   row_dot(arch, pd.row(i).data(), dpd.row(i).data(), n));
+    softmax_backward_apply(arch, pb.row(i).data(), dpb.row(i).data(), l, delta);
+    softmax_backward_apply(arch, pd.row(i).data(), dpd.row(i).data(), n, delta);
   }
   g.noalias() = dpb * kb;
   if (n > 0) g.noalias() += dpd * dk;
