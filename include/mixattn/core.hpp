@@ -19,10 +19,15 @@
 #include <type_traits>
 #include <utility>
 
+// The one definition of the version: CMakeLists.txt reads these three lines.
 #define MIXATTN_VERSION_MAJOR 0
 #define MIXATTN_VERSION_MINOR 1
 #define MIXATTN_VERSION_PATCH 0
-#define MIXATTN_VERSION_STRING "0.1.0"
+#define MIXATTN_STRINGIFY_(x) #x
+#define MIXATTN_STRINGIFY(x) MIXATTN_STRINGIFY_(x)
+#define MIXATTN_VERSION_STRING                                                         \
+  MIXATTN_STRINGIFY(MIXATTN_VERSION_MAJOR) "." MIXATTN_STRINGIFY(MIXATTN_VERSION_MINOR) "." \
+      MIXATTN_STRINGIFY(MIXATTN_VERSION_PATCH)
 
 #if defined(__cpp_exceptions) || defined(__EXCEPTIONS) || defined(_CPPUNWIND)
 #define MIXATTN_HAS_EXCEPTIONS 1
