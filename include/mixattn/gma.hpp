@@ -136,9 +136,8 @@ struct GmaForwardScratch {
 
 /// Rows per panel of the backward: the panel's dGamma/dS (panel x K), [g | h] (panel x (d_v+1))
 /// and padded x / dx tiles stay in L2 while the log-density kernel streams them once per tile of
-/// components, and the kernel's in-panel float sums stay short. Measured on Zen 4 (float,
-/// K = r = 64, 4096 tokens of one path, best of 40): kernel 1.57 ms with panels of 64, 1.30 (128),
-/// 1.20 (256), 1.31 (512); the two floor GEMMs dS [P | P mu] and dS^T [x | x.x] take 1.67 ms.
+/// components, and the kernel's in-panel float sums stay short (the sweep: bench/results/tuning.md,
+/// "GMA backward panel").
 constexpr Index gma_backward_panel = 256;
 
 /// Scratch of one backward call, reused by every panel and, through Grad, by later calls.

@@ -22,10 +22,9 @@ namespace reference::detail {
 
 /// Tile sizes, fixed at compile time. A query tile of `queries` rows meets a key tile of `keys`
 /// rows; the score tile (queries x keys) and its operand tiles stay in L2, and every tile product
-/// is large enough (>= 64 on each side) for Eigen's GEMM kernel to run near its peak. Timed at
-/// N = 4096, r = d_v = 64 on one AVX-512 (Zen 4) core: from 32 x 128 to 128 x 256 the rates
-/// differ by less than the run-to-run noise (~5%), with 64 x 256 at or near the top for float;
-/// double's backward prefers the shorter key tile, whose dK/dV accumulators stay resident.
+/// is large enough (>= 64 on each side) for Eigen's GEMM kernel to run near its peak; double's
+/// backward prefers the shorter key tile, whose dK/dV accumulators stay resident (the sweep:
+/// bench/results/tuning.md, "Flash attention tiles").
 template <class T>
 struct FlashTiles {
   static constexpr Index forward_queries = 64;

@@ -20,9 +20,8 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// Default chunk length. Measured on Zen 4, float, N = 4096, K = r = d_v = 64, one thread,
-/// causal / bidirectional forward time: C = 16: 1.42, 32: 1.39, 64: 1.54, 128: 1.96, 256: 2.83.
-/// Small chunks waste less of the masked C x C block; below 32 the GEMMs get too thin to gain.
+/// Default chunk length: small chunks waste less of the masked C x C block; below 32 the GEMMs get
+/// too thin to gain (the sweep: bench/results/tuning.md, "GMA causal chunk length").
 constexpr Index gma_default_chunk = 32;
 
 /// Scratch of the causal scans, reused across calls (capacity kept when shapes repeat).

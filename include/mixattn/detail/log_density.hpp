@@ -222,9 +222,8 @@ inline bool responsibilities_row_wide(const PackedDensity<T>& p, const T* x, T* 
 }
 
 /// Register tile (tokens x component vectors) for Arch: TI*TK accumulators + 2*TK a/b registers
-/// + a broadcast and a temporary must fit the register file. Measured on Zen 4 (float, r = K =
-/// 64, N = 4096): 5 x 4 runs at 1.05x an Eigen GEMM of the same FLOPs, 6 x 2 and 8 x 2 at
-/// 1.07x, 4 x 4 at 1.66x (sic), 3 x 4 and 2 x 4 at 1.4-1.5x.
+/// + a broadcast and a temporary must fit the register file. The sweep behind the choice:
+/// bench/results/tuning.md, "Log-density register tile".
 template <class Arch>
 struct DensityTile {
   static constexpr int tokens = simd_registers<Arch>() >= 32 ? 5 : 3;
@@ -399,9 +398,9 @@ inline void density_grad_rest(Arch arch, Index rest, const PackedDensityDims<T>&
 }
 
 /// Register tile of the backward kernel: 4 TK registers (a, b and two sums per component) plus
-/// x, two dx partials and temporaries must fit the register file. Measured on Zen 4 (float,
-/// r = K = 64, 4096 tokens in panels of 256, best of 40): TK = 4: 1.22 ms, 5: 1.20, 6: 1.20,
-/// 8: 1.20 (flat; 6 is the largest whose 4 TK + 6 registers fit in 32).
+/// x, two dx partials and temporaries must fit the register file: 6 is the largest whose 4 TK + 6
+/// registers fit in 32, and larger tiles gain nothing (bench/results/tuning.md, "Log-density
+/// backward register tile").
 template <class Arch>
 struct DensityGradTile {
   static constexpr int components = simd_registers<Arch>() >= 32 ? 6 : 2;

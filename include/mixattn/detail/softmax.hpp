@@ -42,8 +42,8 @@ inline xsimd::batch<T, Arch> exp_shifted(const xsimd::batch<T, Arch>& s,
   const B x = xsimd::max(B(T(-800)), s - shift);
   if constexpr (std::is_same<T, double>::value) {
     // xsimd 8.1's double exp converts its exponent to int64 through a scalar std::copy (its
-    // generic batch_cast does not find the AVX-512DQ vector conversion, so this happens even
-    // on Zen 4); a NaN there (check_finite = false) would be an out-of-range conversion, i.e.
+    // generic batch_cast does not find the AVX-512DQ vector conversion, so this happens on
+    // every target); a NaN there (check_finite = false) would be an out-of-range conversion, i.e.
     // undefined behaviour. Feed exp a 0 in NaN lanes and put the NaN back afterwards.
     const auto nan = xsimd::isnan(x);
     return xsimd::select(nan, x, xsimd::exp(xsimd::select(nan, B(T(0)), x)));
