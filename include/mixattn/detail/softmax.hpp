@@ -51,15 +51,6 @@ inline xsimd::batch<T, Arch> exp_shifted(const xsimd::batch<T, Arch>& s,
     return xsimd::exp(x);  // float: the int32 conversion is a native instruction on every target
   }
 }
-
-/// acc += the W-typed values of the T-typed register stored at p (one T register is one or two
-/// W registers: float to double widens each half).
-template <class Arch, class T, class W>
-inline void add_wide(const T* p, xsimd::batch<W, Arch>& acc) {
-  using BW = xsimd::batch<W, Arch>;
-  constexpr std::size_t n = xsimd::batch<T, Arch>::size;
-  for (std::size_t h = 0; h < n; h += BW::size) acc += BW::load_unaligned(p + h);
-}
 #endif
 
 /// Largest of s[0..n); -inf when n == 0.
@@ -84,47 +75,55 @@ inline T row_max(Arch, const T* s, Index n) {
   return m;
 }
 
-/// s[j] = exp(s[j] - shift) in place for j < n (-inf entries give 0); returns their sum in W.
-/// shift is the row's max (finite), so every value is in [0, 1].
-template <class Arch, class T>
-inline wide_t<T> exp_shifted_sum(Arch, T* s, Index n, T shift) {
+/// out[j] = f(a[j], b[j]) for j < n (out may alias a or b); f is called on registers and on
+/// scalars alike, so write it generic: [](auto x, auto y) { return x * y; }.
+template <class Arch, class T, class F>
+inline void zip_rows(Arch, const T* a, const T* b, T* out, Index n, F f) {
+  Index j = 0;
+#if MIXATTN_HAS_SIMD
+  if constexpr (!std::is_same<Arch, scalar_arch>::value) {
+    using B = xsimd::batch<T, Arch>;
+    for (; j + static_cast<Index>(B::size) <= n; j += static_cast<Index>(B::size))
+      f(B::load_unaligned(a + j), B::load_unaligned(b + j)).store_unaligned(out + j);
+  }
+#endif
+  for (; j < n; ++j) out[j] = f(a[j], b[j]);
+}
+
+/// sum_j f(a[j], b[j]) accumulated in W, with f applied to the entries widened to W (registers
+/// of W, or scalars of W, so write it generic as for zip_rows).
+template <class Arch, class T, class F>
+inline wide_t<T> wide_sum(Arch, const T* a, const T* b, Index n, F f) {
   using W = wide_t<T>;
   W sum = 0;
   Index j = 0;
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
-    using B = xsimd::batch<T, Arch>;
-    constexpr Index Wd = static_cast<Index>(B::size);
-    const B shift_b(shift);
-    xsimd::batch<W, Arch> acc(W(0));
-    for (; j + Wd <= n; j += Wd) {
-      exp_shifted(B::load_unaligned(s + j), shift_b).store_unaligned(s + j);
-      add_wide(s + j, acc);
-    }
+    using BW = xsimd::batch<W, Arch>;  // float: half a register of T per register of W
+    BW acc(W(0));
+    for (; j + static_cast<Index>(BW::size) <= n; j += static_cast<Index>(BW::size))
+      acc += f(BW::load_unaligned(a + j), BW::load_unaligned(b + j));
     sum = xsimd::hadd(acc);
   }
 #endif
-  for (; j < n; ++j) {
-    // clamped as the kernel does; std::max returns its first argument when either is NaN
-    s[j] = std::exp(std::max(s[j] - shift, T(-800)));
-    sum += static_cast<W>(s[j]);
-  }
+  for (; j < n; ++j) sum += f(static_cast<W>(a[j]), static_cast<W>(b[j]));
   return sum;
 }
 
-/// out[j] = factor * s[j] for j < n (out may be s).
+/// s[j] = exp(s[j] - shift) in place for j < n (-inf entries give 0); returns their sum in W.
+/// shift is the row's max (finite), so every value is in [0, 1].
 template <class Arch, class T>
-inline void scale_row(Arch, const T* s, Index n, T factor, T* out) {
-  Index j = 0;
+inline wide_t<T> exp_shifted_sum(Arch arch, T* s, Index n, T shift) {
+  zip_rows(arch, s, s, s, n, [shift](auto x, auto) {
+    if constexpr (std::is_same<decltype(x), T>::value)
+      // clamped as the kernel is; std::max returns its first argument when either is NaN
+      return std::exp(std::max(x - shift, T(-800)));
 #if MIXATTN_HAS_SIMD
-  if constexpr (!std::is_same<Arch, scalar_arch>::value) {
-    using B = xsimd::batch<T, Arch>;
-    constexpr Index Wd = static_cast<Index>(B::size);
-    const B f(factor);
-    for (; j + Wd <= n; j += Wd) (B::load_unaligned(s + j) * f).store_unaligned(out + j);
-  }
+    else
+      return exp_shifted(x, decltype(x)(shift));
 #endif
-  for (; j < n; ++j) out[j] = s[j] * factor;
+  });
+  return wide_sum(arch, s, s, n, [](auto x, auto) { return x; });
 }
 
 /// In-place max-subtracted softmax of the row s[0..n), whose first n_out <= n probabilities go
@@ -136,44 +135,22 @@ inline bool softmax_row(Arch arch, T* s, Index n, Index n_out, T* out) {
   if (m == -std::numeric_limits<T>::infinity()) return false;
   // sum >= 1 (the max contributes exp(0)); NaN only from non-finite logits
   const wide_t<T> sum = exp_shifted_sum(arch, s, n, m);
-  scale_row(arch, s, n_out, static_cast<T>(wide_t<T>(1) / sum), out);
+  const T inv = static_cast<T>(wide_t<T>(1) / sum);
+  zip_rows(arch, s, s, out, n_out, [inv](auto x, auto) { return x * decltype(x)(inv); });
   return true;
 }
 
 /// sum_j a[j] b[j] in W (the softmax backward's delta: terms of both signs).
 template <class Arch, class T>
-inline wide_t<T> row_dot(Arch, const T* a, const T* b, Index n) {
-  using W = wide_t<T>;
-  W sum = 0;
-  Index j = 0;
-#if MIXATTN_HAS_SIMD
-  if constexpr (!std::is_same<Arch, scalar_arch>::value) {
-    using BW = xsimd::batch<W, Arch>;
-    constexpr Index Wd = static_cast<Index>(BW::size);
-    BW acc(W(0));
-    for (; j + Wd <= n; j += Wd)
-      acc = xsimd::fma(BW::load_unaligned(a + j), BW::load_unaligned(b + j), acc);
-    sum = xsimd::hadd(acc);
-  }
-#endif
-  for (; j < n; ++j) sum += static_cast<W>(a[j]) * static_cast<W>(b[j]);
-  return sum;
+inline wide_t<T> row_dot(Arch arch, const T* a, const T* b, Index n) {
+  return wide_sum(arch, a, b, n, [](auto x, auto y) { return x * y; });
 }
 
 /// ds[j] = p[j] (ds[j] - delta) in place for j < n: the softmax backward given its delta.
 template <class Arch, class T>
-inline void softmax_backward_apply(Arch, const T* p, T* ds, Index n, T delta) {
-  Index j = 0;
-#if MIXATTN_HAS_SIMD
-  if constexpr (!std::is_same<Arch, scalar_arch>::value) {
-    using B = xsimd::batch<T, Arch>;
-    constexpr Index Wd = static_cast<Index>(B::size);
-    const B d(delta);
-    for (; j + Wd <= n; j += Wd)
-      (B::load_unaligned(p + j) * (B::load_unaligned(ds + j) - d)).store_unaligned(ds + j);
-  }
-#endif
-  for (; j < n; ++j) ds[j] = p[j] * (ds[j] - delta);
+inline void softmax_backward_apply(Arch arch, const T* p, T* ds, Index n, T delta) {
+  zip_rows(arch, p, ds, ds, n,
+           [delta](auto pj, auto dj) { return pj * (dj - decltype(dj)(delta)); });
 }
 
 /// Backward of one softmax row p[0..n): dp holds dL/dp on entry and dL/ds on exit,
