@@ -24,8 +24,8 @@
 #include "mixattn/detail/gemm.hpp"
 #include "mixattn/detail/gma_scan.hpp"
 #include "mixattn/detail/log_density.hpp"
-#include "mixattn/detail/softmax.hpp"
 #include "mixattn/detail/simd.hpp"
+#include "mixattn/detail/softmax.hpp"
 
 #include <Eigen/Core>
 

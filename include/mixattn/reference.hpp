@@ -155,9 +155,6 @@ namespace detail {
 
 using mixattn::detail::gemm;
 using mixattn::detail::plain;
-using mixattn::detail::simd_arch;
-using mixattn::detail::softmax_backward_row;
-using mixattn::detail::softmax_row;
 using mixattn::detail::transposed;
 
 /// naive_forward_into's body (`fn` names the entry point in messages).
@@ -184,7 +181,7 @@ void naive_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
     // not; the row is then NaN either way.
     const Index visible = opt.causal ? i + 1 : m;
     T* row = p.row(i).data();
-    if (!softmax_row(simd_arch{}, row, visible, visible, row))
+    if (!mixattn::detail::softmax_row(mixattn::detail::simd_arch{}, row, visible, visible, row))
       p.row(i).head(visible).setConstant(std::numeric_limits<T>::quiet_NaN());
     p.row(i).tail(m - visible).setZero();
   }
@@ -215,7 +212,8 @@ void naive_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
   ds.resize(q.rows(), k.rows());
   gemm<T>(ds, plain<T>(grad_out), transposed<T>(v), T(1), false, g.gemm);
   for (Index i = 0; i < ds.rows(); ++i)
-    softmax_backward_row(simd_arch{}, p.row(i).data(), ds.row(i).data(), ds.cols());
+    mixattn::detail::softmax_backward_row(mixattn::detail::simd_arch{}, p.row(i).data(),
+                                          ds.row(i).data(), ds.cols());
   g.q.resize(q.rows(), q.cols());
   gemm<T>(g.q, plain<T>(ds), plain<T>(k), T(1), false, g.gemm);
   g.q *= static_cast<T>(scale);

@@ -38,9 +38,9 @@ template <class T>
 struct FlashScratch {
   Matrix<T> qs;                // forward: scale * one query tile; backward: scale * q (N x r)
   Matrix<T> s, dp;             // one score / probability tile and its gradient
-  Vector<T> row_max;                            // forward: per row of a query tile
+  Vector<T> row_max;           // forward: per row of a query tile
   Vector<mixattn::detail::wide_t<T>> row_sum;  // forward: per row of a query tile
-  Vector<T> delta;                              // backward: D_i = dO_i . O_i (N)
+  Vector<T> delta;                             // backward: D_i = dO_i . O_i (N)
 };
 
 using mixattn::detail::exp_shifted_sum;
@@ -110,7 +110,8 @@ void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
         // tile, where exp(-inf - finite) = 0 correctly discards the empty history and no
         // -inf - -inf can arise.
         const T alpha = std::exp(row_max[t] - new_max);
-        row_sum[t] = static_cast<W>(alpha) * row_sum[t] + exp_shifted_sum(arch, seen, visible, new_max);
+        row_sum[t] =
+            static_cast<W>(alpha) * row_sum[t] + exp_shifted_sum(arch, seen, visible, new_max);
         if (alpha != T(1)) o.row(t) *= alpha;
         row_max[t] = new_max;
       }
