@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -172,6 +173,50 @@ TYPED_TEST(OvqDictionary, SeedingAndTiesAgainstExistingCentroids) {
         7.0;
     EXPECT_TRUE(close(st.values.row(0), val0, Tol<T>::rtol, Tol<T>::atol));
   }
+}
+
+// A full dictionary of 600 rows is scored in tiles of 256 rows: every token still joins the
+// first row attaining its largest score over all of them. Rows 100, 300, 520 (three tiles) are
+// one key and rows 400, 590 another, so the tie rule must hold across tiles; the other tokens
+// are checked against an argmax in double wherever its best row beats every other key by more
+// than 1e-5 (float rounding of an r = 4 dot product of unit vectors is ~1e-7).
+TYPED_TEST(OvqDictionary, NearestCentroidAcrossScoreTiles) {
+  using T = TypeParam;
+  const Index r = 4, dv = 2, n = 600, c = 64;
+  ovq::Options opt;
+  opt.block = c;
+  opt.max_centroids = n;  // full: the block opens nothing, every token joins an old row
+  opt.growth = ovq::Growth::linear;
+  ovq::State<T> st = ovq::State<T>::empty(r, dv);
+  st.keys = mt::unit_rows(random_matrix<double>(n, r, 91), 0.0).template cast<T>();
+  st.keys.row(300) = st.keys.row(520) = st.keys.row(100);
+  st.keys.row(590) = st.keys.row(400);
+  st.values = random_matrix<T>(n, dv, 92);
+  st.counts = Vector<T>::Constant(n, T(3));
+  st.tokens_seen = 10 * c;
+  Matrix<T> k = random_matrix<T>(c, r, 93);
+  k.row(5) = T(2) * st.keys.row(100);  // the same unit key, scored alike in every tile
+  k.row(40) = T(3) * st.keys.row(400);
+  const Matrix<double> dk = st.keys.template cast<double>();
+  ovq::Saved<T> saved;
+  ovq::forward<T>(k, k, random_matrix<T>(c, dv, 94), T(1), opt, st, &saved);
+  ASSERT_EQ(saved.seeds.size(), 0u);
+  EXPECT_EQ(saved.assignment[5], 100);
+  EXPECT_EQ(saved.assignment[40], 400);
+  const Matrix<double> scores = mt::unit_rows(k.template cast<double>(), opt.norm_eps) * dk.transpose();
+  Index checked = 0;
+  for (Index j = 0; j < c; ++j) {
+    Index best = 0;
+    for (Index a = 1; a < n; ++a)
+      if (scores(j, a) > scores(j, best)) best = a;
+    double runner_up = -2;
+    for (Index a = 0; a < n; ++a)
+      if (dk.row(a) != dk.row(best)) runner_up = std::max(runner_up, scores(j, a));
+    if (scores(j, best) - runner_up < 1e-5) continue;
+    EXPECT_EQ(saved.assignment[static_cast<std::size_t>(j)], best) << "token " << j;
+    ++checked;
+  }
+  EXPECT_GE(checked, c - 8);
 }
 
 // Every centroid equals the count-weighted mean of the start centroid and the normalised keys

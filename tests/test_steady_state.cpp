@@ -243,6 +243,52 @@ TYPED_TEST(SteadyStateTyped, OvqStepAllocatesNothing) {
   EXPECT_EQ(grad.beta, ref_grad.beta);
 }
 
+/// OVQ decoding, one token per forward_into call on a full dictionary (N_max = 1024, C = 256,
+/// r = d_v = 64, float: the block's C x N scoring would pack 256 KiB of keys in one GEMM). After
+/// one block completion as warm-up, the only heap traffic left is the public State's unfinished
+/// block growing by one row of keys and one of values per token: at most two allocations per
+/// call, none in the block-completing call, and the outputs equal one long call's.
+TEST(SteadyState, OvqDecodeAllocatesOnlyTheUnfinishedBlock) {
+#ifdef MIXATTN_TEST_SANITIZED
+  GTEST_SKIP() << "allocator not replaceable under sanitizers";
+#else
+  namespace ovq = mixattn::ovq;
+  const Index r = 64, dv = 64, c = 256, prefill = 4 * c + c - 10, decode = c + 20;
+  const Index n = prefill + decode;
+  const Matrix<float> q = random_matrix<float>(n, r, 41), k = random_matrix<float>(n, r, 42);
+  const Matrix<float> v = random_matrix<float>(n, dv, 43);
+  ovq::Options opt;
+  opt.block = c;
+  opt.max_centroids = 1024;
+  opt.growth = ovq::Growth::linear;
+  ovq::State<float> st = ovq::State<float>::empty(r, dv);
+  Matrix<float> out, all(n, dv), row;
+  ovq::forward_into(out, q.topRows(prefill), k.topRows(prefill), v.topRows(prefill), 1.0f, opt,
+                    st, nullptr);
+  all.topRows(prefill) = out;
+  for (Index t = prefill; t < n; ++t) {
+    const bool warm = t < prefill + 12;  // through the completion of the 5th block (t = 1279)
+    const std::int64_t allocs = allocations_of([&] {
+      ovq::forward_into(row, q.row(t), k.row(t), v.row(t), 1.0f, opt, st, nullptr);
+    });
+    all.row(t) = row;
+    if (warm) continue;
+    if ((t + 1) % c == 0)
+      EXPECT_EQ(allocs, 0) << "block-completing token " << t;
+    else
+      EXPECT_LE(allocs, 2) << "token " << t;
+  }
+  ovq::State<float> one = ovq::State<float>::empty(r, dv);
+  const Matrix<float> expect = ovq::forward<float>(q, k, v, 1.0f, opt, one);
+  // One call and token-by-token calls differ only in the rounding of the attention GEMMs' shapes
+  // (the dictionary updates are bit-identical, compared below): float softmax over N + C = 1280
+  // terms, a few hundred ulps.
+  EXPECT_TRUE(mixattn::testing::all_close(all, expect, 1e-4, 1e-5));
+  EXPECT_EQ(st.keys, one.keys);
+  EXPECT_EQ(st.pending_keys, one.pending_keys);
+#endif
+}
+
 /// The layer's training step (forward_into + backward_into, one thread) for every mixer, with
 /// projections of 1024 x 128 by 128 x 128 (packing more than 128 KiB).
 TEST(SteadyState, LayerStepAllocatesNothing) {

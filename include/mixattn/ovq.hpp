@@ -331,7 +331,8 @@ void check_state(const State<T>& st, const Options& opt, const char* fn) {
           " rows but state.tokens_seen = ", st.tokens_seen, " leaves ", st.tokens_seen % opt.block,
           " tokens in the unfinished block of ", opt.block);
   if (opt.check_finite) require_finite(st.counts, fn, "state.counts");
-  if ((st.counts.array() >= T(1)).all()) return;  // vectorised; the loop names the culprit
+  // Vectorised (a NaN count makes the minimum NaN); the loop names the culprit.
+  if (n == 0 || st.counts.template minCoeff<Eigen::PropagateNaN>() >= T(1)) return;
   for (Index i = 0; i < n; ++i)
     require(st.counts[i] >= T(1), fn, "state.counts[", i, "] is ", st.counts[i],
             ", every centroid holds at least one token");
@@ -584,11 +585,14 @@ bool large_values(const ConstMatrixRef<T>& v, const Options& opt) {
 
 /// With checks on: the output is a convex combination of values and the running means stay
 /// within their range, so only sums of v near T's limit can overflow; reported, never returned.
+/// The dictionary is scanned only when the call absorbed a block (`absorbed`): otherwise it is
+/// the start state's, which the first query's attention already vouched for, and a decoding
+/// call stays O(N_t r) in its arithmetic alone.
 template <class T>
-void check_overflow(const char* fn, const Matrix<T>& out, const Dictionary<T>& dict,
+void check_overflow(const char* fn, const Matrix<T>& out, const Dictionary<T>& dict, bool absorbed,
                     DictionaryLoan<T>* loan, State<T>* restore, State<T>& kept) {
   if ((out.array() * T(0)).sum() == T(0) &&
-      (dict.values.topRows(dict.size).array() * T(0)).sum() == T(0))
+      (!absorbed || (dict.values.topRows(dict.size).array() * T(0)).sum() == T(0)))
     return;
   if (loan != nullptr) loan->give_back();
   if (restore != nullptr) *restore = std::move(kept);
@@ -641,7 +645,8 @@ void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q, const C
     forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, loan.dict, &loan, w,
                       saved);
     if (opt.check_finite)
-      check_overflow<T>(fn, out, loan.dict, &loan, keep ? &next : nullptr, kept);
+      check_overflow<T>(fn, out, loan.dict, blocks.complete > 0, &loan, keep ? &next : nullptr,
+                        kept);
     store_pending<T>(w, start, blocks, tn, next);
     loan.give_back();
   } else {
@@ -649,7 +654,8 @@ void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q, const C
     w.dict.load(start.keys, start.values, start.counts);
     forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, w.dict, nullptr, w, saved);
     State<T> unused;
-    if (opt.check_finite) check_overflow<T>(fn, out, w.dict, nullptr, nullptr, unused);
+    if (opt.check_finite)
+      check_overflow<T>(fn, out, w.dict, blocks.complete > 0, nullptr, nullptr, unused);
     store_pending<T>(w, start, blocks, tn, next);
     next.keys = w.dict.keys.topRows(w.dict.size);
     next.values = w.dict.values.topRows(w.dict.size);

@@ -103,12 +103,33 @@ struct Dictionary {
   }
 };
 
+/// Index of the first x[i] == v in x[0, n), n when there is none: whole chunks are tested with a
+/// branch-free (vectorisable) OR of compares, then the hit chunk is scanned.
+template <class T>
+Index first_equal(const T* x, Index n, T v) {
+  constexpr Index chunk = 32;
+  Index i = 0;
+  for (; i + chunk <= n; i += chunk) {
+    int hit = 0;
+    for (Index j = 0; j < chunk; ++j) hit |= static_cast<int>(x[i + j] == v);
+    if (hit != 0) break;
+  }
+  while (i < n && !(x[i] == v)) ++i;
+  return i;
+}
+
+/// Dictionary rows scored per GEMM when a block looks for its nearest centroids: a C x 256
+/// score tile (256 KiB in float at C = 256) stays in L2 next to the dictionary, and the packed
+/// tile of keys stays under Eigen's 128 KiB stack limit, so absorbing a block neither evicts
+/// the dictionary the next tokens attend to nor allocates.
+constexpr Index score_tile = 256;
+
 /// Seeding and assignment of one complete block (SPEC 2.3 steps 2-3). Scratch is sized once.
 template <class T>
 class BlockQuantizer {
  public:
   void reserve(Index block, Index capacity, Index key_dim) {
-    scores_.resize(block, capacity);
+    scores_.resize(block, std::min(capacity, score_tile));
     seed_dots_.resize(block, block);
     seed_keys_.resize(block, key_dim);
     best_.resize(block);
@@ -127,24 +148,25 @@ class BlockQuantizer {
     const Index c = kb.rows(), n0 = dict.size;
     MIXATTN_ASSERT(nu <= c && c <= best_.size());
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-    // Nearest old centroid of every token (ties -> lowest row): one C x N GEMM, reused by the
-    // seeding score and the assignment.
+    // Nearest old centroid of every token (ties -> lowest row), reused by the seeding score and
+    // the assignment: C x N scores, one tile of dictionary rows at a time.
     for (Index j = 0; j < c; ++j) {
       best_[j] = neg_inf;
-      arg_[j] = n0 > 0 ? 0 : n0;  // a row that exists even if every score is NaN
+      arg_[j] = 0;  // a row that exists (or the first pick's) even if every score is NaN
     }
-    if (n0 > 0) {
-      Eigen::Ref<Matrix<T>> s = scores_.topLeftCorner(c, n0);
-      s.noalias() = kb * dict.keys.topRows(n0).transpose();
+    for (Index n_lo = 0; n_lo < n0; n_lo += score_tile) {
+      const Index nt = std::min(score_tile, n0 - n_lo);
+      Eigen::Ref<Matrix<T>> s = scores_.topLeftCorner(c, nt);
+      s.noalias() = kb * dict.keys.middleRows(n_lo, nt).transpose();
       for (Index j = 0; j < c; ++j) {
-        // Vectorised max, then the first row attaining it (ties -> lowest row); a NaN row
-        // finds no match and keeps row 0.
-        const T* row = s.row(j).data();
+        // Vectorised max of the tile; a strictly larger one than the earlier tiles' moves the
+        // token to its first row attaining it (ties -> lowest row).
         const T best = s.row(j).maxCoeff();
-        Index arg = 0;
-        while (arg < n0 && !(row[arg] == best)) ++arg;
+        if (!(best > best_[j])) continue;
+        const Index arg = first_equal(s.row(j).data(), nt, best);
+        if (arg == nt) continue;  // NaN maximum: no row attains it
         best_[j] = best;
-        arg_[j] = arg < n0 ? arg : 0;
+        arg_[j] = n_lo + arg;
       }
     }
     std::fill(pick_of_.begin(), pick_of_.begin() + c, -1);
@@ -211,7 +233,7 @@ class BlockQuantizer {
   }
 
  private:
-  Matrix<T> scores_;                                            // C x capacity
+  Matrix<T> scores_;                                            // C x score_tile
   Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> seed_dots_;  // C x C: column p = kb kb[seed p]
   Matrix<T> seed_keys_;                                         // C x r (one-shot gather)
   Vector<T> best_, key_;
