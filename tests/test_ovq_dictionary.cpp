@@ -203,7 +203,8 @@ TYPED_TEST(OvqDictionary, NearestCentroidAcrossScoreTiles) {
   ASSERT_EQ(saved.seeds.size(), 0u);
   EXPECT_EQ(saved.assignment[5], 100);
   EXPECT_EQ(saved.assignment[40], 400);
-  const Matrix<double> scores = mt::unit_rows(k.template cast<double>(), opt.norm_eps) * dk.transpose();
+  const Matrix<double> scores =
+      mt::unit_rows(k.template cast<double>(), opt.norm_eps) * dk.transpose();
   Index checked = 0;
   for (Index j = 0; j < c; ++j) {
     Index best = 0;

@@ -263,14 +263,13 @@ TEST(SteadyState, OvqDecodeAllocatesOnlyTheUnfinishedBlock) {
   opt.growth = ovq::Growth::linear;
   ovq::State<float> st = ovq::State<float>::empty(r, dv);
   Matrix<float> out, all(n, dv), row;
-  ovq::forward_into(out, q.topRows(prefill), k.topRows(prefill), v.topRows(prefill), 1.0f, opt,
-                    st, nullptr);
+  ovq::forward_into(out, q.topRows(prefill), k.topRows(prefill), v.topRows(prefill), 1.0f, opt, st,
+                    nullptr);
   all.topRows(prefill) = out;
   for (Index t = prefill; t < n; ++t) {
     const bool warm = t < prefill + 12;  // through the completion of the 5th block (t = 1279)
-    const std::int64_t allocs = allocations_of([&] {
-      ovq::forward_into(row, q.row(t), k.row(t), v.row(t), 1.0f, opt, st, nullptr);
-    });
+    const std::int64_t allocs = allocations_of(
+        [&] { ovq::forward_into(row, q.row(t), k.row(t), v.row(t), 1.0f, opt, st, nullptr); });
     all.row(t) = row;
     if (warm) continue;
     if ((t + 1) % c == 0)
