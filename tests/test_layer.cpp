@@ -148,7 +148,9 @@ TEST_P(LayerCase, FloatAgreesWithDouble) {
       << c.name;
 }
 
-// Heads are independent, so running them on several threads changes nothing, bit for bit.
+// Heads are independent and the projections are split into row blocks that do not depend on
+// the thread count, so running on several threads changes nothing, bit for bit. N spans three
+// row blocks of the projections (detail::gemm_task_rows), the last one partial.
 TEST_P(LayerCase, ThreadsGiveIdenticalResults) {
   const Case c = GetParam();
   layer::Config cfg = small_config(c, 9);
@@ -156,8 +158,9 @@ TEST_P(LayerCase, ThreadsGiveIdenticalResults) {
   layer::MultiHeadAttention<double> one(cfg);
   cfg.threads = 3;
   layer::MultiHeadAttention<double> three(cfg);
-  const Matrix<double> x = random_matrix<double>(10, 5, 8);
-  const Matrix<double> dy = random_matrix<double>(10, 5, 9);
+  const Index n = 2 * mixattn::detail::gemm_task_rows + 13;
+  const Matrix<double> x = random_matrix<double>(n, 5, 8);
+  const Matrix<double> dy = random_matrix<double>(n, 5, 9);
   layer::Cache<double> c1, c3;
   const Matrix<double> y1 = one.forward(x, &c1), y3 = three.forward(x, &c3);
   EXPECT_TRUE(y1 == y3) << c.name;
@@ -166,6 +169,12 @@ TEST_P(LayerCase, ThreadsGiveIdenticalResults) {
   ASSERT_EQ(g1.params.size(), g3.params.size());
   for (std::size_t i = 0; i < g1.params.size(); ++i)
     EXPECT_TRUE(g1.params[i] == g3.params[i]) << g1.names[i];
+  // Every gradient is found by its parameter's name.
+  const std::vector<layer::ConstNamedBlock<double>> params = one.const_parameters();
+  ASSERT_EQ(params.size(), g1.params.size());
+  for (std::size_t i = 0; i < params.size(); ++i)
+    EXPECT_EQ(&g1.param(params[i].name), &g1.params[i]) << params[i].name;
+  EXPECT_THROW(g1.param("head9.mean"), std::invalid_argument);
 }
 
 // Causal mixers: output row i depends on X rows <= i only.

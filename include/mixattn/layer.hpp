@@ -36,12 +36,14 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/parallel_gemm.hpp"
 #include "mixattn/gma.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/packed.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/reference.hpp"
 
+#include <array>
 #include <cstdint>
 #include <fstream>
 #include <random>
@@ -237,7 +239,7 @@ struct Cache {
   std::vector<Matrix<T>> head_out;
   std::vector<ovq::State<T>> ovq_state;
   std::vector<Index> order;
-  ::mixattn::detail::GemmSpace<T> gemm;
+  ::mixattn::detail::GemmTasks<T> gemm;  // the projections, run as tasks on the pool
 };
 
 /// Gradients of a scalar loss: x (N x d_model) and one block per parameter, params[i] matching
@@ -253,7 +255,22 @@ struct Gradients {
   std::vector<ovq::Grad<T>> ovq_grads;
   std::vector<reference::Grad<T>> softmax_grads;
   std::vector<Index> order;
-  ::mixattn::detail::GemmSpace<T> gemm;
+  ::mixattn::detail::GemmTasks<T> gemm;
+  /// Where each parameter's gradient is in params, found by name when the blocks are set up:
+  /// w_q, w_k, w_v, w_o, then per head its blocks (GMA mean, var_raw, prior_logit; OVQ beta).
+  std::size_t slot_w[4] = {0, 0, 0, 0};
+  std::vector<std::array<std::size_t, 3>> slot_head;
+  /// The gradient named `name` (a name of parameters()); throws std::invalid_argument when there
+  /// is none.
+  Matrix<T>& param(const std::string& name) { return params[index_of(name)]; }
+  const Matrix<T>& param(const std::string& name) const { return params[index_of(name)]; }
+  std::size_t index_of(const std::string& name) const {
+    for (std::size_t i = 0; i < names.size() && i < params.size(); ++i)
+      if (names[i] == name) return i;
+    ::mixattn::detail::raise_invalid_argument(::mixattn::detail::concat(
+        "mixattn::layer::Gradients::param: no parameter named '", name, "' among ", names.size()));
+    return 0;
+  }
   /// Named views of params (valid while this object lives and is not resized).
   std::vector<NamedBlock<T>> blocks() {
     std::vector<NamedBlock<T>> out;
@@ -567,16 +584,18 @@ class MultiHeadAttention {
   void run_forward(const char* fn, Matrix<T>& y, const ConstMatrixRef<T>& x, Cache<T>& c,
                    bool keep) const {
     check_input(fn, x);
-    using ::mixattn::detail::gemm;
     using ::mixattn::detail::plain;
+    constexpr Index block = ::mixattn::detail::gemm_task_rows;
     const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
     c.tokens = -1;  // stays invalid if a head throws
     c.q.resize(n, heads * r);
     c.k.resize(n, heads * r);
     c.v.resize(n, heads * dv);
-    gemm<T>(c.q, plain<T>(x), plain<T>(w_q_), T(1), false, c.gemm);
-    gemm<T>(c.k, plain<T>(x), plain<T>(w_k_), T(1), false, c.gemm);
-    gemm<T>(c.v, plain<T>(x), plain<T>(w_v_), T(1), false, c.gemm);
+    c.gemm.clear();  // the projections in row blocks, on the pool
+    c.gemm.add(c.q, {plain<T>(x)}, {plain<T>(w_q_)}, T(1), false, block);
+    c.gemm.add(c.k, {plain<T>(x)}, {plain<T>(w_k_)}, T(1), false, block);
+    c.gemm.add(c.v, {plain<T>(x)}, {plain<T>(w_v_)}, T(1), false, block);
+    c.gemm.run(cfg_.threads);
     check_projections(fn, c.q, c.k, c.v);
     c.mixed.resize(n, heads * dv);
     const Index items = (static_cast<Index>(c.offsets.size()) - 1) * heads;
@@ -590,7 +609,9 @@ class MultiHeadAttention {
         items, cfg_.threads, [&](Index i) { return sequence_length(c.offsets, i); },
         [&](Index i) { head_forward(c, i, keep); }, c.order);
     y.resize(n, cfg_.model_dim);
-    gemm<T>(y, plain<T>(c.mixed), plain<T>(w_o_), T(1), false, c.gemm);
+    c.gemm.clear();
+    c.gemm.add(y, {plain<T>(c.mixed)}, {plain<T>(w_o_)}, T(1), false, block);
+    c.gemm.run(cfg_.threads);
     if (cfg_.check_finite)
       ::mixattn::detail::require_finite_result(y, fn, "the output", "x or a weight is");
     if (keep) {  // recomputed by every forward that fills the cache
@@ -662,15 +683,10 @@ class MultiHeadAttention {
       ::mixattn::detail::raise_other_data(fn, "cache", "a parameter of the layer");
   }
 
-  /// Names and shapes of g's blocks, set once: a reused Gradients keeps them.
+  /// Names and shapes of g's blocks and where each parameter's block is, set once by name: a
+  /// reused Gradients of this layer's shapes keeps them.
   void prepare_gradients(Gradients<T>& g) const {
-    const std::size_t count = static_cast<std::size_t>(4 + (cfg_.mixer == MixerKind::gma   ? 3
-                                                            : cfg_.mixer == MixerKind::ovq ? 1
-                                                                                           : 0) *
-                                                               cfg_.heads);
-    if (g.params.size() == count && g.names.size() == count && g.params[0].rows() == w_q_.rows() &&
-        g.params[0].cols() == w_q_.cols() && g.params[2].cols() == w_v_.cols())
-      return;
+    if (gradients_fit(g)) return;
     const std::vector<ConstNamedBlock<T>> params = const_parameters();
     g.names.clear();
     g.params.resize(params.size());
@@ -678,20 +694,61 @@ class MultiHeadAttention {
       g.names.push_back(params[i].name);
       g.params[i].resize(params[i].rows, params[i].cols);
     }
+    const char* weights[4] = {"w_q", "w_k", "w_v", "w_o"};
+    for (std::size_t i = 0; i < 4; ++i) g.slot_w[i] = g.index_of(weights[i]);
+    g.slot_head.assign(static_cast<std::size_t>(cfg_.heads), {0, 0, 0});
+    for (Index h = 0; h < cfg_.heads; ++h) {
+      const std::string prefix = ::mixattn::detail::concat("head", h, ".");
+      std::array<std::size_t, 3>& slot = g.slot_head[static_cast<std::size_t>(h)];
+      if (cfg_.mixer == MixerKind::gma) {
+        slot = {g.index_of(prefix + "mean"), g.index_of(prefix + "var_raw"),
+                g.index_of(prefix + "prior_logit")};
+      } else if (cfg_.mixer == MixerKind::ovq) {
+        slot[0] = g.index_of(prefix + "beta");
+      }
+    }
+  }
+
+  /// Whether g's blocks were set up for this layer's parameters (count and every slot's shape).
+  bool gradients_fit(const Gradients<T>& g) const {
+    const std::size_t per_head = cfg_.mixer == MixerKind::gma ? 3
+                                 : cfg_.mixer == MixerKind::ovq ? 1
+                                                                : 0;
+    const std::size_t hs = static_cast<std::size_t>(cfg_.heads);
+    if (g.params.size() != 4 + per_head * hs || g.names.size() != g.params.size() ||
+        g.slot_head.size() != hs)
+      return false;
+    const auto fits = [&](std::size_t slot, Index rows, Index cols) {
+      return slot < g.params.size() && g.params[slot].rows() == rows && g.params[slot].cols() == cols;
+    };
+    const Matrix<T>* w[4] = {&w_q_, &w_k_, &w_v_, &w_o_};
+    for (std::size_t i = 0; i < 4; ++i)
+      if (!fits(g.slot_w[i], w[i]->rows(), w[i]->cols())) return false;
+    for (std::size_t h = 0; h < hs && cfg_.mixer == MixerKind::gma; ++h)
+      if (!fits(g.slot_head[h][0], mixtures_[h].mean.rows(), mixtures_[h].mean.cols()) ||
+          !fits(g.slot_head[h][1], mixtures_[h].var_raw.rows(), mixtures_[h].var_raw.cols()) ||
+          !fits(g.slot_head[h][2], mixtures_[h].prior_logit.size(), 1))
+        return false;
+    for (std::size_t h = 0; h < hs && cfg_.mixer == MixerKind::ovq; ++h)
+      if (!fits(g.slot_head[h][0], 1, 1)) return false;
+    return true;
   }
 
   void run_backward(const char* fn, Gradients<T>& g, const ConstMatrixRef<T>& x,
                     const ConstMatrixRef<T>& grad_y, const Cache<T>& cache) const {
     check_backward(fn, x, grad_y, cache);
-    using ::mixattn::detail::gemm;
     using ::mixattn::detail::plain;
     using ::mixattn::detail::transposed;
     const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
     prepare_gradients(g);
-    // Y = M W_O: dW_O = Mᵀ dY, dM = dY W_Oᵀ.
-    gemm<T>(g.params[3], transposed<T>(cache.mixed), plain<T>(grad_y), T(1), false, g.gemm);
+    // Y = M W_O: dW_O = Mᵀ dY (one task: its depth is N), dM = dY W_Oᵀ (row blocks).
+    constexpr Index block = ::mixattn::detail::gemm_task_rows;
     g.d_mixed.resize(n, heads * dv);
-    gemm<T>(g.d_mixed, plain<T>(grad_y), transposed<T>(w_o_), T(1), false, g.gemm);
+    g.gemm.clear();
+    g.gemm.add(g.params[g.slot_w[3]], {transposed<T>(cache.mixed)}, {plain<T>(grad_y)}, T(1),
+               false, 0);
+    g.gemm.add(g.d_mixed, {plain<T>(grad_y)}, {transposed<T>(w_o_)}, T(1), false, block);
+    g.gemm.run(cfg_.threads);
     if (cfg_.check_finite)
       ::mixattn::detail::require_finite_result(g.d_mixed, fn,
                                                "the heads' output gradient dY W_O^T",
@@ -708,14 +765,17 @@ class MultiHeadAttention {
         items, cfg_.threads, [&](Index i) { return sequence_length(cache.offsets, i); },
         [&](Index i) { head_backward(g, cache, i); }, g.order);
     sum_parameter_gradients(g, items);
-    // Q = X W_Q etc.: dW = Xᵀ dQ, dX = dQ W_Qᵀ + dK W_Kᵀ + dV W_Vᵀ.
-    gemm<T>(g.params[0], transposed<T>(x), plain<T>(g.dq), T(1), false, g.gemm);
-    gemm<T>(g.params[1], transposed<T>(x), plain<T>(g.dk), T(1), false, g.gemm);
-    gemm<T>(g.params[2], transposed<T>(x), plain<T>(g.dv), T(1), false, g.gemm);
+    // Q = X W_Q etc.: dW = Xᵀ dQ (one task each), dX = dQ W_Qᵀ + dK W_Kᵀ + dV W_Vᵀ (row
+    // blocks, the three terms in this order).
     g.x.resize(n, cfg_.model_dim);
-    gemm<T>(g.x, plain<T>(g.dq), transposed<T>(w_q_), T(1), false, g.gemm);
-    gemm<T>(g.x, plain<T>(g.dk), transposed<T>(w_k_), T(1), true, g.gemm);
-    gemm<T>(g.x, plain<T>(g.dv), transposed<T>(w_v_), T(1), true, g.gemm);
+    g.gemm.clear();
+    g.gemm.add(g.params[g.slot_w[0]], {transposed<T>(x)}, {plain<T>(g.dq)}, T(1), false, 0);
+    g.gemm.add(g.params[g.slot_w[1]], {transposed<T>(x)}, {plain<T>(g.dk)}, T(1), false, 0);
+    g.gemm.add(g.params[g.slot_w[2]], {transposed<T>(x)}, {plain<T>(g.dv)}, T(1), false, 0);
+    g.gemm.add(g.x, {plain<T>(g.dq), plain<T>(g.dk), plain<T>(g.dv)},
+               {transposed<T>(w_q_), transposed<T>(w_k_), transposed<T>(w_v_)}, T(1), false,
+               block);
+    g.gemm.run(cfg_.threads);
     if (cfg_.check_finite) {
       const char* culprit = "x, grad_y or a parameter is";
       ::mixattn::detail::require_finite_result(g.x, fn, "the gradient of x", culprit);
@@ -769,20 +829,20 @@ class MultiHeadAttention {
       for (Index item = h; item < items; item += heads) {
         const std::size_t i = static_cast<std::size_t>(item), hi = static_cast<std::size_t>(h);
         const bool first = item == h;
+        const std::array<std::size_t, 3>& slot = g.slot_head[hi];
         if (cfg_.mixer == MixerKind::gma) {
           const gma::MixtureGrad<T>& m = g.gma_grads[i].mixture;
-          const std::size_t base = 4 + 3 * hi;  // mean, var_raw, prior_logit of head h
           if (first) {
-            g.params[base] = m.mean;
-            g.params[base + 1] = m.var_raw;
-            g.params[base + 2] = m.prior_logit;
+            g.params[slot[0]] = m.mean;
+            g.params[slot[1]] = m.var_raw;
+            g.params[slot[2]] = m.prior_logit;
           } else {
-            g.params[base] += m.mean;
-            g.params[base + 1] += m.var_raw;
-            g.params[base + 2] += m.prior_logit;
+            g.params[slot[0]] += m.mean;
+            g.params[slot[1]] += m.var_raw;
+            g.params[slot[2]] += m.prior_logit;
           }
         } else if (cfg_.mixer == MixerKind::ovq) {
-          T& dbeta = g.params[4 + hi](0, 0);
+          T& dbeta = g.params[slot[0]](0, 0);
           dbeta = first ? g.ovq_grads[i].beta : dbeta + g.ovq_grads[i].beta;
         }
       }

@@ -82,25 +82,26 @@ inline PackedHeads check_packed(const char* fn, Index heads, Index kv_heads, Ind
 }
 
 /// dk, dv of the key/value heads from the per-item gradients: a key/value head's is the sum over
-/// the query heads that share it, in query-head order (one term without grouping).
+/// the query heads that share it, in query-head order (one term without grouping). The
+/// (sequence, key/value head) blocks are independent and run on up to `threads` threads.
 template <class Grad, class T>
 void packed_sum_kv(const std::vector<Grad>& items, const PackedHeads& ph, const Offsets& k_offsets,
-                   Index k_cols, Index v_cols, Matrix<T>& dk, Matrix<T>& dv) {
+                   Index k_cols, Index v_cols, Matrix<T>& dk, Matrix<T>& dv, int threads) {
   dk.resize(k_offsets.back(), k_cols);
   dv.resize(k_offsets.back(), v_cols);
   const Index group = ph.heads / ph.kv_heads, r = ph.r, d = ph.dv;
-  for (Index b = 0; b < ph.batch; ++b)
-    for (Index g = 0; g < ph.kv_heads; ++g) {
-      const Index k0 = k_offsets[static_cast<std::size_t>(b)];
-      const Index nk = k_offsets[static_cast<std::size_t>(b) + 1] - k0;
-      const std::size_t first = static_cast<std::size_t>(b * ph.heads + g * group);
-      dk.block(k0, g * r, nk, r) = items[first].k;
-      dv.block(k0, g * d, nk, d) = items[first].v;
-      for (Index j = 1; j < group; ++j) {
-        dk.block(k0, g * r, nk, r) += items[first + static_cast<std::size_t>(j)].k;
-        dv.block(k0, g * d, nk, d) += items[first + static_cast<std::size_t>(j)].v;
-      }
+  parallel_for(ph.batch * ph.kv_heads, threads, [&](Index bg) {
+    const Index b = bg / ph.kv_heads, g = bg % ph.kv_heads;
+    const Index k0 = k_offsets[static_cast<std::size_t>(b)];
+    const Index nk = k_offsets[static_cast<std::size_t>(b) + 1] - k0;
+    const std::size_t first = static_cast<std::size_t>(b * ph.heads + g * group);
+    dk.block(k0, g * r, nk, r) = items[first].k;
+    dv.block(k0, g * d, nk, d) = items[first].v;
+    for (Index j = 1; j < group; ++j) {
+      dk.block(k0, g * r, nk, r) += items[first + static_cast<std::size_t>(j)].k;
+      dv.block(k0, g * d, nk, d) += items[first + static_cast<std::size_t>(j)].v;
     }
+  });
 }
 
 /// Runs fn(item) for every item in [0, count), the largest cost(item) first (ties by index),
@@ -163,6 +164,18 @@ inline Index pair_cost(const PackedHeads& ph, const Offsets& q_offsets, const Of
   return quadratic ? p.nq * p.nk : p.nq + p.nk;
 }
 
+/// Runs fn(rows, item) for every (sequence, head) item of a packed call on up to `threads`
+/// threads, the most expensive first (parallel_largest_first; `order` is its scratch).
+template <class Fn>
+void packed_items(const PackedHeads& ph, const Offsets& q_offsets, const Offsets& k_offsets,
+                  int threads, bool quadratic, std::vector<Index>& order, Fn&& fn) {
+  parallel_largest_first(
+      ph.items(), threads,
+      [&](Index i) { return pair_cost(ph, q_offsets, k_offsets, i, quadratic); },
+      [&](Index i) { fn(pair_rows(ph, q_offsets, k_offsets, i), static_cast<std::size_t>(i)); },
+      order);
+}
+
 /// A packed forward: sizes `rec` (and out: total_q x H d_v), then runs
 /// item(rows, out_item, record or nullptr) for every item, largest first, and copies each item's
 /// output into its block of out.
@@ -176,17 +189,12 @@ void packed_forward(Matrix<T>& out, const PackedHeads& ph, const Offsets& q_offs
   rec.q_offsets = q_offsets;
   rec.k_offsets = k_offsets;
   out.resize(q_offsets.back(), ph.heads * ph.dv);
-  parallel_largest_first(
-      ph.items(), threads,
-      [&](Index i) { return pair_cost(ph, q_offsets, k_offsets, i, quadratic); },
-      [&](Index i) {
-        const PairRows p = pair_rows(ph, q_offsets, k_offsets, i);
-        const std::size_t is = static_cast<std::size_t>(i);
-        Matrix<T>& o = rec.outs[is];
-        item(p, o, keep ? &rec.items[is] : nullptr);
-        out.block(p.q0, p.h * ph.dv, p.nq, ph.dv) = o;
-      },
-      rec.order);
+  packed_items(ph, q_offsets, k_offsets, threads, quadratic, rec.order,
+               [&](const PairRows& p, std::size_t i) {
+                 Matrix<T>& o = rec.outs[i];
+                 item(p, o, keep ? &rec.items[i] : nullptr);
+                 out.block(p.q0, p.h * ph.dv, p.nq, ph.dv) = o;
+               });
 }
 
 /// Checks a packed backward's grad_out and records against the call.
@@ -203,27 +211,30 @@ void check_packed_backward(const char* fn, const PackedHeads& ph, Index q_rows,
 }
 
 /// A packed backward: runs item(rows, grad_item, saved_item) for every item, largest first,
-/// copies each item's dq into place and sums dk, dv per key/value head (packed_sum_kv).
+/// and copies each item's dq (and without grouped heads its dk, dv) into place while it is
+/// still in cache; grouped heads' dk, dv are summed afterwards (packed_sum_kv).
 template <class T, class Record, class GradRecord, class Item>
 void packed_backward(PackedGrads<T, GradRecord>& grad, const PackedHeads& ph,
                      const Offsets& q_offsets, const Offsets& k_offsets,
                      const PackedRecords<T, Record>& saved, int threads, bool quadratic,
                      Item&& item) {
+  const bool grouped = ph.heads != ph.kv_heads;
   grad.items.resize(static_cast<std::size_t>(ph.items()));
   grad.q.resize(q_offsets.back(), ph.heads * ph.r);
-  parallel_largest_first(
-      ph.items(), threads,
-      [&](Index i) { return pair_cost(ph, q_offsets, k_offsets, i, quadratic); },
-      [&](Index i) {
-        const PairRows p = pair_rows(ph, q_offsets, k_offsets, i);
-        const std::size_t is = static_cast<std::size_t>(i);
-        GradRecord& g = grad.items[is];
-        item(p, g, saved.items[is]);
-        grad.q.block(p.q0, p.h * ph.r, p.nq, ph.r) = g.q;
-      },
-      grad.order);
-  packed_sum_kv(grad.items, ph, k_offsets, ph.kv_heads * ph.r, ph.kv_heads * ph.dv, grad.k,
-                grad.v);
+  grad.k.resize(k_offsets.back(), ph.kv_heads * ph.r);
+  grad.v.resize(k_offsets.back(), ph.kv_heads * ph.dv);
+  packed_items(ph, q_offsets, k_offsets, threads, quadratic, grad.order,
+               [&](const PairRows& p, std::size_t i) {
+                 GradRecord& g = grad.items[i];
+                 item(p, g, saved.items[i]);
+                 grad.q.block(p.q0, p.h * ph.r, p.nq, ph.r) = g.q;
+                 if (grouped) return;
+                 grad.k.block(p.k0, p.g * ph.r, p.nk, ph.r) = g.k;
+                 grad.v.block(p.k0, p.g * ph.dv, p.nk, ph.dv) = g.v;
+               });
+  if (grouped)
+    packed_sum_kv(grad.items, ph, k_offsets, ph.kv_heads * ph.r, ph.kv_heads * ph.dv, grad.k,
+                  grad.v, threads);
 }
 
 }  // namespace detail
