@@ -719,7 +719,8 @@ class MultiHeadAttention {
         g.slot_head.size() != hs)
       return false;
     const auto fits = [&](std::size_t slot, Index rows, Index cols) {
-      return slot < g.params.size() && g.params[slot].rows() == rows && g.params[slot].cols() == cols;
+      return slot < g.params.size() && g.params[slot].rows() == rows &&
+             g.params[slot].cols() == cols;
     };
     const Matrix<T>* w[4] = {&w_q_, &w_k_, &w_v_, &w_o_};
     for (std::size_t i = 0; i < 4; ++i)

@@ -58,8 +58,9 @@ struct GemmTasks {
     const Index rows = dst.rows(), step = block > 0 ? block : std::max<Index>(rows, 1);
     for (Index r0 = 0; r0 < rows; r0 += step) {
       const Index n = std::min(step, rows - r0);
-      GemmTask<T> t{dst.data() + r0 * dst.outerStride(), n, dst.cols(), dst.outerStride(),
-                    {},  {},  static_cast<int>(as.size()),     alpha, accumulate};
+      GemmTask<T> t{
+          dst.data() + r0 * dst.outerStride(), n,     dst.cols(), dst.outerStride(), {}, {},
+          static_cast<int>(as.size()),         alpha, accumulate};
       int i = 0;
       for (const GemmOperand<T>& a : as) t.a[i++] = operand_rows(a, r0, n);
       i = 0;
@@ -73,11 +74,13 @@ struct GemmTasks {
     const Index count = static_cast<Index>(tasks.size());
     if (count == 0) return;
     const Index workers = std::min<Index>(resolve_threads(threads), count);
-    if (static_cast<Index>(spaces.size()) < workers) spaces.resize(static_cast<std::size_t>(workers));
+    if (static_cast<Index>(spaces.size()) < workers)
+      spaces.resize(static_cast<std::size_t>(workers));
     std::atomic<Index> next{0};
     parallel_for(workers, threads, [&](Index w) {
       GemmSpace<T>& space = spaces[static_cast<std::size_t>(w)];
-      for (Index i = next++; i < count; i = next++) run_task(tasks[static_cast<std::size_t>(i)], space);
+      for (Index i = next++; i < count; i = next++)
+        run_task(tasks[static_cast<std::size_t>(i)], space);
     });
   }
 
