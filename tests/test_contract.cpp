@@ -207,8 +207,16 @@ TYPED_TEST(Contract, DecodingEntryPoints) {
   what = message_of<std::invalid_argument>([&] { ref::decode(cache, q5, q5, v, sopt); });
   EXPECT_NE(what.find("keys of width 4"), std::string::npos) << what;
   ref::decode(cache, q, k, v, sopt);
-  EXPECT_THROW(ref::decode(cache, q, k, huge, sopt), std::domain_error);
-  EXPECT_EQ(cache.size(), 2);
+  // The output is a convex combination of value rows, so values at the type's largest overflow
+  // only through the rounding of the weights: either the result is finite, or decode throws and
+  // leaves the cache as it was.
+  try {
+    const Matrix<T> out = ref::decode(cache, q, k, huge, sopt);
+    EXPECT_TRUE(out.allFinite());
+    EXPECT_EQ(cache.size(), 4);
+  } catch (const std::domain_error&) {
+    EXPECT_EQ(cache.size(), 2) << "a throw must leave the cache as it was";
+  }
   // ovq::forward decoding: a block of values at the limit either stays finite or throws with
   // the state as it was (dictionary, counts, unfinished block, token count).
   mixattn::ovq::Options oopt;
