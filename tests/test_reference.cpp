@@ -309,6 +309,23 @@ void check_softmax_kernels(Arch arch, std::uint64_t seed) {
       d::softmax_row(arch, row.data(), n, n, pr.data());
       EXPECT_TRUE(std::isnan(pr[static_cast<size_t>(n - 2)])) << n << " " << bad;
     }
+  // A NaN is the row's max wherever it stands. The vector max returns its second operand when
+  // either is NaN, so a NaN one register after the largest logit, in the same lane, used to drop
+  // that logit from the max: the shifted logit exp then saw was huge and positive, and xsimd's
+  // double exp converts such an exponent to an integer out of range (undefined behaviour).
+  // Every placement of the NaN and the large logit, in the vector body and in the scalar tail:
+  for (Index n : {3, 17, 40})
+    for (Index big = 0; big < n; ++big)
+      for (Index at = 0; at < n; ++at) {
+        if (at == big) continue;
+        std::vector<T> row(static_cast<size_t>(n), T(0)), pr(static_cast<size_t>(n));
+        row[static_cast<size_t>(big)] = T(1e30);
+        row[static_cast<size_t>(at)] = std::numeric_limits<T>::quiet_NaN();
+        ASSERT_TRUE(std::isnan(d::row_max(arch, row.data(), n))) << n << " " << big << " " << at;
+        EXPECT_TRUE(std::isnan(d::max_keep_nan(T(1), row[static_cast<size_t>(at)])));
+        d::softmax_row(arch, row.data(), n, n, pr.data());
+        for (T e : pr) ASSERT_TRUE(std::isnan(e)) << n << " " << big << " " << at;
+      }
   // empty parts (an OVQ row with no dictionary yet): max -inf, sum 0
   EXPECT_EQ(d::row_max(arch, masked.data(), 0), -std::numeric_limits<T>::infinity());
   EXPECT_EQ(d::exp_shifted_sum(arch, masked.data(), 0, T(0)), 0);

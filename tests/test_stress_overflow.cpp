@@ -266,7 +266,9 @@ TYPED_TEST(Overflow, IntoFormsLeaveTheStateOnOverflow) {
     EXPECT_TRUE(same_bits(st.S, before.S) && st.z == before.z) << what << ": state changed";
   }
   // In double the state's sums of values at the largest double overflow: that must throw.
-  if (std::is_same<T, double>::value) EXPECT_EQ(gma_throws, 2);
+  if (std::is_same<T, double>::value) {
+    EXPECT_EQ(gma_throws, 2);
+  }
 
   ovq::Options oopt;
   oopt.block = 4;
@@ -294,6 +296,58 @@ TYPED_TEST(Overflow, IntoFormsLeaveTheStateOnOverflow) {
                 same_bits(changed.pending_keys, expected.pending_keys) &&
                 same_bits(changed.pending_values, expected.pending_values))
         << what << ": state changed";
+  }
+}
+
+// A state whose values sit at the type's largest value (the dictionary's running means, or the
+// unfinished block's values), continued in place with ordinary q, k and v: the call absorbs
+// blocks, so it changes the dictionary where it lies, and its output (a convex combination of
+// those values) or the running means can round past the largest value. A domain_error must
+// leave the state as it was, bitwise, although v alone is small. Each seed gives its own keys and
+// queries; whether a seed overflows depends on rounding, so the test only requires (in double,
+// where the values are exactly at the limit) that some seed does, for each place.
+TYPED_TEST(Overflow, OvqStateAtTheLimitLeavesTheStateOnOverflow) {
+  using T = TypeParam;
+  namespace ovq = mixattn::ovq;
+  const Index n = 12, r = 3, dv = 3, centroids = 4;
+  const T top = std::numeric_limits<T>::max();
+  ovq::Options opt;
+  opt.block = 4;
+  for (const bool in_dictionary : {true, false}) {
+    const std::string where = in_dictionary ? "dictionary" : "unfinished block";
+    int throws = 0;
+    for (std::uint64_t seed = 1; seed <= 24; ++seed) {
+      auto st = ovq::State<T>::empty(r, dv);
+      st.keys = random_matrix<T>(centroids, r, seed, 1);
+      st.values = in_dictionary ? Matrix<T>::Constant(centroids, dv, top)
+                                : random_matrix<T>(centroids, dv, seed + 400, 1);
+      st.counts = mixattn::Vector<T>::Ones(centroids);
+      const Index pending = in_dictionary ? 0 : opt.block - 1;
+      st.pending_keys = random_matrix<T>(pending, r, seed + 500, 1);
+      st.pending_values = Matrix<T>::Constant(pending, dv, top);
+      st.tokens_seen = centroids * opt.block + pending;
+      const Matrix<T> q = random_matrix<T>(n, r, seed + 100, 1);
+      const Matrix<T> k = random_matrix<T>(n, r, seed + 200, 1);
+      const Matrix<T> v = random_matrix<T>(n, dv, seed + 300, 1);
+      const ovq::State<T> before = st;
+      Matrix<T> out;
+      ovq::Saved<T> saved;
+      const std::string what = where + ", seed " + std::to_string(seed);
+      if (finite_or_domain_error(what, [&] {
+            ovq::forward_into(out, q, k, v, T(1), opt, st, &saved);
+            return std::vector<Matrix<double>>{d(out)};
+          }))
+        continue;
+      ++throws;
+      EXPECT_EQ(st.tokens_seen, before.tokens_seen) << what;
+      EXPECT_TRUE(same_bits(st.keys, before.keys) && same_bits(st.values, before.values) &&
+                  st.counts == before.counts && same_bits(st.pending_keys, before.pending_keys) &&
+                  same_bits(st.pending_values, before.pending_values))
+          << what << ": state changed";
+    }
+    if (std::is_same<T, double>::value) {
+      EXPECT_GT(throws, 0) << where;
+    }
   }
 }
 

@@ -574,8 +574,9 @@ void store_pending(const ForwardScratch<T>& w, const State<T>& start, const Bloc
   }
 }
 
-/// With checks on, whether v holds values beyond sqrt(max T), which can make the output or the
-/// running means overflow (only then does an in-place forward keep a copy of the state).
+/// With checks on, whether v (new values, or the dictionary's) holds values beyond sqrt(max T),
+/// which can make the output or the running means overflow (only then does an in-place forward
+/// keep a copy of the state).
 template <class T>
 bool large_values(const ConstMatrixRef<T>& v, const Options& opt) {
   return opt.check_finite && v.size() > 0 &&
@@ -636,9 +637,14 @@ void forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q, const C
   if (blocks.complete > 0) w.absorb.reserve(opt, capacity, r, dv, saved == nullptr);
   out.resize(tn, dv);
   if (&start == &next) {
-    // Values near T's limit: keep a copy of the state (only then), so that an overflow's
-    // domain_error leaves it as it was.
-    const bool keep = large_values<T>(v, opt);
+    // Values near T's limit, in v, in the unfinished block or in the dictionary, when the call
+    // absorbs a block (only then is the dictionary changed before the overflow check): keep a
+    // copy of the state, so that an overflow's domain_error leaves it as it was. The dictionary
+    // scan costs no more than the absorption's own pass over it; a call that absorbs nothing
+    // never scans it.
+    const bool keep =
+        blocks.complete > 0 && (large_values<T>(v, opt) || large_values<T>(start.pending_values, opt) ||
+                                large_values<T>(start.values, opt));
     State<T> kept;
     if (keep) kept = start;
     DictionaryLoan<T> loan(next);

@@ -105,7 +105,8 @@ void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
         RowMap(&st(t, 0) + visible, bc - visible).setZero();
         if (visible == 0) continue;  // nothing visible in this tile: state unchanged
         T* seen = &st(t, 0);
-        const T new_max = std::max(row_max[t], mixattn::detail::row_max(arch, seen, visible));
+        const T new_max =
+            mixattn::detail::max_keep_nan(row_max[t], mixattn::detail::row_max(arch, seen, visible));
         // new_max is finite (finite scores); the old max may still be -inf on the first visible
         // tile, where exp(-inf - finite) = 0 correctly discards the empty history and no
         // -inf - -inf can arise.

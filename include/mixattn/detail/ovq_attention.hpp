@@ -91,7 +91,7 @@ bool tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRe
     }
     pb.row(i).head(vis) *= s;
     if (check) probe += (pb.row(i).head(vis).array() * T(0)).sum();
-    mx = std::max(mx, row_max(arch, pb.row(i).data(), vis));
+    mx = mixattn::detail::max_keep_nan(mx, row_max(arch, pb.row(i).data(), vis));
     // one softmax over both parts: joint max, joint sum (sum >= 1: the max contributes exp(0))
     const W sum = exp_shifted_sum(arch, pd.row(i).data(), n, mx) +
                   exp_shifted_sum(arch, pb.row(i).data(), vis, mx);

@@ -53,10 +53,13 @@ inline xsimd::batch<T, Arch> exp_shifted(const xsimd::batch<T, Arch>& s,
 }
 #endif
 
-/// Largest of s[0..n); -inf when n == 0.
+/// Largest of s[0..n); -inf when n == 0; NaN when any entry is NaN. (A max that skipped a NaN
+/// could also skip the true max, since the vector max returns its second operand when either is
+/// NaN: the shifted logits would then be positive and exp's exponent out of range.)
 template <class Arch, class T>
 inline T row_max(Arch, const T* s, Index n) {
   T m = -std::numeric_limits<T>::infinity();
+  bool nan = false;
   Index j = 0;
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
@@ -64,15 +67,31 @@ inline T row_max(Arch, const T* s, Index n) {
     constexpr Index Wd = static_cast<Index>(B::size);
     if (n >= Wd) {
       B mx = B::load_unaligned(s);
-      for (j = Wd; j + Wd <= n; j += Wd) mx = xsimd::max(mx, B::load_unaligned(s + j));
+      auto bad = xsimd::isnan(mx);
+      for (j = Wd; j + Wd <= n; j += Wd) {
+        const B v = B::load_unaligned(s + j);
+        bad = bad | xsimd::isnan(v);
+        mx = xsimd::max(mx, v);
+      }
+      nan = xsimd::any(bad);
       alignas(64) T lanes[Wd];  // xsimd 8.1 has no horizontal max
       mx.store_aligned(lanes);
       for (Index l = 0; l < Wd; ++l) m = std::max(m, lanes[l]);
     }
   }
 #endif
-  for (; j < n; ++j) m = std::max(m, s[j]);
-  return m;
+  for (; j < n; ++j) {
+    nan = nan || std::isnan(s[j]);
+    m = std::max(m, s[j]);
+  }
+  return nan ? std::numeric_limits<T>::quiet_NaN() : m;
+}
+
+/// max(a, b) that keeps a NaN from either side (std::max drops a NaN second argument), for
+/// joining row maxima: a shift below some logit would make exp's exponent out of range.
+template <class T>
+inline T max_keep_nan(T a, T b) {
+  return std::isnan(b) ? b : std::max(a, b);
 }
 
 /// out[j] = f(a[j], b[j]) for j < n (out may alias a or b); f is called on registers and on
