@@ -94,6 +94,19 @@
   }                           \
   }
 
+// Compiling the operators once. Every operator is a template, compiled again in each translation
+// unit (TU) that calls it. A program with many such TUs can compile the heavy part of each
+// operator (its float and double workers, for the TU's instruction set) once: define
+// MIXATTN_EXTERN_TEMPLATES in every TU that includes mixattn (the workers are then declared
+// `extern template`), and build one more TU, with the same compiler flags, that defines
+// MIXATTN_INSTANTIATE_TEMPLATES and includes <mixattn/mixattn.hpp>: it holds their definitions.
+// Results are the same bits either way; only where the code is compiled changes.
+#if defined(MIXATTN_INSTANTIATE_TEMPLATES)
+#define MIXATTN_TEMPLATE_INSTANCE template
+#elif defined(MIXATTN_EXTERN_TEMPLATES)
+#define MIXATTN_TEMPLATE_INSTANCE extern template
+#endif
+
 MIXATTN_BEGIN_NAMESPACE
 
 namespace detail {

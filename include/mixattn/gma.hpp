@@ -1097,4 +1097,26 @@ void backward_into(Grad<T>&, const Mixture<T>&, const Q&, const K&, const V&, co
 }
 
 }  // namespace gma
+
+#ifdef MIXATTN_TEMPLATE_INSTANCE
+// The workers behind every forward and backward form, at the default instruction set (core.hpp:
+// compiling the operators once).
+namespace detail {
+#define MIXATTN_GMA_INSTANCES(T)                                                                  \
+  MIXATTN_TEMPLATE_INSTANCE void gma_forward<simd_arch, T>(                                       \
+      const char*, Matrix<T>&, const gma::Mixture<T>&, const ConstMatrixRef<T>&,                 \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const gma::Options&, gma::Saved<T>*);   \
+  MIXATTN_TEMPLATE_INSTANCE void gma_forward_continued<simd_arch, T>(                             \
+      const char*, Matrix<T>&, const PackedDensity<T>&, const ConstMatrixRef<T>&,                 \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const gma::Options&, gma::State<T>&,    \
+      gma::Saved<T>*, std::uint64_t);                                                             \
+  MIXATTN_TEMPLATE_INSTANCE void gma_backward<simd_arch, T>(                                      \
+      const char*, gma::Grad<T>&, const gma::Mixture<T>&, const ConstMatrixRef<T>&,              \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
+      const gma::Saved<T>&, const gma::Options&, const gma::StateGrad<T>*);
+MIXATTN_GMA_INSTANCES(float)
+MIXATTN_GMA_INSTANCES(double)
+#undef MIXATTN_GMA_INSTANCES
+}  // namespace detail
+#endif
 MIXATTN_END_NAMESPACE

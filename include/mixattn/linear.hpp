@@ -321,4 +321,21 @@ Grad<T> backward(const Q&, const K&, const V&, const G&, const Saved<T>&, const 
 }
 
 }  // namespace linear
+
+#ifdef MIXATTN_TEMPLATE_INSTANCE
+// core.hpp: compiling the operators once.
+namespace linear {
+#define MIXATTN_LINEAR_INSTANCES(T)                                                               \
+  MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(const ConstMatrixRef<T>&,                     \
+                                                    const ConstMatrixRef<T>&,                     \
+                                                    const ConstMatrixRef<T>&, const Options&,     \
+                                                    Saved<T>*);                                   \
+  MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                               \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
+      const ConstMatrixRef<T>&, const Saved<T>&, const Options&);
+MIXATTN_LINEAR_INSTANCES(float)
+MIXATTN_LINEAR_INSTANCES(double)
+#undef MIXATTN_LINEAR_INSTANCES
+}  // namespace linear
+#endif
 MIXATTN_END_NAMESPACE

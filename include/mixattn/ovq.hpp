@@ -1125,4 +1125,23 @@ void backward_into(Grad<T>&, const Q&, const K&, const V&,
 }
 
 }  // namespace ovq
+
+#ifdef MIXATTN_TEMPLATE_INSTANCE
+// The workers behind every forward and backward form (core.hpp: compiling the operators once).
+namespace ovq {
+namespace detail {
+#define MIXATTN_OVQ_INSTANCES(T)                                                                  \
+  MIXATTN_TEMPLATE_INSTANCE void forward<T>(                                                      \
+      const char*, Matrix<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,                \
+      const ConstMatrixRef<T>&, T, const Options&, const State<T>&, State<T>&, Saved<T>*);        \
+  MIXATTN_TEMPLATE_INSTANCE void backward<T>(                                                     \
+      const char*, Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,                  \
+      const ConstMatrixRef<T>&, T, const ConstMatrixRef<T>&, const Saved<T>&, const Options&,     \
+      const StateGrad<T>*);
+MIXATTN_OVQ_INSTANCES(float)
+MIXATTN_OVQ_INSTANCES(double)
+#undef MIXATTN_OVQ_INSTANCES
+}  // namespace detail
+}  // namespace ovq
+#endif
 MIXATTN_END_NAMESPACE

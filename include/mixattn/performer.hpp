@@ -272,4 +272,20 @@ Grad<T> backward(const Q&, const K&, const V&, const G&, const Features<T>&, con
 }
 
 }  // namespace performer
+
+#ifdef MIXATTN_TEMPLATE_INSTANCE
+// core.hpp: compiling the operators once.
+namespace performer {
+#define MIXATTN_PERFORMER_INSTANCES(T)                                                            \
+  MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                              \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
+      const Features<T>&, const Options&, Saved<T>*);                                             \
+  MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                               \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
+      const ConstMatrixRef<T>&, const Features<T>&, const Saved<T>&, const Options&);
+MIXATTN_PERFORMER_INSTANCES(float)
+MIXATTN_PERFORMER_INSTANCES(double)
+#undef MIXATTN_PERFORMER_INSTANCES
+}  // namespace performer
+#endif
 MIXATTN_END_NAMESPACE

@@ -532,4 +532,32 @@ Grad<mixattn::detail::scalar_of<T, Q>> flash_backward(
 }
 
 }  // namespace reference
+
+#ifdef MIXATTN_TEMPLATE_INSTANCE
+// The workers behind every forward and backward form (core.hpp: compiling the operators once).
+namespace reference {
+namespace detail {
+#define MIXATTN_REFERENCE_INSTANCES(T)                                                            \
+  MIXATTN_TEMPLATE_INSTANCE void naive_forward<T>(const char*, Matrix<T>&,                        \
+                                                  const ConstMatrixRef<T>&,                       \
+                                                  const ConstMatrixRef<T>&,                       \
+                                                  const ConstMatrixRef<T>&, const Options&,       \
+                                                  Saved<T>*);                                     \
+  MIXATTN_TEMPLATE_INSTANCE void flash_forward<T>(const char*, Matrix<T>&,                        \
+                                                  const ConstMatrixRef<T>&,                       \
+                                                  const ConstMatrixRef<T>&,                       \
+                                                  const ConstMatrixRef<T>&, const Options&,       \
+                                                  Saved<T>*);                                     \
+  MIXATTN_TEMPLATE_INSTANCE void naive_backward<T>(                                               \
+      const char*, Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,                  \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const Saved<T>&, const Options&);       \
+  MIXATTN_TEMPLATE_INSTANCE void flash_backward<T>(                                               \
+      const char*, Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,                  \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const Saved<T>&, const Options&);
+MIXATTN_REFERENCE_INSTANCES(float)
+MIXATTN_REFERENCE_INSTANCES(double)
+#undef MIXATTN_REFERENCE_INSTANCES
+}  // namespace detail
+}  // namespace reference
+#endif
 MIXATTN_END_NAMESPACE

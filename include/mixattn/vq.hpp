@@ -256,4 +256,20 @@ Grad<T> backward(const Q&, const K&, const V&, const C&, const G&, const Saved<T
 }
 
 }  // namespace vq
+
+#ifdef MIXATTN_TEMPLATE_INSTANCE
+// core.hpp: compiling the operators once.
+namespace vq {
+#define MIXATTN_VQ_INSTANCES(T)                                                                   \
+  MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                              \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
+      const ConstMatrixRef<T>&, const Options&, Saved<T>*);                                       \
+  MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                               \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const Saved<T>&, const Options&);
+MIXATTN_VQ_INSTANCES(float)
+MIXATTN_VQ_INSTANCES(double)
+#undef MIXATTN_VQ_INSTANCES
+}  // namespace vq
+#endif
 MIXATTN_END_NAMESPACE

@@ -33,7 +33,9 @@ if ((${#targets[@]} == 0)); then
   echo "no fuzz targets (operator headers missing?)" >&2
   exit 1
 fi
-cmake --build "$build" -j "$jobs" --target "${targets[@]}"
+# All of them in one build: the targets are one source file each, and naming them with --target
+# would build them one after another (CMake's top-level Makefile is not parallel across goals).
+cmake --build "$build" -j "$jobs"
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
