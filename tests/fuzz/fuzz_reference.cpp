@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 
 namespace {
@@ -20,6 +21,17 @@ namespace ref = mixattn::reference;
 namespace fz = mixattn::fuzz;
 
 using fz::max_abs;
+
+/// Product of non-negative magnitudes in which a zero factor wins: 0 when any factor is 0 (an
+/// empty matrix's max_abs), so that 0 x inf never makes a bound NaN.
+double magnitude_product(std::initializer_list<double> factors) {
+  double p = 1;
+  for (const double f : factors) {
+    if (f == 0) return 0;
+    p *= f;
+  }
+  return p;
+}
 
 template <class T>
 void run_case(fz::Bytes& in) {
@@ -88,8 +100,9 @@ void run_case(fz::Bytes& in) {
 
   // Moderate logits: the two forms compute the same function up to rounding.
   const double scale = opt.scale != 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(r));
-  const bool moderate = ex.must_be_finite() &&
-                        std::abs(scale) * max_abs(q) * max_abs(k) * static_cast<double>(r) <= 40;
+  const bool moderate =
+      ex.must_be_finite() &&
+      magnitude_product({std::abs(scale), max_abs(q), max_abs(k), static_cast<double>(r)}) <= 40;
   // Each probability carries a few ulps; the output error is at most about M ulps of max |v|.
   // Subnormal v round in absolute steps: each of the M products P_ij v_j may lose up to one
   // denorm_min, whichever way the two forms happen to round it.
@@ -149,10 +162,14 @@ void run_case(fz::Bytes& in) {
     // |dq| <= 2 s max|k| max|dP|, |dk| <= 2 N s max|q| max|dP|, |dv| <= N max|dO|. The two forms
     // round differently by a few ulps per term of sums up to N + M + d_v long; exact zeros (M = 1)
     // are why the bound, not the gradients' own size, sets the scale.
-    const double dp = static_cast<double>(dv) * max_abs(dout) * max_abs(v);
-    const double bound[3] = {2 * std::abs(scale) * max_abs(k) * dp,
-                             2 * static_cast<double>(n) * std::abs(scale) * max_abs(q) * dp,
-                             static_cast<double>(n) * max_abs(dout)};
+    // An empty q or grad_out has max_abs 0 while the other factors may overflow (k at the
+    // largest double and scale 1e30): a zero factor must win over an infinite product, which
+    // would otherwise make the bound NaN and the comparison fail for equal gradients.
+    const double dp = magnitude_product({static_cast<double>(dv), max_abs(dout), max_abs(v)});
+    const double bound[3] = {
+        magnitude_product({2, std::abs(scale), max_abs(k), dp}),
+        magnitude_product({2 * static_cast<double>(n), std::abs(scale), max_abs(q), dp}),
+        magnitude_product({static_cast<double>(n), max_abs(dout)})};
     const double ulp = std::numeric_limits<T>::epsilon();
     for (int a = 0; a < 3; ++a) {
       // Subnormal values round in absolute steps of denorm_min, not relative ones.
