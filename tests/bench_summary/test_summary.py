@@ -125,6 +125,22 @@ class SummaryRules(unittest.TestCase):
         self.assertTrue(verdict(md, FWD_ROW).startswith("impossible: measurement error"))
         self.assertIn("FAILED", out)
 
+    def test_median_above_bound_within_its_spread_gives_no_verdict(self):
+        # 22 ms × 1.16 / 12.6 ms = 2.03× on 2 threads, but the slowest 2-thread repetition against
+        # the fastest 1-thread one gives 22 × 1.16 × 0.98 / (12.6 × 1.03) = 1.93×: noise around
+        # perfect scaling, not an impossible measurement.
+        doc = base()
+        scale_times(doc, FWD_1T, 1.16)
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertTrue(verdict(md, FWD_ROW).startswith("at the physical bound"), md)
+        # The whole spread above the bound: 22 × 1.25 × 0.98 / (12.6 × 1.03) = 2.08× at least.
+        doc = base()
+        scale_times(doc, FWD_1T, 1.25)
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertTrue(verdict(md, FWD_ROW).startswith("impossible: measurement error"), md)
+
     def test_issue_scenario_cold_and_above_bound_fails(self):
         # The quick run that certified 7.94× on two cores: a cold single-iteration 1-thread point
         # of 100 ms against a warm 12.6 ms 2-thread point.
