@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # bench/run.sh — build and run mixattn's benchmarks, then summarise them.
 #
-#   bash bench/run.sh                        full sweep (about 15–20 minutes on 2 idle cores)
-#   MIXATTN_BENCH_QUICK=1 bash bench/run.sh  subset that still covers every target (a few minutes)
+#   bash bench/run.sh                        full sweep (well over 30 minutes on 2 idle cores)
+#   MIXATTN_BENCH_QUICK=1 bash bench/run.sh  subset that still covers every target (23 min on 2 idle
+#                                            cores, 10 of them in the PyTorch extension benchmark)
 #   MIXATTN_BENCH_TORCH=1 bash bench/run.sh  also the PyTorch eager side-by-side (apt-installs
 #                                            python3-torch and libopenblas0-pthread)
 # Where PyTorch is installed (install-deps installs it), the PyTorch extension is built into
