@@ -241,8 +241,12 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
   std::vector<T> own;
   std::vector<T>& scratch = reuse != nullptr ? *reuse : own;
   Index failed = -1;
+  // A row whose softmax failed (every log-density -inf) or came out NaN (a NaN log-density, e.g.
+  // inf - inf from finite inputs far beyond T's range; NaN spreads over the whole row) is redone
+  // in the wide type; a row that fails there too is reported.
   const auto settle = [&](bool ok, Index i) {
-    if (ok || responsibilities_row_wide(p, x + i * ldx, out + i * ldo)) return;
+    if ((ok && !std::isnan(out[i * ldo])) || responsibilities_row_wide(p, x + i * ldx, out + i * ldo))
+      return;
     std::fill(out + i * ldo, out + i * ldo + K, std::numeric_limits<T>::quiet_NaN());
     if (failed < 0) failed = i;
   };
