@@ -273,7 +273,11 @@ void feature_case(const LinearCase<T>& c, const Op& op, typename Op::Options opt
                        why("output outside the convex hull of the values").c_str());
   const bool moderate = ex.must_be_finite() && a <= op.moderate(is_float) && opt.eps >= 1e-6;
   if (moderate) {
-    const double tol = op.tol(is_float) * (max_abs(c.v) + 1e-300);
+    // Subnormal values round in absolute steps of denorm_min (v holding one subnormal: a tenth
+    // of it is 0 or denorm_min in float): each of the M weighted terms may lose up to one.
+    const double tol = op.tol(is_float) * (max_abs(c.v) + 1e-300) +
+                       static_cast<double>(m + 1) *
+                           static_cast<double>(std::numeric_limits<T>::denorm_min());
     MIXATTN_FUZZ_CHECK(max_abs(out.template cast<double>() - op.oracle(c.q, c.k, c.v, opt)) <= tol,
                        why("forward differs from the double oracle").c_str());
     if (opt.causal) {
@@ -474,7 +478,9 @@ void run_case(fz::Bytes& in) {
     gma::Options o2 = opt;
     o2.chunk = chunk2;
     const Matrix<T> out2 = gma::forward(mix, qs.view(), ks.view(), vs.view(), o2);
-    const double tol = (is_float ? 1e-4 : 1e-10) * (max_abs(v) + 1e-300);
+    const double tol = (is_float ? 1e-4 : 1e-10) * (max_abs(v) + 1e-300) +
+                       static_cast<double>(m + 1) *
+                           static_cast<double>(std::numeric_limits<T>::denorm_min());
     MIXATTN_FUZZ_CHECK(max_abs(out2 - out) <= tol, "causal result depends on the chunk length");
   }
 
