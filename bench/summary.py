@@ -495,12 +495,24 @@ def ovq_block_worst(m):
 
 
 def ovq_after_block_ratio(m):
-    """The slowest token right after a block completion over the mean, worst position."""
-    qs = [m.counter("decode_ovq", "after_block_max_s", n) / m.counter("decode_ovq", "mean_s", n)
-          for n in m.ns("decode_ovq")]
+    """The slowest token right after a block completion over the mean, worst position. Each
+    token's time is its least over identical passes of the generation (bench_decode replays it),
+    so that the machine's own interruptions, which land on a token in one pass and not in the
+    others, do not count as the token's cost; the single-pass max is shown beside it, and the
+    same max for a fixed amount of plain arithmetic (decode_noise) as the machine's share."""
+    qs = [m.counter("decode_ovq", "after_block_best_max_s", n)
+          / m.counter("decode_ovq", "mean_s", n) for n in m.ns("decode_ovq")]
     if not qs:
-        raise Missing("decode_ovq", "any", what="counter after_block_max_s")
-    return all_of(qs, max(q.med for q in qs))
+        raise Missing("decode_ovq", "any", what="counter after_block_best_max_s")
+    worst = max(q.med for q in qs)
+    raw = max(m.counter("decode_ovq", "after_block_max_s", n).med for n in m.ns("decode_ovq"))
+    passes = m.counter("decode_ovq", "passes", m.ns("decode_ovq")[0]).med
+    text = f"{worst:.2f}× (each token's best of {passes:.0f} passes; one pass's max {fmt_us(raw)}"
+    if m.ns("decode_noise"):
+        noise = m.counter("decode_noise", "max_s", m.ns("decode_noise")[0])
+        mean = m.counter("decode_noise", "mean_s", m.ns("decode_noise")[0])
+        text += f"; {fmt_us(mean.med)} of plain arithmetic has max {fmt_us(noise.med)}"
+    return all_of(qs, worst, text=text + ")")
 
 
 def softmax_vs_gma(p):
