@@ -249,7 +249,8 @@ DECODE_COUNTERS = ("s_per_token", "mean_s", "latency_mean_s")
 
 
 def is_decode(point):
-    return point.source == DECODE_FILE or point.op.startswith("decode_")
+    """A point at a position N >= 1 (bench_decode's decode_noise, N = 0, is no position)."""
+    return (point.source == DECODE_FILE or point.op.startswith("decode_")) and point.n >= 1
 
 
 def decode_latency(p):
