@@ -12,6 +12,7 @@ MIXATTN_TORCH_ARCH to another flag (e.g. "-march=x86-64-v3") to build for other 
 """
 
 import os
+import re
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -22,12 +23,24 @@ if not os.path.isfile(os.path.join(library_include, "mixattn", "gma.hpp")):
     raise RuntimeError(f"mixattn's headers are not at {library_include}: build this package "
                        "from a checkout of the repository (pip install ./python)")
 
+
+def library_version():
+    """The library's version, defined once, in include/mixattn/core.hpp."""
+    with open(os.path.join(library_include, "mixattn", "core.hpp")) as f:
+        parts = dict(re.findall(r"^#define MIXATTN_VERSION_(MAJOR|MINOR|PATCH) +([0-9]+)$",
+                                f.read(), re.M))
+    if len(parts) != 3:
+        raise RuntimeError("include/mixattn/core.hpp does not define MIXATTN_VERSION_MAJOR, "
+                           "_MINOR and _PATCH")
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
+
+
 arch = os.environ.get("MIXATTN_TORCH_ARCH", "-march=native").split()
 cxx_flags = ["-std=c++17", "-O3", "-g0", "-fopenmp", "-DEIGEN_DONT_PARALLELIZE"] + arch
 
 setup(
     name="mixattn",
-    version="0.1.0",
+    version=library_version(),
     description="Gaussian Mixture and Online VQ attention for PyTorch on CPU (mixattn's kernels)",
     packages=["mixattn"],
     ext_modules=[

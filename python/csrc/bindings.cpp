@@ -13,10 +13,14 @@
 #include <ATen/ATen.h>
 #include <torch/python.h>
 
+#include <cstdlib>
+#include <mutex>
+#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -24,11 +28,88 @@ namespace mixattn_torch {
 namespace {
 
 /// What a forward hands to Python for its backward: the kernels' record and which operator and
-/// scalar type made it (a record is only ever read back as the type it was made as).
+/// scalar type made it (a record is only ever read back as the type it was made as). A forward
+/// told save=False (no gradient will be asked for) hands back a null record.
 struct SavedBox {
   std::string kind;
   SavedPtr record;
 };
+
+// --- output memory ---------------------------------------------------------------------------
+
+/// The kernels' large outputs (the attention output; dq, dk, dv) are tensors over buffers that
+/// come back here when the tensor is freed and are handed to the next output of the same size.
+/// A training step's outputs are freed and made again every step, and glibc returns large blocks
+/// to the kernel when they are freed, so fresh tensors page-fault every page again on every step
+/// (about 11 µs per 4 KiB page here: 45 ms for one 16 MiB gradient); a kept buffer is already
+/// touched. Buffers below kMinBytes come from at::empty (glibc's heap keeps those). At most
+/// kMaxKept buffers are kept; release_kept_buffers() frees them.
+struct BufferPool {
+  static constexpr std::size_t kMinBytes = 256 * 1024;
+  static constexpr std::size_t kMaxKept = 64;
+  std::mutex mutex;
+  std::unordered_map<std::size_t, std::vector<void*>> free;
+  std::size_t kept = 0;
+};
+
+// Never destroyed: a tensor may be freed while the interpreter shuts down.
+BufferPool& buffer_pool() {
+  static auto* const pool = new BufferPool;
+  return *pool;
+}
+
+void give_back_buffer(void* data, std::size_t bytes) {
+  BufferPool& pool = buffer_pool();
+  {
+    const std::lock_guard<std::mutex> lock(pool.mutex);
+    if (pool.kept < BufferPool::kMaxKept) {
+      pool.free[bytes].push_back(data);
+      ++pool.kept;
+      return;
+    }
+  }
+  std::free(data);
+}
+
+/// An uninitialised contiguous CPU tensor for a kernel to write: over a kept buffer when one of
+/// its size is free (BufferPool), else over a new one.
+at::Tensor output_tensor(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  std::size_t bytes = options.dtype().itemsize();
+  for (const int64_t n : sizes) bytes *= static_cast<std::size_t>(n);
+  if (bytes < BufferPool::kMinBytes) return at::empty(sizes, options);
+  void* data = nullptr;
+  BufferPool& pool = buffer_pool();
+  {
+    const std::lock_guard<std::mutex> lock(pool.mutex);
+    auto it = pool.free.find(bytes);
+    if (it != pool.free.end() && !it->second.empty()) {
+      data = it->second.back();
+      it->second.pop_back();
+      --pool.kept;
+    }
+  }
+  if (data == nullptr) {
+    data = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (data == nullptr) throw std::bad_alloc();
+  }
+  return at::from_blob(
+      data, sizes, [bytes](void* p) { give_back_buffer(p, bytes); }, options);
+}
+
+/// output_tensor shaped and typed like the contiguous tensor `t`.
+at::Tensor output_like(const at::Tensor& t) { return output_tensor(t.sizes(), t.options()); }
+
+void release_kept_buffers() {
+  std::vector<void*> gone;
+  {
+    BufferPool& pool = buffer_pool();
+    const std::lock_guard<std::mutex> lock(pool.mutex);
+    for (auto& [bytes, list] : pool.free) gone.insert(gone.end(), list.begin(), list.end());
+    pool.free.clear();
+    pool.kept = 0;
+  }
+  for (void* p : gone) std::free(p);
+}
 
 [[noreturn]] void fail(const std::string& fn, const std::string& what) {
   throw std::invalid_argument(fn + ": " + what);
@@ -104,7 +185,9 @@ SavedBox box(const std::string& kind, const at::Tensor& like, SavedPtr record) {
 const SavedPtr& unbox(const SavedBox& saved, const std::string& kind, const at::Tensor& like,
                       const std::string& fn) {
   const std::string want = kind + "/" + std::string(c10::toString(like.scalar_type()));
-  if (saved.kind != want || !saved.record)
+  if (saved.kind == want && !saved.record)
+    fail(fn, "saved holds no record: its forward ran with no gradient to compute (save=False)");
+  if (saved.kind != want)
     fail(fn, "saved was made by " + (saved.kind.empty() ? std::string("nothing") : saved.kind) +
                  ", not by " + want);
   return saved.record;
@@ -164,14 +247,15 @@ std::tuple<at::Tensor, SavedBox> gma_forward_py(at::Tensor q, at::Tensor k,
                                                    at::Tensor var_raw,
                                                    at::Tensor prior_logit, bool causal,
                                                    double eps, double var_floor,
-                                                   bool check_finite) {
+                                                   bool check_finite, bool save) {
   const GmaArgs a = gma_args("mixattn.gma_attention", q, k, v, mean, var_raw, prior_logit, causal,
                              eps, var_floor, check_finite);
   const Shape& s = a.shape;
-  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
+  at::Tensor out = output_tensor({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
   SavedPtr rec = dispatch(a.q, [&](auto t) {
     using T = decltype(t);
-    return gma_forward<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>());
+    return gma_forward<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(), nullptr, nullptr,
+                          nullptr, save);
   });
   return {out, box("gma", a.q, std::move(rec))};
 }
@@ -187,7 +271,7 @@ std::vector<at::Tensor> gma_backward_py(at::Tensor q, at::Tensor k, at::Tensor v
   const Shape& s = a.shape;
   grad_out = checked_grad_out(fn, grad_out, s, a.q);
   const SavedPtr& rec = unbox(saved, "gma", a.q, fn);
-  auto dq = at::empty_like(a.q), dk = at::empty_like(a.k), dv = at::empty_like(a.v);
+  auto dq = output_like(a.q), dk = output_like(a.k), dv = output_like(a.v);
   auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
   auto dprior = at::empty_like(a.prior_logit);
   dispatch(a.q, [&](auto t) {
@@ -236,7 +320,7 @@ SavedBox gma_prepare_py(at::Tensor mean, at::Tensor var_raw, at::Tensor prior_lo
 std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox, bool> gma_forward_state_py(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean, at::Tensor var_raw,
     at::Tensor prior_logit, at::Tensor S0, at::Tensor z0, double eps, double var_floor,
-    bool check_finite, const SavedBox* prepared) {
+    bool check_finite, const SavedBox* prepared, bool save) {
   const std::string fn = "mixattn.gma_attention";
   const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor,
                              check_finite);
@@ -244,7 +328,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox, bool> gma_forward_state
   const int64_t K = a.config.components;
   S0 = checked_state(fn, S0, "initial_state[0] (S)", {s.batch, s.heads, K, s.value_dim});
   z0 = checked_state(fn, z0, "initial_state[1] (z)", {s.batch, s.heads, K});
-  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
+  at::Tensor out = output_tensor({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
   at::Tensor S = at::empty_like(S0), z = at::empty_like(z0);
   const GmaStateIO io{S0.data_ptr<double>(), z0.data_ptr<double>(), S.data_ptr<double>(),
                       z.data_ptr<double>()};
@@ -254,7 +338,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox, bool> gma_forward_state
   SavedPtr rec = dispatch(a.q, [&](auto t) {
     using T = decltype(t);
     return gma_forward<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(), &io, heads,
-                          &used_prepared);
+                          &used_prepared, save);
   });
   return {out, S, z, box("gma-state", a.q, std::move(rec)), used_prepared};
 }
@@ -275,7 +359,7 @@ std::vector<at::Tensor> gma_backward_state_py(at::Tensor q, at::Tensor k, at::Te
                          {s.batch, s.heads, K, s.value_dim});
   grad_z = checked_state(fn, grad_z, "grad of final_state[1] (z)", {s.batch, s.heads, K});
   const SavedPtr& rec = unbox(saved, "gma-state", a.q, fn);
-  auto dq = at::empty_like(a.q), dk = at::empty_like(a.k), dv = at::empty_like(a.v);
+  auto dq = output_like(a.q), dk = output_like(a.k), dv = output_like(a.v);
   auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
   auto dprior = at::empty_like(a.prior_logit);
   auto dS0 = at::empty_like(grad_S), dz0 = at::empty_like(grad_z);
@@ -330,7 +414,7 @@ std::tuple<at::Tensor, SavedBox> gma_forward_packed_py(
                              check_finite);
   const PackedShape s = packed_shape(fn, a.shape, std::move(offsets));
   const at::Tensor pq = to_packed(a.q), pk = to_packed(a.k), pv = to_packed(a.v);
-  at::Tensor out = at::empty({s.rows, s.heads, s.value_dim}, a.q.options());
+  at::Tensor out = output_tensor({s.rows, s.heads, s.value_dim}, a.q.options());
   SavedPtr rec = dispatch(a.q, [&](auto t) {
     using T = decltype(t);
     return gma_forward_packed<T>(s, a.config, gma_packed_inputs<T>(a, pq, pk, pv),
@@ -352,7 +436,7 @@ std::vector<at::Tensor> gma_backward_packed_py(at::Tensor q, at::Tensor k, at::T
   grad_out = to_packed(checked_grad_out(fn, grad_out, a.shape, a.q));
   const SavedPtr& rec = unbox(saved, "gma-packed", a.q, fn);
   const at::Tensor pq = to_packed(a.q), pk = to_packed(a.k), pv = to_packed(a.v);
-  auto dq = at::empty_like(pq), dk = at::empty_like(pk), dv = at::empty_like(pv);
+  auto dq = output_like(pq), dk = output_like(pk), dv = output_like(pv);
   auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
   auto dprior = at::empty_like(a.prior_logit);
   dispatch(a.q, [&](auto t) {
@@ -412,7 +496,7 @@ struct OvqStateBox {
 
 std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor beta, const OvqConfig& c,
-    const OvqStateBox* start) {
+    const OvqStateBox* start, bool save) {
   const std::string fn = "mixattn.ovq_attention";
   const Shape s = ovq_shape(fn, q, k, v, beta);
   const std::string kind = "ovq-state/" + std::string(c10::toString(q.scalar_type()));
@@ -428,13 +512,13 @@ std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
                    std::to_string(was.key_dim) + ", " + std::to_string(was.value_dim) +
                    ") but q has shape " + shape_of(q) + " and v has " + shape_of(v));
   }
-  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  at::Tensor out = output_tensor({s.batch, s.heads, s.queries, s.value_dim}, q.options());
   OvqStateBox end{kind, {}};
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
     return ovq_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
                           beta.data_ptr<T>(), out.data_ptr<T>(),
-                          start != nullptr ? &start->states : nullptr, &end.states);
+                          start != nullptr ? &start->states : nullptr, &end.states, save);
   });
   return {out, box("ovq", q, std::move(rec)), std::move(end)};
 }
@@ -446,7 +530,7 @@ std::vector<at::Tensor> ovq_backward_py(at::Tensor q, at::Tensor k, at::Tensor v
   const Shape s = ovq_shape(fn, q, k, v, beta);
   grad_out = checked_grad_out(fn, grad_out, s, q);
   const SavedPtr& rec = unbox(saved, "ovq", q, fn);
-  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  auto dq = output_like(q), dk = output_like(k), dv = output_like(v);
   auto dbeta = at::empty_like(beta);
   dispatch(q, [&](auto t) {
     using T = decltype(t);
@@ -470,14 +554,14 @@ Shape flash_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::Tenso
 
 std::tuple<at::Tensor, SavedBox> flash_forward_py(at::Tensor q, at::Tensor k,
                                                      at::Tensor v, bool causal, double scale,
-                                                     bool check_finite) {
+                                                     bool check_finite, bool save) {
   const Shape s = flash_shape("mixattn.flash_attention", q, k, v, causal);
   const FlashConfig c{causal, scale, check_finite};
-  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  at::Tensor out = output_tensor({s.batch, s.heads, s.queries, s.value_dim}, q.options());
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
     return flash_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
-                            out.data_ptr<T>());
+                            out.data_ptr<T>(), save);
   });
   return {out, box("flash", q, std::move(rec))};
 }
@@ -490,7 +574,7 @@ std::vector<at::Tensor> flash_backward_py(at::Tensor q, at::Tensor k, at::Tensor
   grad_out = checked_grad_out(fn, grad_out, s, q);
   const SavedPtr& rec = unbox(saved, "flash", q, fn);
   const FlashConfig c{causal, scale, check_finite};
-  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  auto dq = output_like(q), dk = output_like(k), dv = output_like(v);
   dispatch(q, [&](auto t) {
     using T = decltype(t);
     flash_backward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
@@ -509,7 +593,7 @@ std::tuple<at::Tensor, SavedBox> flash_forward_packed_py(at::Tensor q, at::Tenso
   const PackedShape s = packed_shape(fn, flash_shape(fn, q, k, v, causal), std::move(offsets));
   const FlashConfig c{causal, scale, check_finite};
   const at::Tensor pq = to_packed(q), pk = to_packed(k), pv = to_packed(v);
-  at::Tensor out = at::empty({s.rows, s.heads, s.value_dim}, q.options());
+  at::Tensor out = output_tensor({s.rows, s.heads, s.value_dim}, q.options());
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
     return flash_forward_packed<T>(s, c, pq.data_ptr<T>(), pk.data_ptr<T>(), pv.data_ptr<T>(),
@@ -529,7 +613,7 @@ std::vector<at::Tensor> flash_backward_packed_py(at::Tensor q, at::Tensor k, at:
   const SavedPtr& rec = unbox(saved, "flash-packed", q, fn);
   const FlashConfig c{causal, scale, check_finite};
   const at::Tensor pq = to_packed(q), pk = to_packed(k), pv = to_packed(v);
-  auto dq = at::empty_like(pq), dk = at::empty_like(pk), dv = at::empty_like(pv);
+  auto dq = output_like(pq), dk = output_like(pk), dv = output_like(pv);
   dispatch(q, [&](auto t) {
     using T = decltype(t);
     flash_backward_packed<T>(s, c, pq.data_ptr<T>(), pk.data_ptr<T>(), pv.data_ptr<T>(),
@@ -566,7 +650,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gma_forward_state", &mt::gma_forward_state_py, py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"), py::arg("S0"),
         py::arg("z0"), py::arg("eps"), py::arg("var_floor"), py::arg("check_finite"),
-        py::arg("prepared") = nullptr, nogil);
+        py::arg("prepared") = nullptr, py::arg("save") = true, nogil);
   m.def("gma_backward_state", &mt::gma_backward_state_py, nogil);
   m.def("ovq_forward", &mt::ovq_forward_py, nogil);
   m.def("ovq_backward", &mt::ovq_backward_py, nogil);
@@ -576,4 +660,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gma_backward_packed", &mt::gma_backward_packed_py, nogil);
   m.def("flash_forward_packed", &mt::flash_forward_packed_py, nogil);
   m.def("flash_backward_packed", &mt::flash_backward_packed_py, nogil);
+  m.def("library_version", &mt::library_version);
+  m.def("release_kept_buffers", &mt::release_kept_buffers, nogil,
+        "Frees the output buffers kept for reuse (see mixattn.release_memory).");
+  m.def("release_kept_records", &mt::release_kept_records, nogil,
+        "Frees the records of finished calls kept for reuse by the next forwards (see "
+        "mixattn.release_memory).");
 }

@@ -20,14 +20,16 @@ mixattn::reference::Options options_of(const FlashConfig& c) {
 
 template <class T>
 SavedPtr flash_forward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
-                       T* out) {
-  auto rec = make_records<mixattn::reference::Saved<T>>(s);
+                       T* out, bool save) {
+  auto rec = save ? make_records<mixattn::reference::Saved<T>>(s) : nullptr;
   const mixattn::reference::Options opt = options_of(c);
   const Index N = s.queries, M = s.keys, r = s.key_dim, dv = s.value_dim;
   for_each_pair(s, [&](Index pair) {
-    slice(out, pair, N, dv) = mixattn::reference::flash_forward<T>(
-        slice(q, pair, N, r), slice(k, pair, M, r), slice(v, pair, M, dv), opt,
-        &rec->pairs[static_cast<std::size_t>(pair)]);
+    auto& o = thread_scratch<mixattn::Matrix<T>>();
+    mixattn::reference::flash_forward_into<T>(
+        o, slice(q, pair, N, r), slice(k, pair, M, r), slice(v, pair, M, dv), opt,
+        save ? &rec->pairs[static_cast<std::size_t>(pair)] : nullptr);
+    slice(out, pair, N, dv) = o;
   });
   return rec;
 }
@@ -40,8 +42,9 @@ void flash_backward(const Shape& s, const FlashConfig& c, const T* q, const T* k
   const mixattn::reference::Options opt = options_of(c);
   const Index N = s.queries, M = s.keys, r = s.key_dim, d = s.value_dim;
   for_each_pair(s, [&](Index pair) {
-    mixattn::reference::Grad<T> g = mixattn::reference::flash_backward<T>(
-        slice(q, pair, N, r), slice(k, pair, M, r), slice(v, pair, M, d),
+    auto& g = thread_scratch<mixattn::reference::Grad<T>>();
+    mixattn::reference::flash_backward_into<T>(
+        g, slice(q, pair, N, r), slice(k, pair, M, r), slice(v, pair, M, d),
         slice(grad_out, pair, N, d), rec.pairs[static_cast<std::size_t>(pair)], opt);
     slice(dq, pair, N, r) = g.q;
     slice(dk, pair, M, r) = g.k;
@@ -55,10 +58,10 @@ using FlashPacked = PackedRecord<mixattn::reference::PackedSaved<T>>;
 template <class T>
 SavedPtr flash_forward_packed(const PackedShape& s, const FlashConfig& c, const T* q, const T* k,
                               const T* v, T* out) {
-  auto rec = std::make_shared<FlashPacked<T>>();
+  auto rec = RecordPool<FlashPacked<T>>::take();
   rec->shape = s;
   const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim;
-  mixattn::Matrix<T> o;
+  auto& o = thread_scratch<mixattn::Matrix<T>>();
   mixattn::reference::flash_forward_packed_into<T>(
       o, H, H, packed(q, n, H * r), packed(k, n, H * r), packed(v, n, H * d), s.offsets,
       s.offsets, options_of(c), &rec->saved, at::get_num_threads());
@@ -73,7 +76,7 @@ void flash_backward_packed(const PackedShape& s, const FlashConfig& c, const T* 
   const auto& rec = packed_record_for<mixattn::reference::PackedSaved<T>>(
       saved, s, "mixattn.flash_attention (backward)");
   const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim;
-  mixattn::reference::PackedGrad<T> g;
+  auto& g = thread_scratch<mixattn::reference::PackedGrad<T>>();
   mixattn::reference::flash_backward_packed_into<T>(
       g, H, H, packed(q, n, H * r), packed(k, n, H * r), packed(v, n, H * d),
       packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved, options_of(c),
@@ -85,7 +88,7 @@ void flash_backward_packed(const PackedShape& s, const FlashConfig& c, const T* 
 
 #define MIXATTN_TORCH_FLASH(T)                                                                     \
   template SavedPtr flash_forward<T>(const Shape&, const FlashConfig&, const T*, const T*,        \
-                                     const T*, T*);                                                \
+                                     const T*, T*, bool);                                          \
   template void flash_backward<T>(const Shape&, const FlashConfig&, const T*, const T*, const T*, \
                                   const T*, const SavedPtr&, T*, T*, T*);                         \
   template SavedPtr flash_forward_packed<T>(const PackedShape&, const FlashConfig&, const T*,    \

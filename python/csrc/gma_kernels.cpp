@@ -73,35 +73,45 @@ SavedPtr gma_prepare(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in)
 
 template <class T>
 SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out,
-                     const GmaStateIO* state, const SavedPtr& prepared, bool* used_prepared) {
-  auto rec = make_records<mixattn::gma::Saved<T>, Mixtures<T>>(s);
-  rec->shared = mixtures_of(s, c, in);
+                     const GmaStateIO* state, const SavedPtr& prepared, bool* used_prepared,
+                     bool save) {
+  using Records = PairRecords<mixattn::gma::Saved<T>, Mixtures<T>>;
+  std::shared_ptr<Records> rec;
+  Mixtures<T> local;
+  if (save) {
+    rec = make_records<mixattn::gma::Saved<T>, Mixtures<T>>(s);
+    rec->shared = mixtures_of(s, c, in);
+  } else {
+    local = mixtures_of(s, c, in);
+  }
+  const Mixtures<T>& mixtures = save ? rec->shared : local;
   const PreparedHeads<T>* prep =
-      state != nullptr ? current_prepared<T>(s, prepared, rec->shared) : nullptr;
+      state != nullptr ? current_prepared<T>(s, prepared, mixtures) : nullptr;
   if (used_prepared != nullptr) *used_prepared = prep != nullptr;
   const mixattn::gma::Options opt = options_of(c);
   const Index N = s.queries, M = s.keys, r = s.key_dim, dv = s.value_dim, K = c.components;
   for_each_pair(s, [&](Index pair) {
     const auto head = static_cast<std::size_t>(pair % s.heads);
-    const auto& mix = rec->shared[head];
-    auto* saved = &rec->pairs[static_cast<std::size_t>(pair)];
-    if (state == nullptr) {
-      slice(out, pair, N, dv) = mixattn::gma::forward(mix, slice(in.q, pair, N, r),
-                                                      slice(in.k, pair, M, r),
-                                                      slice(in.v, pair, M, dv), opt, saved);
-      return;
-    }
-    auto st = mixattn::gma::State<T>::empty(K, dv);
-    st.S = slice(state->S0, pair, K, dv);
-    st.z = slice(state->z0, pair, 1, K).transpose();
+    const auto& mix = mixtures[head];
+    auto* saved = save ? &rec->pairs[static_cast<std::size_t>(pair)] : nullptr;
+    auto& o = thread_scratch<mixattn::Matrix<T>>();
     const auto q = slice(in.q, pair, N, r), k = slice(in.k, pair, M, r);
     const auto v = slice(in.v, pair, M, dv);
-    if (prep != nullptr)
-      slice(out, pair, N, dv) = mixattn::gma::forward(prep->heads[head], q, k, v, opt, st, saved);
-    else
-      slice(out, pair, N, dv) = mixattn::gma::forward(mix, q, k, v, opt, st, saved);
-    slice(state->S, pair, K, dv) = st.S;
-    slice(state->z, pair, 1, K) = st.z.transpose();
+    if (state == nullptr) {
+      mixattn::gma::forward_into(o, mix, q, k, v, opt, saved);
+    } else {
+      auto& st = thread_scratch<mixattn::gma::State<T>>();
+      st.S = slice(state->S0, pair, K, dv);
+      st.z = slice(state->z0, pair, 1, K).transpose();
+      st.tokens_seen = 0;
+      if (prep != nullptr)
+        mixattn::gma::forward_into(o, prep->heads[head], q, k, v, opt, st, saved);
+      else
+        mixattn::gma::forward_into(o, mix, q, k, v, opt, st, saved);
+      slice(state->S, pair, K, dv) = st.S;
+      slice(state->z, pair, 1, K) = st.z.transpose();
+    }
+    slice(out, pair, N, dv) = o;
   });
   return rec;
 }
@@ -118,15 +128,19 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
       static_cast<std::size_t>(s.batch * s.heads));
   for_each_pair(s, [&](Index pair) {
     const auto& mix = rec.shared[static_cast<std::size_t>(pair % s.heads)];
-    mixattn::gma::StateGrad<T> end;
+    auto& g = thread_scratch<mixattn::gma::Grad<T>>();
+    const auto q = slice(in.q, pair, N, r), k = slice(in.k, pair, M, r);
+    const auto v = slice(in.v, pair, M, d), go = slice(grad_out, pair, N, d);
+    const auto& one = rec.pairs[static_cast<std::size_t>(pair)];
     if (state != nullptr && state->dS != nullptr) {
+      auto& end = thread_scratch<mixattn::gma::StateGrad<T>>();
       end.S = slice(state->dS, pair, K, d);
       end.z = slice(state->dz, pair, 1, K).transpose();
+      end.state_fingerprint = 0;  // not checked: the tensors carry no fingerprint
+      mixattn::gma::backward_into(g, mix, q, k, v, go, one, opt, &end);
+    } else {
+      mixattn::gma::backward_into(g, mix, q, k, v, go, one, opt);
     }
-    mixattn::gma::Grad<T> g = mixattn::gma::backward(
-        mix, slice(in.q, pair, N, r), slice(in.k, pair, M, r), slice(in.v, pair, M, d),
-        slice(grad_out, pair, N, d), rec.pairs[static_cast<std::size_t>(pair)], opt,
-        state != nullptr && state->dS != nullptr ? &end : nullptr);
     slice(dq, pair, N, r) = g.q;
     slice(dk, pair, M, r) = g.k;
     slice(dv, pair, M, d) = g.v;
@@ -134,7 +148,7 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
       slice(state->dS0, pair, K, d) = g.state.S;
       slice(state->dz0, pair, 1, K) = g.state.z.transpose();
     }
-    mixture_grads[static_cast<std::size_t>(pair)] = std::move(g.mixture);
+    mixture_grads[static_cast<std::size_t>(pair)] = g.mixture;
   });
   // Sum over the batch in batch order: the same bits for any number of threads.
   for (Index h = 0; h < s.heads; ++h) {
@@ -155,14 +169,14 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
 template <class T>
 SavedPtr gma_forward_packed(const PackedShape& s, const GmaConfig& c, const GmaInputs<T>& in,
                             T* out) {
-  auto rec = std::make_shared<GmaPacked<T>>();
+  auto rec = RecordPool<GmaPacked<T>>::take();
   rec->shape = s;
   Shape heads;
   heads.heads = s.heads;
   heads.key_dim = s.key_dim;
   rec->shared = mixtures_of(heads, c, in);
   const Index H = s.heads, n = s.rows;
-  mixattn::Matrix<T> o;
+  auto& o = thread_scratch<mixattn::Matrix<T>>();
   mixattn::gma::forward_packed_into<T>(
       o, rec->shared, packed(in.q, n, H * s.key_dim), packed(in.k, n, H * s.key_dim),
       packed(in.v, n, H * s.value_dim), s.offsets, s.offsets, options_of(c), &rec->saved,
@@ -178,7 +192,7 @@ void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInpu
   const auto& rec = packed_record_for<mixattn::gma::PackedSaved<T>, Mixtures<T>>(
       saved, s, "mixattn.gma_attention (backward)");
   const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim, K = c.components;
-  mixattn::gma::PackedGrad<T> g;
+  auto& g = thread_scratch<mixattn::gma::PackedGrad<T>>();
   mixattn::gma::backward_packed_into<T>(
       g, rec.shared, packed(in.q, n, H * r), packed(in.k, n, H * r), packed(in.v, n, H * d),
       packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved, options_of(c),
@@ -197,7 +211,7 @@ void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInpu
 #define MIXATTN_TORCH_GMA(T)                                                                   \
   template SavedPtr gma_prepare<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&);       \
   template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*,    \
-                                   const GmaStateIO*, const SavedPtr&, bool*);                 \
+                                   const GmaStateIO*, const SavedPtr&, bool*, bool);           \
   template void gma_backward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, const T*, \
                                 const SavedPtr&, T*, T*, T*, T*, T*, T*, const GmaStateGradIO*); \
   template SavedPtr gma_forward_packed<T>(const PackedShape&, const GmaConfig&,                \
@@ -206,5 +220,12 @@ void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInpu
                                        const T*, const SavedPtr&, T*, T*, T*, T*, T*, T*);
 MIXATTN_TORCH_GMA(float)
 MIXATTN_TORCH_GMA(double)
+
+const char* library_version() { return MIXATTN_VERSION_STRING; }
+
+void release_kept_records() {
+  std::unique_lock<std::mutex> lock;
+  for (void (*clear)() : pool_registry(lock)) clear();
+}
 
 }  // namespace mixattn_torch

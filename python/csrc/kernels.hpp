@@ -24,6 +24,14 @@ struct Shape {
 /// behind a type-erased pointer so that the binding code needs none of the library's headers.
 using SavedPtr = std::shared_ptr<void>;
 
+/// A record is handed back when its last reference goes, and the next forward of the same
+/// operator and scalar type reuses it (up to 16 per kind are kept, with their memory); this
+/// frees every kept one. The records still referenced are not affected.
+void release_kept_records();
+
+/// The C++ library's version (MIXATTN_VERSION_STRING), the package's __version__.
+const char* library_version();
+
 // --- Gaussian Mixture Attention (SPEC 1) -----------------------------------------------------
 struct GmaConfig {
   Index components = 0;  // K
@@ -64,11 +72,12 @@ SavedPtr gma_prepare(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in)
 /// null) then replaces the per-pair reduction of the mixture (the decode path: one token per
 /// call would otherwise spend most of its time there), but only if every head's mixture in `in`
 /// still has the fingerprint it was prepared from; else the call prepares as without it.
-/// *used_prepared (if given) says which happened.
+/// *used_prepared (if given) says which happened. save = false (no gradient will be asked for)
+/// keeps no record and returns null.
 template <class T>
 SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out,
                      const GmaStateIO* state = nullptr, const SavedPtr& prepared = nullptr,
-                     bool* used_prepared = nullptr);
+                     bool* used_prepared = nullptr, bool save = true);
 
 /// Gradients of sum(grad_out . out): dq, dk, dv like q, k, v; dmean, dvar_raw (H, K, r) and
 /// dprior_logit (H, K) summed over the batch (in batch order, whatever the thread count).
@@ -124,10 +133,11 @@ struct OvqStates {
 
 /// q, k (B, H, T, r), v (B, H, T, d_v), beta (H). Every (b, h) starts from an empty state, or
 /// from `start`'s (copied: `start` is left as it was), and its end state goes to `end` if given.
+/// save = false keeps no record and returns null.
 template <class T>
 SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
                      const T* beta, T* out, const OvqStates* start = nullptr,
-                     OvqStates* end = nullptr);
+                     OvqStates* end = nullptr, bool save = true);
 
 /// dbeta: (H), summed over the batch.
 template <class T>
@@ -144,7 +154,7 @@ struct FlashConfig {
 
 template <class T>
 SavedPtr flash_forward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
-                       T* out);
+                       T* out, bool save = true);
 
 template <class T>
 void flash_backward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,

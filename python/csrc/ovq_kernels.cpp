@@ -28,9 +28,9 @@ mixattn::ovq::Options options_of(const OvqConfig& c) {
 
 template <class T>
 SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
-                     const T* beta, T* out, const OvqStates* start, OvqStates* end) {
+                     const T* beta, T* out, const OvqStates* start, OvqStates* end, bool save) {
   using States = std::vector<mixattn::ovq::State<T>>;
-  auto rec = make_records<mixattn::ovq::Saved<T>>(s);
+  auto rec = save ? make_records<mixattn::ovq::Saved<T>>(s) : nullptr;
   const mixattn::ovq::Options opt = options_of(c);
   const Index n = s.queries, r = s.key_dim, dv = s.value_dim;
   const auto* from = start != nullptr ? static_cast<const States*>(start->states.get()) : nullptr;
@@ -39,9 +39,11 @@ SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k,
     auto& state = (*to)[static_cast<std::size_t>(pair)];
     state = from != nullptr ? (*from)[static_cast<std::size_t>(pair)]
                             : mixattn::ovq::State<T>::empty(r, dv);
-    slice(out, pair, n, dv) = mixattn::ovq::forward<T>(
-        slice(q, pair, n, r), slice(k, pair, n, r), slice(v, pair, n, dv), beta[pair % s.heads],
-        opt, state, &rec->pairs[static_cast<std::size_t>(pair)]);
+    auto& o = thread_scratch<mixattn::Matrix<T>>();
+    mixattn::ovq::forward_into<T>(o, slice(q, pair, n, r), slice(k, pair, n, r),
+                                  slice(v, pair, n, dv), beta[pair % s.heads], opt, state,
+                                  save ? &rec->pairs[static_cast<std::size_t>(pair)] : nullptr);
+    slice(out, pair, n, dv) = o;
   });
   if (end != nullptr) {
     end->shape = s;
@@ -60,9 +62,11 @@ void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, co
   const Index n = s.queries, r = s.key_dim, d = s.value_dim;
   std::vector<T> beta_grads(static_cast<std::size_t>(s.batch * s.heads));
   for_each_pair(s, [&](Index pair) {
-    mixattn::ovq::Grad<T> g = mixattn::ovq::backward<T>(
-        slice(q, pair, n, r), slice(k, pair, n, r), slice(v, pair, n, d), beta[pair % s.heads],
-        slice(grad_out, pair, n, d), rec.pairs[static_cast<std::size_t>(pair)], opt);
+    auto& g = thread_scratch<mixattn::ovq::Grad<T>>();
+    mixattn::ovq::backward_into<T>(g, slice(q, pair, n, r), slice(k, pair, n, r),
+                                   slice(v, pair, n, d), beta[pair % s.heads],
+                                   slice(grad_out, pair, n, d),
+                                   rec.pairs[static_cast<std::size_t>(pair)], opt);
     slice(dq, pair, n, r) = g.q;
     slice(dk, pair, n, r) = g.k;
     slice(dv, pair, n, d) = g.v;
@@ -77,7 +81,7 @@ void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, co
 
 #define MIXATTN_TORCH_OVQ(T)                                                                      \
   template SavedPtr ovq_forward<T>(const Shape&, const OvqConfig&, const T*, const T*, const T*, \
-                                   const T*, T*, const OvqStates*, OvqStates*);                   \
+                                   const T*, T*, const OvqStates*, OvqStates*, bool);             \
   template void ovq_backward<T>(const Shape&, const OvqConfig&, const T*, const T*, const T*,     \
                                 const T*, const T*, const SavedPtr&, T*, T*, T*, T*);
 MIXATTN_TORCH_OVQ(float)

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <stdexcept>
 #include <vector>
@@ -49,12 +50,85 @@ struct PairRecords {
   Shared shared{};
 };
 
+/// Every RecordPool's clear(), for release_kept_records().
+inline std::vector<void (*)()>& pool_registry(std::unique_lock<std::mutex>& lock) {
+  static auto* mutex = new std::mutex;
+  static auto* clears = new std::vector<void (*)()>;
+  lock = std::unique_lock<std::mutex>(*mutex);
+  return *clears;
+}
+
+/// The records of finished calls of one kind (Rec), kept for the next forward: a record comes
+/// back here when the last reference to it goes (its backward has run, or autograd dropped the
+/// graph), and the next forward overwrites it, reusing the library's Saved buffers and working
+/// memory (they keep their capacity) instead of page-faulting fresh ones. At most kKept records
+/// per kind are kept (as many as the forwards alive at once in a training step, for up to that
+/// many layers); release_kept_records() frees them all.
+template <class Rec>
+class RecordPool {
+ public:
+  static constexpr std::size_t kKept = 16;
+
+  static std::shared_ptr<Rec> take() {
+    Pool& p = pool();
+    std::unique_ptr<Rec> r;
+    {
+      const std::lock_guard<std::mutex> lock(p.mutex);
+      if (!p.free.empty()) {
+        r = std::move(p.free.back());
+        p.free.pop_back();
+      }
+    }
+    if (!r) r = std::make_unique<Rec>();
+    return std::shared_ptr<Rec>(r.release(), [](Rec* done) { give_back(done); });
+  }
+
+  static void clear() {
+    std::vector<std::unique_ptr<Rec>> gone;
+    Pool& p = pool();
+    const std::lock_guard<std::mutex> lock(p.mutex);
+    gone.swap(p.free);
+  }
+
+ private:
+  struct Pool {
+    std::mutex mutex;
+    std::vector<std::unique_ptr<Rec>> free;
+  };
+  // Never destroyed: a record may come back while the interpreter shuts down, after static
+  // destructors have run.
+  static Pool& pool() {
+    static Pool* const p = [] {
+      std::unique_lock<std::mutex> lock;
+      pool_registry(lock).push_back(&RecordPool::clear);
+      return new Pool;
+    }();
+    return *p;
+  }
+  static void give_back(Rec* done) {
+    std::unique_ptr<Rec> owned(done);  // destroyed after the lock is released, if not kept
+    Pool& p = pool();
+    const std::lock_guard<std::mutex> lock(p.mutex);
+    if (p.free.size() < kKept) p.free.push_back(std::move(owned));
+  }
+};
+
+/// A record for a forward of shape `s`: a kept one (RecordPool) or a new one.
 template <class Pair, class Shared = std::nullptr_t>
 std::shared_ptr<PairRecords<Pair, Shared>> make_records(const Shape& s) {
-  auto records = std::make_shared<PairRecords<Pair, Shared>>();
+  auto records = RecordPool<PairRecords<Pair, Shared>>::take();
   records->shape = s;
   records->pairs.resize(static_cast<std::size_t>(s.batch * s.heads));
   return records;
+}
+
+/// This thread's instance of M (a library output matrix or Grad): the kernels write a pair's
+/// results here and copy them into the tensor, so that a steady stream of calls on PyTorch's
+/// pool threads reuses the same memory instead of page-faulting fresh pages on every call.
+template <class M>
+M& thread_scratch() {
+  thread_local M m;
+  return m;
 }
 
 /// The records a backward was handed (the binding checked they come from this operator and

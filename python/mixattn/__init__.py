@@ -9,9 +9,12 @@ Tensors are (batch, heads, tokens, dim), float32 or float64, on the CPU. See
 mixattn.functional and mixattn.modules for the details.
 """
 
-from .functional import clear_prepared_cache, flash_attention, gma_attention, ovq_attention
+from .functional import (clear_prepared_cache, flash_attention, gma_attention, ovq_attention,
+                         release_memory)
 from .modules import GaussianMixtureAttention, OnlineVQAttention
 
-__version__ = "0.1.0"
+from . import _C
+
+__version__ = _C.library_version()  # defined once, in include/mixattn/core.hpp
 __all__ = ["gma_attention", "ovq_attention", "flash_attention", "clear_prepared_cache",
-           "GaussianMixtureAttention", "OnlineVQAttention"]
+           "release_memory", "GaussianMixtureAttention", "OnlineVQAttention"]

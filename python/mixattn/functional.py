@@ -19,11 +19,31 @@ from torch.autograd.function import once_differentiable
 
 from . import _C
 
-__all__ = ["gma_attention", "ovq_attention", "flash_attention", "clear_prepared_cache"]
+__all__ = ["gma_attention", "ovq_attention", "flash_attention", "clear_prepared_cache",
+           "release_memory"]
 
 
 def _contiguous(*tensors):
     return tuple(t.contiguous() for t in tensors)
+
+
+def _needs_record(*tensors):
+    """Whether autograd will ask for a backward: only then does a forward keep its record (the
+    responsibilities, normalisers and so on, several times the output's size)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in tensors)
+
+
+def release_memory():
+    """Frees what the kernels keep for reuse between calls: the records of finished forwards
+    (the next forward of the same operator and dtype overwrites one instead of touching fresh
+    memory; up to 16 per operator and dtype, as many as the forwards a training step holds at
+    once) and the buffers of freed output and gradient tensors of 256 KiB and more (the next
+    output of the same size takes one; up to 64). With glibc's default malloc, fresh large
+    tensors page-fault all their memory again on every training step; kept ones do not. Tensors
+    and records still in use are not affected. Never needed for correctness."""
+    _C.release_kept_records()
+    _C.release_kept_buffers()
 
 
 def _grads(ctx, grads):
@@ -33,9 +53,10 @@ def _grads(ctx, grads):
 
 class _GmaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor, check_finite):
+    def forward(ctx, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor, check_finite,
+                save):
         inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
-        out, saved = _C.gma_forward(*inputs, causal, eps, var_floor, check_finite)
+        out, saved = _C.gma_forward(*inputs, causal, eps, var_floor, check_finite, save)
         ctx.save_for_backward(*inputs)
         ctx.record = saved
         ctx.options = (causal, eps, var_floor, check_finite)
@@ -46,7 +67,7 @@ class _GmaFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = _C.gma_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
                                 *ctx.options)
-        return _grads(ctx, grads) + (None,) * 4
+        return _grads(ctx, grads) + (None,) * 5
 
 
 class _PreparedCache:
@@ -118,10 +139,11 @@ class _GmaStateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mean, var_raw, prior_logit, S0, z0, eps, var_floor, check_finite,
-                prepared):
+                prepared, save):
         inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
         out, S, z, saved, used = _C.gma_forward_state(*inputs, S0.contiguous(), z0.contiguous(),
-                                                      eps, var_floor, check_finite, prepared)
+                                                      eps, var_floor, check_finite, prepared,
+                                                      save)
         if prepared is not None and not used:
             _PREPARED.forget(prepared)
         ctx.save_for_backward(*inputs)
@@ -135,14 +157,14 @@ class _GmaStateFunction(torch.autograd.Function):
         grads = _C.gma_backward_state(*ctx.saved_tensors, grad_out.contiguous(),
                                       grad_S.contiguous(), grad_z.contiguous(), ctx.record,
                                       *ctx.options)
-        return _grads(ctx, grads) + (None,) * 4
+        return _grads(ctx, grads) + (None,) * 5
 
 
 class _OvqFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, beta, config, initial_state, final_state):
+    def forward(ctx, q, k, v, beta, config, initial_state, final_state, save):
         inputs = _contiguous(q, k, v, beta)
-        out, saved, end = _C.ovq_forward(*inputs, config, initial_state)
+        out, saved, end = _C.ovq_forward(*inputs, config, initial_state, save)
         ctx.save_for_backward(*inputs)
         ctx.record = saved
         ctx.config = config
@@ -153,7 +175,7 @@ class _OvqFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         grads = _C.ovq_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record, ctx.config)
-        return _grads(ctx, grads) + (None,) * 3
+        return _grads(ctx, grads) + (None,) * 4
 
 
 class _GmaPackedFunction(torch.autograd.Function):
@@ -214,9 +236,9 @@ def _offsets(fn, cu_seqlens, q):
 
 class _FlashFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, check_finite):
+    def forward(ctx, q, k, v, causal, scale, check_finite, save):
         inputs = _contiguous(q, k, v)
-        out, saved = _C.flash_forward(*inputs, causal, scale, check_finite)
+        out, saved = _C.flash_forward(*inputs, causal, scale, check_finite, save)
         ctx.save_for_backward(*inputs)
         ctx.record = saved
         ctx.options = (causal, scale, check_finite)
@@ -227,7 +249,7 @@ class _FlashFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = _C.flash_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
                                   *ctx.options)
-        return _grads(ctx, grads) + (None,) * 3
+        return _grads(ctx, grads) + (None,) * 4
 
 
 def _gma_state(fn, initial_state, q, v, mean):
@@ -300,7 +322,8 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
                                         float(var_floor), bool(check_finite))
     if not streaming:
         return _GmaFunction.apply(q, k, v, mean, var_raw, prior_logit, bool(causal), float(eps),
-                                  float(var_floor), bool(check_finite))
+                                  float(var_floor), bool(check_finite),
+                                  _needs_record(q, k, v, mean, var_raw, prior_logit))
     if not causal:
         raise ValueError(f"{fn}: initial_state and output_final_state need causal=True (the "
                          "state is a causal prefix; a bidirectional call has none)")
@@ -312,7 +335,9 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
            for t, d in ((mean, 3), (var_raw, 3), (prior_logit, 2))) and q.dim() == 4:
         prepared = _PREPARED.get(mean, var_raw, prior_logit, float(var_floor), bool(check_finite))
     out, S, z = _GmaStateFunction.apply(q, k, v, mean, var_raw, prior_logit, *state, float(eps),
-                                        float(var_floor), bool(check_finite), prepared)
+                                        float(var_floor), bool(check_finite), prepared,
+                                        _needs_record(q, k, v, mean, var_raw, prior_logit,
+                                                      *state))
     return (out, (S, z)) if output_final_state else out
 
 
@@ -350,7 +375,8 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
                          "ovq_attention(..., output_final_state=True) returned, got "
                          f"{type(initial_state).__name__}")
     final_state = []
-    out = _OvqFunction.apply(q, k, v, beta, config, initial_state, final_state)
+    out = _OvqFunction.apply(q, k, v, beta, config, initial_state, final_state,
+                             _needs_record(q, k, v, beta))
     return (out, final_state[0]) if output_final_state else out
 
 
@@ -371,4 +397,4 @@ def flash_attention(q, k, v, causal=False, scale=None, check_finite=True, cu_seq
                                           0.0 if scale is None else float(scale),
                                           bool(check_finite))
     return _FlashFunction.apply(q, k, v, bool(causal), 0.0 if scale is None else float(scale),
-                                bool(check_finite))
+                                bool(check_finite), _needs_record(q, k, v))

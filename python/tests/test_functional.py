@@ -247,7 +247,7 @@ def test_rejections_name_function_and_argument():
         mixattn.gma_attention(*(x.half() for x in (q, k, v, mean, var_raw, prior)))
     with pytest.raises(ValueError, match=r"causal needs as many queries as keys"):
         mixattn.gma_attention(q, k[:, :, :3], v[:, :, :3], mean, var_raw, prior, causal=True)
-    with pytest.raises(ValueError, match=r"mixattn::gma::forward: q has a non-finite entry"):
+    with pytest.raises(ValueError, match=r"mixattn::gma::forward_into: q has a non-finite entry"):
         mixattn.gma_attention(q.detach().clone().fill_(float("nan")), k, v, mean, var_raw, prior)
     beta = torch.ones(2, dtype=DOUBLE)
     with pytest.raises(ValueError, match=r"mixattn.ovq_attention: beta has shape"):
@@ -256,7 +256,7 @@ def test_rejections_name_function_and_argument():
         mixattn.ovq_attention(q, k, v, beta, assignment="nearest")
     with pytest.raises(ValueError, match=r"growth is 'fast'"):
         mixattn.ovq_attention(q, k, v, beta, growth="fast")
-    with pytest.raises(ValueError, match=r"mixattn::ovq::forward: options.block is 0"):
+    with pytest.raises(ValueError, match=r"mixattn::ovq::forward_into: options.block is 0"):
         mixattn.ovq_attention(q, k, v, beta, block=0)
     with pytest.raises(ValueError, match=r"mixattn.flash_attention: v has shape"):
         mixattn.flash_attention(q, k, v[:, :, :3])

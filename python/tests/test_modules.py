@@ -123,3 +123,13 @@ def test_tiny_model_learns():
     # gives ~mean(1/t) ~ 0.21. Require the held-out loss to fall by 3x.
     print(f"tiny model: held-out loss {before:.4f} -> {after:.4f}")
     assert after < before / 3, f"held-out loss {before:.4f} -> {after:.4f}"
+
+
+def test_version_is_the_library_s():
+    import os
+    import re
+    core = os.path.join(os.path.dirname(__file__), "..", "..", "include", "mixattn", "core.hpp")
+    with open(core) as f:
+        parts = dict(re.findall(r"^#define MIXATTN_VERSION_(MAJOR|MINOR|PATCH) +([0-9]+)$",
+                                f.read(), re.M))
+    assert mixattn.__version__ == f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"

@@ -188,7 +188,7 @@ def test_gma_state_rejections_name_the_argument():
         call(q, k, v, *mix, causal=True, initial_state=(S0, None))
     with pytest.raises(ValueError, match=r"initial_state\[0\] \(S\) must be float32 or float64"):
         call(q, k, v, *mix, causal=True, initial_state=(S0.half(), z0))
-    with pytest.raises(ValueError, match=r"mixattn::gma::forward: state.S has a non-finite"):
+    with pytest.raises(ValueError, match=r"mixattn::gma::forward_into: state.S has a non-finite"):
         call(q, k, v, *mix, causal=True,
              initial_state=(S0.detach().clone().fill_(float("inf")), z0))
     # The tensors' own checks still name the tensor when the state is in play.
@@ -268,7 +268,7 @@ def test_ovq_state_rejections():
                                          r"but q is Float"):
         mixattn.ovq_attention(*(x.float() for x in inputs), initial_state=state, **OVQ_STREAM)
     # Options that disagree with the state's: its pending block does not fit block=3.
-    with pytest.raises(ValueError, match=r"mixattn::ovq::forward: state.pending_keys"):
+    with pytest.raises(ValueError, match=r"mixattn::ovq::forward_into: state.pending_keys"):
         mixattn.ovq_attention(q, k, v, beta, initial_state=state, block=3, max_centroids=6)
 
 
