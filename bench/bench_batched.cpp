@@ -9,7 +9,10 @@
 //   gma_packed_fwd_bwd      a packed batch (packed.hpp) of 8 sequences with lengths 512, 1024,
 //                           ..., 4096, H = 4 heads, forward + backward, on 1 and 2 threads;
 //   gma_separate_fwd_bwd    the same 8 x 4 (sequence, head) pairs as separate single-head
-//                           forward_into / backward_into calls on the calling thread;
+//                           forward_into / backward_into calls on the calling thread, each
+//                           pair's backward right after its forward;
+//   gma_separate_fwd_then_bwd  the same calls in a training step's order: every forward, then
+//                           every backward (the order of the packed call);
 //   layer_train_step        the layer's forward_into + backward_into on a packed batch of
 //                           B = 2 sequences of N = 1024, H = 4 GMA heads (B·H = 8), d_model = 256,
 //                           on 1 and 2 threads.
@@ -152,26 +155,46 @@ void gma_packed_fwd_bwd(benchmark::State& state) {
   mb::finish(state, in.offsets.back(), heap);
 }
 
-void gma_separate_fwd_bwd(benchmark::State& state) {
+/// The packed batch's (sequence, head) pairs as separate single-head forward_into /
+/// backward_into calls on the calling thread. training_order: every forward, then every backward
+/// (what a training step can do: a backward needs the loss, so all of a layer's forwards come
+/// first; the packed call runs in this order); otherwise each pair's backward right after its
+/// forward, while that pair's record is still in cache.
+void separate_fwd_bwd(benchmark::State& state, bool training_order) {
   const PackedInputs in;
   const gma::Options opt;
   const std::size_t pairs = (in.offsets.size() - 1) * kPackedHeads;
   std::vector<Matrix<float>> outs(pairs);
   std::vector<gma::Saved<float>> saved(pairs);
   std::vector<gma::Grad<float>> grads(pairs);
-  const auto step = [&] {
+  const auto each_pair = [&](auto&& fn) {
     for (std::size_t b = 0; b + 1 < in.offsets.size(); ++b)
       for (Index h = 0; h < kPackedHeads; ++h) {
-        const std::size_t i = b * kPackedHeads + static_cast<std::size_t>(h);
         const Index t0 = in.offsets[b], n = in.offsets[b + 1] - t0;
-        const gma::Mixture<float>& mix = in.mixtures[static_cast<std::size_t>(h)];
-        gma::forward_into(outs[i], mix, in.q.block(t0, h * kR, n, kR),
-                          in.k.block(t0, h * kR, n, kR), in.v.block(t0, h * kDv, n, kDv), opt,
-                          &saved[i]);
-        gma::backward_into(grads[i], mix, in.q.block(t0, h * kR, n, kR),
-                           in.k.block(t0, h * kR, n, kR), in.v.block(t0, h * kDv, n, kDv),
-                           in.d_out.block(t0, h * kDv, n, kDv), saved[i], opt);
+        fn(b * kPackedHeads + static_cast<std::size_t>(h),
+           in.mixtures[static_cast<std::size_t>(h)], in.q.block(t0, h * kR, n, kR),
+           in.k.block(t0, h * kR, n, kR), in.v.block(t0, h * kDv, n, kDv),
+           in.d_out.block(t0, h * kDv, n, kDv));
       }
+  };
+  const auto fwd = [&](std::size_t i, const gma::Mixture<float>& mix, const auto& q,
+                       const auto& k, const auto& v, const auto&) {
+    gma::forward_into(outs[i], mix, q, k, v, opt, &saved[i]);
+  };
+  const auto bwd = [&](std::size_t i, const gma::Mixture<float>& mix, const auto& q,
+                       const auto& k, const auto& v, const auto& d_out) {
+    gma::backward_into(grads[i], mix, q, k, v, d_out, saved[i], opt);
+  };
+  const auto step = [&] {
+    if (training_order) {
+      each_pair(fwd);
+      each_pair(bwd);
+    } else {
+      each_pair([&](auto&&... a) {
+        fwd(a...);
+        bwd(a...);
+      });
+    }
   };
   mb::PeakHeap heap;
   mb::timed_loop(state, heap, [&] {  // the untimed first call sizes the records
@@ -181,6 +204,9 @@ void gma_separate_fwd_bwd(benchmark::State& state) {
   tokens_counter(state, kPackedHeads * in.offsets.back(), 1);
   mb::finish(state, in.offsets.back(), heap);
 }
+
+void gma_separate_fwd_bwd(benchmark::State& state) { separate_fwd_bwd(state, false); }
+void gma_separate_fwd_then_bwd(benchmark::State& state) { separate_fwd_bwd(state, true); }
 
 void layer_train_step(benchmark::State& state) {
   namespace layer = mixattn::layer;
@@ -221,6 +247,7 @@ BENCHMARK(gma_heads_forward_bidir)->Apply(sweep);
 BENCHMARK(gma_heads_fwd_bwd_bidir)->Apply(sweep);
 BENCHMARK(gma_packed_fwd_bwd)->Apply(threads_1_2);
 BENCHMARK(gma_separate_fwd_bwd)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(gma_separate_fwd_then_bwd)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(layer_train_step)->Apply(threads_1_2);
 
 }  // namespace
