@@ -13,14 +13,10 @@
 #include <ATen/ATen.h>
 #include <torch/python.h>
 
-#include <cstdlib>
-#include <mutex>
-#include <new>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -34,82 +30,6 @@ struct SavedBox {
   std::string kind;
   SavedPtr record;
 };
-
-// --- output memory ---------------------------------------------------------------------------
-
-/// The kernels' large outputs (the attention output; dq, dk, dv) are tensors over buffers that
-/// come back here when the tensor is freed and are handed to the next output of the same size.
-/// A training step's outputs are freed and made again every step, and glibc returns large blocks
-/// to the kernel when they are freed, so fresh tensors page-fault every page again on every step
-/// (about 11 µs per 4 KiB page here: 45 ms for one 16 MiB gradient); a kept buffer is already
-/// touched. Buffers below kMinBytes come from at::empty (glibc's heap keeps those). At most
-/// kMaxKept buffers are kept; release_kept_buffers() frees them.
-struct BufferPool {
-  static constexpr std::size_t kMinBytes = 256 * 1024;
-  static constexpr std::size_t kMaxKept = 64;
-  std::mutex mutex;
-  std::unordered_map<std::size_t, std::vector<void*>> free;
-  std::size_t kept = 0;
-};
-
-// Never destroyed: a tensor may be freed while the interpreter shuts down.
-BufferPool& buffer_pool() {
-  static auto* const pool = new BufferPool;
-  return *pool;
-}
-
-void give_back_buffer(void* data, std::size_t bytes) {
-  BufferPool& pool = buffer_pool();
-  {
-    const std::lock_guard<std::mutex> lock(pool.mutex);
-    if (pool.kept < BufferPool::kMaxKept) {
-      pool.free[bytes].push_back(data);
-      ++pool.kept;
-      return;
-    }
-  }
-  std::free(data);
-}
-
-/// An uninitialised contiguous CPU tensor for a kernel to write: over a kept buffer when one of
-/// its size is free (BufferPool), else over a new one.
-at::Tensor output_tensor(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  std::size_t bytes = options.dtype().itemsize();
-  for (const int64_t n : sizes) bytes *= static_cast<std::size_t>(n);
-  if (bytes < BufferPool::kMinBytes) return at::empty(sizes, options);
-  void* data = nullptr;
-  BufferPool& pool = buffer_pool();
-  {
-    const std::lock_guard<std::mutex> lock(pool.mutex);
-    auto it = pool.free.find(bytes);
-    if (it != pool.free.end() && !it->second.empty()) {
-      data = it->second.back();
-      it->second.pop_back();
-      --pool.kept;
-    }
-  }
-  if (data == nullptr) {
-    data = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (data == nullptr) throw std::bad_alloc();
-  }
-  return at::from_blob(
-      data, sizes, [bytes](void* p) { give_back_buffer(p, bytes); }, options);
-}
-
-/// output_tensor shaped and typed like the contiguous tensor `t`.
-at::Tensor output_like(const at::Tensor& t) { return output_tensor(t.sizes(), t.options()); }
-
-void release_kept_buffers() {
-  std::vector<void*> gone;
-  {
-    BufferPool& pool = buffer_pool();
-    const std::lock_guard<std::mutex> lock(pool.mutex);
-    for (auto& [bytes, list] : pool.free) gone.insert(gone.end(), list.begin(), list.end());
-    pool.free.clear();
-    pool.kept = 0;
-  }
-  for (void* p : gone) std::free(p);
-}
 
 [[noreturn]] void fail(const std::string& fn, const std::string& what) {
   throw std::invalid_argument(fn + ": " + what);
@@ -251,7 +171,7 @@ std::tuple<at::Tensor, SavedBox> gma_forward_py(at::Tensor q, at::Tensor k,
   const GmaArgs a = gma_args("mixattn.gma_attention", q, k, v, mean, var_raw, prior_logit, causal,
                              eps, var_floor, check_finite);
   const Shape& s = a.shape;
-  at::Tensor out = output_tensor({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
+  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
   SavedPtr rec = dispatch(a.q, [&](auto t) {
     using T = decltype(t);
     return gma_forward<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(), nullptr, nullptr,
@@ -271,7 +191,7 @@ std::vector<at::Tensor> gma_backward_py(at::Tensor q, at::Tensor k, at::Tensor v
   const Shape& s = a.shape;
   grad_out = checked_grad_out(fn, grad_out, s, a.q);
   const SavedPtr& rec = unbox(saved, "gma", a.q, fn);
-  auto dq = output_like(a.q), dk = output_like(a.k), dv = output_like(a.v);
+  auto dq = at::empty_like(a.q), dk = at::empty_like(a.k), dv = at::empty_like(a.v);
   auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
   auto dprior = at::empty_like(a.prior_logit);
   dispatch(a.q, [&](auto t) {
@@ -328,7 +248,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox, bool> gma_forward_state
   const int64_t K = a.config.components;
   S0 = checked_state(fn, S0, "initial_state[0] (S)", {s.batch, s.heads, K, s.value_dim});
   z0 = checked_state(fn, z0, "initial_state[1] (z)", {s.batch, s.heads, K});
-  at::Tensor out = output_tensor({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
+  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
   at::Tensor S = at::empty_like(S0), z = at::empty_like(z0);
   const GmaStateIO io{S0.data_ptr<double>(), z0.data_ptr<double>(), S.data_ptr<double>(),
                       z.data_ptr<double>()};
@@ -359,7 +279,7 @@ std::vector<at::Tensor> gma_backward_state_py(at::Tensor q, at::Tensor k, at::Te
                          {s.batch, s.heads, K, s.value_dim});
   grad_z = checked_state(fn, grad_z, "grad of final_state[1] (z)", {s.batch, s.heads, K});
   const SavedPtr& rec = unbox(saved, "gma-state", a.q, fn);
-  auto dq = output_like(a.q), dk = output_like(a.k), dv = output_like(a.v);
+  auto dq = at::empty_like(a.q), dk = at::empty_like(a.k), dv = at::empty_like(a.v);
   auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
   auto dprior = at::empty_like(a.prior_logit);
   auto dS0 = at::empty_like(grad_S), dz0 = at::empty_like(grad_z);
@@ -414,7 +334,7 @@ std::tuple<at::Tensor, SavedBox> gma_forward_packed_py(
                              check_finite);
   const PackedShape s = packed_shape(fn, a.shape, std::move(offsets));
   const at::Tensor pq = to_packed(a.q), pk = to_packed(a.k), pv = to_packed(a.v);
-  at::Tensor out = output_tensor({s.rows, s.heads, s.value_dim}, a.q.options());
+  at::Tensor out = at::empty({s.rows, s.heads, s.value_dim}, a.q.options());
   SavedPtr rec = dispatch(a.q, [&](auto t) {
     using T = decltype(t);
     return gma_forward_packed<T>(s, a.config, gma_packed_inputs<T>(a, pq, pk, pv),
@@ -436,7 +356,7 @@ std::vector<at::Tensor> gma_backward_packed_py(at::Tensor q, at::Tensor k, at::T
   grad_out = to_packed(checked_grad_out(fn, grad_out, a.shape, a.q));
   const SavedPtr& rec = unbox(saved, "gma-packed", a.q, fn);
   const at::Tensor pq = to_packed(a.q), pk = to_packed(a.k), pv = to_packed(a.v);
-  auto dq = output_like(pq), dk = output_like(pk), dv = output_like(pv);
+  auto dq = at::empty_like(pq), dk = at::empty_like(pk), dv = at::empty_like(pv);
   auto dmean = at::empty_like(a.mean), dvar = at::empty_like(a.var_raw);
   auto dprior = at::empty_like(a.prior_logit);
   dispatch(a.q, [&](auto t) {
@@ -512,7 +432,7 @@ std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
                    std::to_string(was.key_dim) + ", " + std::to_string(was.value_dim) +
                    ") but q has shape " + shape_of(q) + " and v has " + shape_of(v));
   }
-  at::Tensor out = output_tensor({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
   OvqStateBox end{kind, {}};
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
@@ -530,7 +450,7 @@ std::vector<at::Tensor> ovq_backward_py(at::Tensor q, at::Tensor k, at::Tensor v
   const Shape s = ovq_shape(fn, q, k, v, beta);
   grad_out = checked_grad_out(fn, grad_out, s, q);
   const SavedPtr& rec = unbox(saved, "ovq", q, fn);
-  auto dq = output_like(q), dk = output_like(k), dv = output_like(v);
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   auto dbeta = at::empty_like(beta);
   dispatch(q, [&](auto t) {
     using T = decltype(t);
@@ -557,7 +477,7 @@ std::tuple<at::Tensor, SavedBox> flash_forward_py(at::Tensor q, at::Tensor k,
                                                      bool check_finite, bool save) {
   const Shape s = flash_shape("mixattn.flash_attention", q, k, v, causal);
   const FlashConfig c{causal, scale, check_finite};
-  at::Tensor out = output_tensor({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
     return flash_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
@@ -574,7 +494,7 @@ std::vector<at::Tensor> flash_backward_py(at::Tensor q, at::Tensor k, at::Tensor
   grad_out = checked_grad_out(fn, grad_out, s, q);
   const SavedPtr& rec = unbox(saved, "flash", q, fn);
   const FlashConfig c{causal, scale, check_finite};
-  auto dq = output_like(q), dk = output_like(k), dv = output_like(v);
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   dispatch(q, [&](auto t) {
     using T = decltype(t);
     flash_backward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
@@ -593,7 +513,7 @@ std::tuple<at::Tensor, SavedBox> flash_forward_packed_py(at::Tensor q, at::Tenso
   const PackedShape s = packed_shape(fn, flash_shape(fn, q, k, v, causal), std::move(offsets));
   const FlashConfig c{causal, scale, check_finite};
   const at::Tensor pq = to_packed(q), pk = to_packed(k), pv = to_packed(v);
-  at::Tensor out = output_tensor({s.rows, s.heads, s.value_dim}, q.options());
+  at::Tensor out = at::empty({s.rows, s.heads, s.value_dim}, q.options());
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
     return flash_forward_packed<T>(s, c, pq.data_ptr<T>(), pk.data_ptr<T>(), pv.data_ptr<T>(),
@@ -613,7 +533,7 @@ std::vector<at::Tensor> flash_backward_packed_py(at::Tensor q, at::Tensor k, at:
   const SavedPtr& rec = unbox(saved, "flash-packed", q, fn);
   const FlashConfig c{causal, scale, check_finite};
   const at::Tensor pq = to_packed(q), pk = to_packed(k), pv = to_packed(v);
-  auto dq = output_like(pq), dk = output_like(pk), dv = output_like(pv);
+  auto dq = at::empty_like(pq), dk = at::empty_like(pk), dv = at::empty_like(pv);
   dispatch(q, [&](auto t) {
     using T = decltype(t);
     flash_backward_packed<T>(s, c, pq.data_ptr<T>(), pk.data_ptr<T>(), pv.data_ptr<T>(),
@@ -661,8 +581,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_forward_packed", &mt::flash_forward_packed_py, nogil);
   m.def("flash_backward_packed", &mt::flash_backward_packed_py, nogil);
   m.def("library_version", &mt::library_version);
-  m.def("release_kept_buffers", &mt::release_kept_buffers, nogil,
-        "Frees the output buffers kept for reuse (see mixattn.release_memory).");
   m.def("release_kept_records", &mt::release_kept_records, nogil,
         "Frees the records of finished calls kept for reuse by the next forwards (see "
         "mixattn.release_memory).");

@@ -35,15 +35,11 @@ def _needs_record(*tensors):
 
 
 def release_memory():
-    """Frees what the kernels keep for reuse between calls: the records of finished forwards
-    (the next forward of the same operator and dtype overwrites one instead of touching fresh
-    memory; up to 16 per operator and dtype, as many as the forwards a training step holds at
-    once) and the buffers of freed output and gradient tensors of 256 KiB and more (the next
-    output of the same size takes one; up to 64). With glibc's default malloc, fresh large
-    tensors page-fault all their memory again on every training step; kept ones do not. Tensors
-    and records still in use are not affected. Never needed for correctness."""
+    """Frees the records of finished forwards that the kernels keep for reuse (the next forward
+    of the same operator and dtype overwrites one instead of touching fresh memory; up to 16 per
+    operator and dtype, as many as the forwards a training step holds at once). Records still
+    held by an autograd graph are not affected. Never needed for correctness."""
     _C.release_kept_records()
-    _C.release_kept_buffers()
 
 
 def _grads(ctx, grads):
