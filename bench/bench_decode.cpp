@@ -21,7 +21,8 @@
 //                               state, untimed by the framework): an interruption of the machine
 //                               lands on a given call in one pass, not in all of them, while any
 //                               cost of the call itself is in every pass
-//   noise: the same counters for a fixed ~8 µs of scalar arithmetic per call, no memory traffic:
+//   noise: the same counters for a fixed amount of scalar arithmetic per call (2000 dependent
+//        multiply-adds), no memory traffic:
 //        what the machine's own interruptions do to a max over many short calls
 // bench/summary.py reads these (decode target rows; the latency-vs-position panel).
 #include "bench_common.hpp"
@@ -79,6 +80,15 @@ Stats stats(std::vector<double> s) {
   return r;
 }
 
+/// Seconds that step(i) takes (steady_clock).
+template <class Step>
+double seconds_of(Step& step, Index i) {
+  const auto t0 = std::chrono::steady_clock::now();
+  step(i);
+  const auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
 /// One untimed call, then one timed call per iteration (each also timed on its own into
 /// `seconds`), then the counters every decode point reports.
 template <class Step>
@@ -87,12 +97,7 @@ void decode_loop(benchmark::State& state, Step&& step, std::vector<double>& seco
   step(i++);  // warm: the first call touches the output and scratch pages
   seconds.clear();
   seconds.reserve(static_cast<std::size_t>(state.max_iterations));
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    step(i++);
-    const auto t1 = std::chrono::steady_clock::now();
-    seconds.push_back(std::chrono::duration<double>(t1 - t0).count());
-  }
+  for (auto _ : state) seconds.push_back(seconds_of(step, i++));
   const Stats s = stats(seconds);
   state.counters["mean_s"] = s.mean;
   state.counters["p99_s"] = s.p99;
@@ -121,13 +126,17 @@ void decode_gma(benchmark::State& state) {
       seconds);
 }
 
-/// Times (seconds) of the calls after each OVQ block completion, in order: call j decodes token
-/// P + j and completes a block when (P + j + 1) % C == 0; "after" is the two calls that follow.
+/// Whether timed call j of an OVQ point at position P (it decodes token P + j) completes a block.
+bool completes_block(Index p, std::size_t j) {
+  return (p + static_cast<Index>(j) + 1) % kBlock == 0;
+}
+
+/// Times (seconds) of the two calls after each OVQ block completion, in order.
 std::vector<double> ovq_after_block(Index p, const std::vector<double>& seconds) {
   std::vector<double> after;
   Index since = kBlock;
   for (std::size_t j = 0; j < seconds.size(); ++j) {
-    const bool completes = (p + static_cast<Index>(j) + 1) % kBlock == 0;
+    const bool completes = completes_block(p, j);
     if (!completes && since < 2) after.push_back(seconds[j]);
     since = completes ? 0 : since + 1;
   }
@@ -153,7 +162,7 @@ void decode_ovq(benchmark::State& state) {
   decode_loop(state, step, seconds);
   std::vector<double> block, other;
   for (std::size_t j = 0; j < seconds.size(); ++j)
-    ((p + static_cast<Index>(j) + 1) % kBlock == 0 ? block : other).push_back(seconds[j]);
+    (completes_block(p, j) ? block : other).push_back(seconds[j]);
   state.counters["block_max_s"] = stats(block).max;
   state.counters["other_max_s"] = stats(other).max;
   state.counters["after_block_max_s"] = stats(ovq_after_block(p, seconds)).max;
@@ -162,12 +171,8 @@ void decode_ovq(benchmark::State& state) {
   for (int pass = 1; pass < kPasses; ++pass) {
     st = prefilled;
     step(0);
-    for (std::size_t j = 0; j < best.size(); ++j) {
-      const auto t0 = std::chrono::steady_clock::now();
-      step(static_cast<Index>(j) + 1);
-      const auto t1 = std::chrono::steady_clock::now();
-      best[j] = std::min(best[j], std::chrono::duration<double>(t1 - t0).count());
-    }
+    for (std::size_t j = 0; j < best.size(); ++j)
+      best[j] = std::min(best[j], seconds_of(step, static_cast<Index>(j) + 1));
   }
   state.counters["after_block_best_max_s"] = stats(ovq_after_block(p, best)).max;
   state.counters["passes"] = benchmark::Counter(kPasses);

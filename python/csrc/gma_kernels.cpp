@@ -75,16 +75,8 @@ template <class T>
 SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out,
                      const GmaStateIO* state, const SavedPtr& prepared, bool* used_prepared,
                      bool save) {
-  using Records = PairRecords<mixattn::gma::Saved<T>, Mixtures<T>>;
-  std::shared_ptr<Records> rec;
-  Mixtures<T> local;
-  if (save) {
-    rec = make_records<mixattn::gma::Saved<T>, Mixtures<T>>(s);
-    rec->shared = mixtures_of(s, c, in);
-  } else {
-    local = mixtures_of(s, c, in);
-  }
-  const Mixtures<T>& mixtures = save ? rec->shared : local;
+  auto rec = save ? make_records<mixattn::gma::Saved<T>, Mixtures<T>>(s) : nullptr;
+  Mixtures<T> mixtures = mixtures_of(s, c, in);
   const PreparedHeads<T>* prep =
       state != nullptr ? current_prepared<T>(s, prepared, mixtures) : nullptr;
   if (used_prepared != nullptr) *used_prepared = prep != nullptr;
@@ -113,6 +105,7 @@ SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in,
     }
     slice(out, pair, N, dv) = o;
   });
+  if (save) rec->shared = std::move(mixtures);  // the backward's mixtures
   return rec;
 }
 
@@ -224,8 +217,9 @@ MIXATTN_TORCH_GMA(double)
 const char* library_version() { return MIXATTN_VERSION_STRING; }
 
 void release_kept_records() {
-  std::unique_lock<std::mutex> lock;
-  for (void (*clear)() : pool_registry(lock)) clear();
+  PoolRegistry& registry = pool_registry();
+  const std::lock_guard<std::mutex> lock(registry.mutex);
+  for (void (*clear)() : registry.clears) clear();
 }
 
 }  // namespace mixattn_torch

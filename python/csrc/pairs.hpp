@@ -50,12 +50,16 @@ struct PairRecords {
   Shared shared{};
 };
 
-/// Every RecordPool's clear(), for release_kept_records().
-inline std::vector<void (*)()>& pool_registry(std::unique_lock<std::mutex>& lock) {
-  static auto* mutex = new std::mutex;
-  static auto* clears = new std::vector<void (*)()>;
-  lock = std::unique_lock<std::mutex>(*mutex);
-  return *clears;
+/// Every RecordPool's clear(), for release_kept_records(); read and written under `mutex`.
+struct PoolRegistry {
+  std::mutex mutex;
+  std::vector<void (*)()> clears;
+};
+
+// Never destroyed, like the pools.
+inline PoolRegistry& pool_registry() {
+  static auto* const registry = new PoolRegistry;
+  return *registry;
 }
 
 /// The records of finished calls of one kind (Rec), kept for the next forward: a record comes
@@ -99,8 +103,9 @@ class RecordPool {
   // destructors have run.
   static Pool& pool() {
     static Pool* const p = [] {
-      std::unique_lock<std::mutex> lock;
-      pool_registry(lock).push_back(&RecordPool::clear);
+      PoolRegistry& registry = pool_registry();
+      const std::lock_guard<std::mutex> lock(registry.mutex);
+      registry.clears.push_back(&RecordPool::clear);
       return new Pool;
     }();
     return *p;
