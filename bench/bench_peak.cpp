@@ -12,6 +12,7 @@
 // instruction set.
 #include "bench_common.hpp"
 
+#include <mixattn/core.hpp>
 #include <mixattn/detail/simd.hpp>
 
 #include <array>

@@ -26,8 +26,8 @@ using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(OvqDictionary, Scalars);
 
 TEST(OvqSchedule, PlateauAndLinearValues) {
-  using ovq::detail::linear_size;
-  using ovq::detail::plateau_size;
+  using mixattn::detail::linear_size;
+  using mixattn::detail::plateau_size;
   // floor(t N / (t + alpha)) by hand.
   EXPECT_EQ(plateau_size(0, 1024, 1024), 0);
   EXPECT_EQ(plateau_size(1, 1024, 1024), 1);      // floor(1024 / 1025) = 0, raised to 1

@@ -24,7 +24,6 @@ using mixattn::testing::numeric_gradient;
 using mixattn::testing::random_matrix;
 namespace ref = mixattn::reference;
 
-
 template <class T>
 struct Tol;
 // float: logits and probabilities carry ~1e-7 relative rounding, amplified by the sums over
@@ -142,8 +141,10 @@ TYPED_TEST(Reference, DefaultScaleIsInverseSqrtR) {
   const Matrix<T> q = random_matrix<T>(6, 16, 1), k = random_matrix<T>(8, 16, 2);
   const Matrix<T> v = random_matrix<T>(8, 3, 3);
   const Matrix<T> got = ref::flash_forward<T>(q, k, v);
-  EXPECT_TRUE(mixattn::testing::all_close(got, triple_loop(q, k, v, 0.25, false), Tol<T>::rtol, Tol<T>::atol));
-  EXPECT_FALSE(mixattn::testing::all_close(got, triple_loop(q, k, v, 1.0, false), Tol<T>::rtol, Tol<T>::atol));
+  EXPECT_TRUE(mixattn::testing::all_close(got, triple_loop(q, k, v, 0.25, false), Tol<T>::rtol,
+                                          Tol<T>::atol));
+  EXPECT_FALSE(mixattn::testing::all_close(got, triple_loop(q, k, v, 1.0, false), Tol<T>::rtol,
+                                           Tol<T>::atol));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -217,11 +218,11 @@ void check_small_tiles(std::uint64_t seed) {
 
       Matrix<T> out(s.n, s.dv);
       Vector<T> lse(s.n);
-      ref::detail::flash_forward_tiles<T, BQ, BK>(q, k, v, T(0.6), causal, out, lse);
+      mixattn::detail::flash_forward_tiles<T, BQ, BK>(q, k, v, T(0.6), causal, out, lse);
       EXPECT_TRUE(mixattn::testing::all_close(out, naive, Tol<T>::rtol, Tol<T>::atol));
       Matrix<T> dq(s.n, s.r), dk(s.m, s.r), dv(s.m, s.dv);
-      ref::detail::flash_backward_tiles<T, BQ, BK>(q, k, v, out, go, lse, T(0.6), causal, dq, dk,
-                                                   dv);
+      mixattn::detail::flash_backward_tiles<T, BQ, BK>(q, k, v, out, go, lse, T(0.6), causal, dq,
+                                                       dk, dv);
       EXPECT_TRUE(mixattn::testing::all_close(dq, ng.q, Tol<T>::rtol, Tol<T>::atol)) << "dq";
       EXPECT_TRUE(mixattn::testing::all_close(dk, ng.k, Tol<T>::rtol, Tol<T>::atol)) << "dk";
       EXPECT_TRUE(mixattn::testing::all_close(dv, ng.v, Tol<T>::rtol, Tol<T>::atol)) << "dv";
@@ -671,8 +672,8 @@ TYPED_TEST(KvCacheDecode, PiecesMatchNaiveCausal) {
     Matrix<T> out(n, dv);
     Index at = 0;
     for (const Index p : sizes) {
-      out.middleRows(at, p) = ref::decode<T>(cache, q.middleRows(at, p), k.middleRows(at, p),
-                                             v.middleRows(at, p), opt);
+      out.middleRows(at, p) =
+          ref::decode<T>(cache, q.middleRows(at, p), k.middleRows(at, p), v.middleRows(at, p), opt);
       at += p;
     }
     EXPECT_EQ(cache.size(), n);
@@ -693,8 +694,7 @@ TYPED_TEST(KvCacheDecode, RejectsAndLeavesTheCacheUntouched) {
   ref::decode<T>(cache, q, q, v, opt);
   ref::Options bidir;
   EXPECT_THROW(ref::decode<T>(cache, q, q, v, bidir), std::invalid_argument);
-  EXPECT_THROW(ref::decode<T>(cache, q.leftCols(3), q.leftCols(3), v, opt),
-               std::invalid_argument);
+  EXPECT_THROW(ref::decode<T>(cache, q.leftCols(3), q.leftCols(3), v, opt), std::invalid_argument);
   EXPECT_THROW(ref::decode<T>(cache, q, q, random_matrix<T>(3, dv + 1, 83), opt),
                std::invalid_argument);
   EXPECT_THROW(ref::decode<T>(cache, q, q.topRows(2), v, opt), std::invalid_argument);

@@ -1,4 +1,4 @@
-// mixattn/adam.hpp — Adam / AdamW over a flat list of named parameter blocks (layer.hpp).
+// mixattn/adam.hpp — Adam / AdamW over a flat list of named parameter blocks (named_block.hpp).
 //
 //     m ← β1 m + (1 − β1) g          v ← β2 v + (1 − β2) g²
 //     p ← p − lr · ( m̂ / (√v̂ + ε) + λ p ),   m̂ = m / (1 − β1ᵗ), v̂ = v / (1 − β2ᵗ)
@@ -9,7 +9,7 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/layer.hpp"
+#include "mixattn/named_block.hpp"
 
 #include <cmath>
 #include <vector>

@@ -5,6 +5,7 @@
 // is read in place. T is never deduced from a ConstMatrixRef: it comes from the argument that
 // carries it (a Mixture<T>, a State<T>&, a Saved<T>) or is written explicitly.
 #pragma once
+#define MIXATTN_CORE_HPP_INCLUDED  // detail/internal_header_check.hpp tests it
 
 #include <Eigen/Core>
 
@@ -149,11 +150,10 @@ template <class T, class A, class = void>
 struct copied_layout : std::false_type {};
 template <class T, class A>
 struct copied_layout<T, A, std::enable_if_t<is_eigen<A> && !std::is_void<T>::value>>
-    : std::integral_constant<
-          bool, std::is_same<typename A::Scalar, T>::value &&
-                    bool(int(A::Flags) & Eigen::DirectAccessBit) &&
-                    !bool(Eigen::internal::traits<Eigen::Ref<const Matrix<T>>>::template match<
-                          A>::MatchAtCompileTime)> {};
+    : std::integral_constant<bool, std::is_same<typename A::Scalar, T>::value&& bool(
+                                       int(A::Flags) & Eigen::DirectAccessBit) &&
+                                       !bool(Eigen::internal::traits<Eigen::Ref<const Matrix<T>>>::
+                                                 template match<A>::MatchAtCompileTime)> {};
 
 template <class T, class... A>
 constexpr bool any_copied_layout = (copied_layout<T, A>::value || ...);
@@ -189,10 +189,10 @@ using enable_if_supported = std::enable_if_t<supported_scalar<T>, int>;
 template <class T, class A>
 using scalar_of = std::conditional_t<std::is_void<T>::value, typename A::Scalar, T>;
 template <class T, class... A>
-using enable_if_deduced_or_refused = std::enable_if_t<
-    (is_eigen<A> && ...) &&
-        (std::is_void<T>::value || !supported_scalar<T> || any_copied_layout<T, A...>),
-    int>;
+using enable_if_deduced_or_refused =
+    std::enable_if_t<(is_eigen<A> && ...) && (std::is_void<T>::value || !supported_scalar<T> ||
+                                              any_copied_layout<T, A...>),
+                     int>;
 /// Whether a deduced call may go on to the main overload (otherwise the static_asserts fired).
 template <class S, class... A>
 constexpr bool accepted = supported_scalar<S> && !any_copied_layout<S, A...>;
@@ -357,7 +357,8 @@ class Fingerprint {
   template <class Derived>
   Fingerprint& add(const Eigen::DenseBase<Derived>& x) {
     const Derived& d = x.derived();
-    if (Derived::IsVectorAtCompileTime && d.innerStride() == 1) return add(d.data(), 1, d.size(), 0);
+    if (Derived::IsVectorAtCompileTime && d.innerStride() == 1)
+      return add(d.data(), 1, d.size(), 0);
     static_assert(Derived::IsVectorAtCompileTime || (Derived::Flags & Eigen::RowMajorBit),
                   "fingerprints read row-major storage");
     return add(d.data(), d.rows(), d.cols(), d.outerStride());

@@ -20,19 +20,16 @@
 #include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
-namespace diagnostics {
-
 namespace detail {
 
 /// Shared validation: Γ must be non-empty, finite and non-negative.
 template <class T>
 void check_responsibilities(const ConstMatrixRef<T>& gamma, const char* fn, const char* arg) {
-  ::mixattn::detail::require(gamma.rows() > 0 && gamma.cols() > 0, fn, arg,
-                             " must have at least one row and one column, got ",
-                             ::mixattn::detail::shape_str(gamma));
-  ::mixattn::detail::require_finite(gamma, fn, arg);
-  ::mixattn::detail::require(gamma.minCoeff() >= T(0), fn, arg, " has a negative entry (",
-                             gamma.minCoeff(), "); responsibilities lie on the simplex");
+  detail::require(gamma.rows() > 0 && gamma.cols() > 0, fn, arg,
+                  " must have at least one row and one column, got ", detail::shape_str(gamma));
+  detail::require_finite(gamma, fn, arg);
+  detail::require(gamma.minCoeff() >= T(0), fn, arg, " has a negative entry (", gamma.minCoeff(),
+                  "); responsibilities lie on the simplex");
 }
 
 /// Shannon entropy (nats) of a count histogram with total n; 0 log 0 = 0.
@@ -61,13 +58,15 @@ Index compact_labels(const std::vector<Label>& labels, std::vector<Index>& out) 
 
 }  // namespace detail
 
+namespace diagnostics {
+
 /// Mean usage p̄_k = (1/N) Σ_i γ_ik (SPEC 1.7). gamma: N x K responsibilities. Returns K.
 /// Summed in a wide type so that float input over long sequences does not drift.
 template <class T>
 Vector<T> mean_usage(const ConstMatrixRef<T>& gamma) {
   constexpr const char* fn = "mixattn::diagnostics::mean_usage";
   detail::check_responsibilities<T>(gamma, fn, "gamma");
-  using W = ::mixattn::detail::wide_t<T>;
+  using W = detail::wide_t<T>;
   const Index n = gamma.rows(), k = gamma.cols();
   Vector<W> sum = Vector<W>::Zero(k);
   for (Index i = 0; i < n; ++i) sum += gamma.row(i).transpose().template cast<W>();
@@ -80,8 +79,8 @@ Vector<T> mean_usage(const ConstMatrixRef<T>& gamma) {
 template <class T>
 Index components_used(const ConstMatrixRef<T>& gamma, double tau = -1) {
   constexpr const char* fn = "mixattn::diagnostics::components_used";
-  ::mixattn::detail::require(std::isfinite(tau) && tau < 1, fn, "tau must be finite and < 1 (",
-                             "negative selects 1/(10K)), got ", tau);
+  detail::require(std::isfinite(tau) && tau < 1, fn, "tau must be finite and < 1 (",
+                  "negative selects 1/(10K)), got ", tau);
   detail::check_responsibilities<T>(gamma, fn, "gamma");
   const Vector<T> usage = mean_usage<T>(gamma);
   const double threshold = tau < 0 ? 1.0 / (10.0 * static_cast<double>(gamma.cols())) : tau;
@@ -103,8 +102,8 @@ T usage_entropy(const ConstMatrixRef<T>& gamma) {
   const Vector<T> usage = mean_usage<T>(gamma);
   double total = 0;
   for (Index j = 0; j < k; ++j) total += static_cast<double>(usage[j]);
-  ::mixattn::detail::require(total > 0, fn, "gamma has all-zero rows; responsibilities lie on ",
-                             "the simplex");
+  detail::require(total > 0, fn, "gamma has all-zero rows; responsibilities lie on ",
+                  "the simplex");
   double h = 0;
   for (Index j = 0; j < k; ++j) {
     const double p = static_cast<double>(usage[j]) / total;
@@ -142,9 +141,8 @@ double normalized_mutual_information(const std::vector<LabelA>& a, const std::ve
   static_assert(std::is_integral<LabelA>::value && std::is_integral<LabelB>::value,
                 "mixattn::diagnostics::normalized_mutual_information: labels must be integers");
   constexpr const char* fn = "mixattn::diagnostics::normalized_mutual_information";
-  ::mixattn::detail::require(a.size() == b.size(), fn, "a has ", a.size(), " labels but b has ",
-                             b.size());
-  ::mixattn::detail::require(!a.empty(), fn, "a and b are empty");
+  detail::require(a.size() == b.size(), fn, "a has ", a.size(), " labels but b has ", b.size());
+  detail::require(!a.empty(), fn, "a and b are empty");
   std::vector<Index> ca, cb;
   const Index la = detail::compact_labels(a, ca);
   const Index lb = detail::compact_labels(b, cb);
@@ -181,9 +179,8 @@ double normalized_mutual_information(const std::vector<LabelA>& a, const std::ve
 template <class T, class Label>
 double assignment_nmi(const ConstMatrixRef<T>& gamma, const std::vector<Label>& labels) {
   constexpr const char* fn = "mixattn::diagnostics::assignment_nmi";
-  ::mixattn::detail::require(static_cast<std::size_t>(gamma.rows()) == labels.size(), fn,
-                             "gamma has ", gamma.rows(), " rows but labels has ", labels.size(),
-                             " entries");
+  detail::require(static_cast<std::size_t>(gamma.rows()) == labels.size(), fn, "gamma has ",
+                  gamma.rows(), " rows but labels has ", labels.size(), " entries");
   return normalized_mutual_information(hard_assignments<T>(gamma), labels);
 }
 
@@ -199,14 +196,12 @@ Matrix<T> affinity(const ConstMatrixRef<T>& gamma_q, const ConstMatrixRef<T>& ga
   constexpr const char* fn = "mixattn::diagnostics::affinity";
   detail::check_responsibilities<T>(gamma_q, fn, "gamma_q");
   detail::check_responsibilities<T>(gamma_k, fn, "gamma_k");
-  ::mixattn::detail::require(
-      gamma_q.cols() == gamma_k.cols(), fn, "gamma_q is ", ::mixattn::detail::shape_str(gamma_q),
-      " but gamma_k is ", ::mixattn::detail::shape_str(gamma_k), " (the component counts differ)");
+  detail::require(gamma_q.cols() == gamma_k.cols(), fn, "gamma_q is ", detail::shape_str(gamma_q),
+                  " but gamma_k is ", detail::shape_str(gamma_k), " (the component counts differ)");
   // Division instead of N*M so that the check itself cannot overflow.
-  ::mixattn::detail::require(gamma_q.rows() <= max_entries / gamma_k.rows(), fn, "an ",
-                             gamma_q.rows(), " x ", gamma_k.rows(),
-                             " affinity exceeds the limit of ", max_entries,
-                             " entries (it is meant for short sequences)");
+  detail::require(gamma_q.rows() <= max_entries / gamma_k.rows(), fn, "an ", gamma_q.rows(), " x ",
+                  gamma_k.rows(), " affinity exceeds the limit of ", max_entries,
+                  " entries (it is meant for short sequences)");
   Matrix<T> out(gamma_q.rows(), gamma_k.rows());
   out.noalias() = gamma_q * gamma_k.transpose();
   return out;
@@ -221,16 +216,14 @@ Matrix<T> attention_weights(const ConstMatrixRef<T>& gamma_q, const ConstMatrixR
                             bool causal, double eps = 1e-6,
                             Index max_entries = default_affinity_limit) {
   constexpr const char* fn = "mixattn::diagnostics::attention_weights";
-  ::mixattn::detail::require(!causal || gamma_q.rows() == gamma_k.rows(), fn,
-                             "causal weights need as many queries as keys, got gamma_q ",
-                             ::mixattn::detail::shape_str(gamma_q), " and gamma_k ",
-                             ::mixattn::detail::shape_str(gamma_k));
-  ::mixattn::detail::require(std::isfinite(eps) && eps >= 0, fn,
-                             "eps must be finite and >= 0, got ", eps);
+  detail::require(!causal || gamma_q.rows() == gamma_k.rows(), fn,
+                  "causal weights need as many queries as keys, got gamma_q ",
+                  detail::shape_str(gamma_q), " and gamma_k ", detail::shape_str(gamma_k));
+  detail::require(std::isfinite(eps) && eps >= 0, fn, "eps must be finite and >= 0, got ", eps);
   Matrix<T> a = affinity<T>(gamma_q, gamma_k, max_entries);
   for (Index i = 0; i < a.rows(); ++i) {
     if (causal) a.row(i).tail(a.cols() - i - 1).setZero();
-    using W = ::mixattn::detail::wide_t<T>;
+    using W = detail::wide_t<T>;
     const W d = a.row(i).template cast<W>().sum() + static_cast<W>(eps);
     a.row(i) /= static_cast<T>(d);
   }
@@ -241,64 +234,56 @@ Matrix<T> attention_weights(const ConstMatrixRef<T>& gamma_q, const ConstMatrixR
 // non-deduced in the overloads above, which take it written: mean_usage<float>(gamma)); an
 // unsupported scalar type or a column-major or strided argument that would be copied stops at
 // the static_assert of core.hpp's refuse_arguments.
-namespace detail {
-template <class T, class... A>
-using deduce = ::mixattn::detail::enable_if_deduced_or_refused<T, A...>;
-template <class T, class A>
-using scalar_of = ::mixattn::detail::scalar_of<T, A>;
-}  // namespace detail
-
-template <class T = void, class G, detail::deduce<T, G> = 0>
+template <class T = void, class G, detail::enable_if_deduced_or_refused<T, G> = 0>
 Vector<detail::scalar_of<T, G>> mean_usage(const G& gamma) {
   using S = detail::scalar_of<T, G>;
-  ::mixattn::detail::refuse_arguments<S, G>();
-  if constexpr (::mixattn::detail::accepted<S, G>) return mean_usage<S>(gamma);
+  detail::refuse_arguments<S, G>();
+  if constexpr (detail::accepted<S, G>) return mean_usage<S>(gamma);
   return {};
 }
-template <class T = void, class G, detail::deduce<T, G> = 0>
+template <class T = void, class G, detail::enable_if_deduced_or_refused<T, G> = 0>
 Index components_used(const G& gamma, double tau = -1) {
   using S = detail::scalar_of<T, G>;
-  ::mixattn::detail::refuse_arguments<S, G>();
-  if constexpr (::mixattn::detail::accepted<S, G>) return components_used<S>(gamma, tau);
+  detail::refuse_arguments<S, G>();
+  if constexpr (detail::accepted<S, G>) return components_used<S>(gamma, tau);
   return 0;
 }
-template <class T = void, class G, detail::deduce<T, G> = 0>
+template <class T = void, class G, detail::enable_if_deduced_or_refused<T, G> = 0>
 detail::scalar_of<T, G> usage_entropy(const G& gamma) {
   using S = detail::scalar_of<T, G>;
-  ::mixattn::detail::refuse_arguments<S, G>();
-  if constexpr (::mixattn::detail::accepted<S, G>) return usage_entropy<S>(gamma);
+  detail::refuse_arguments<S, G>();
+  if constexpr (detail::accepted<S, G>) return usage_entropy<S>(gamma);
   return S(0);
 }
-template <class T = void, class G, detail::deduce<T, G> = 0>
+template <class T = void, class G, detail::enable_if_deduced_or_refused<T, G> = 0>
 std::vector<Index> hard_assignments(const G& gamma) {
   using S = detail::scalar_of<T, G>;
-  ::mixattn::detail::refuse_arguments<S, G>();
-  if constexpr (::mixattn::detail::accepted<S, G>) return hard_assignments<S>(gamma);
+  detail::refuse_arguments<S, G>();
+  if constexpr (detail::accepted<S, G>) return hard_assignments<S>(gamma);
   return {};
 }
-template <class T = void, class G, class Label, detail::deduce<T, G> = 0>
+template <class T = void, class G, class Label, detail::enable_if_deduced_or_refused<T, G> = 0>
 double assignment_nmi(const G& gamma, const std::vector<Label>& labels) {
   using S = detail::scalar_of<T, G>;
-  ::mixattn::detail::refuse_arguments<S, G>();
-  if constexpr (::mixattn::detail::accepted<S, G>) return assignment_nmi<S>(gamma, labels);
+  detail::refuse_arguments<S, G>();
+  if constexpr (detail::accepted<S, G>) return assignment_nmi<S>(gamma, labels);
   return 0;
 }
-template <class T = void, class GQ, class GK, detail::deduce<T, GQ, GK> = 0>
+template <class T = void, class GQ, class GK, detail::enable_if_deduced_or_refused<T, GQ, GK> = 0>
 Matrix<detail::scalar_of<T, GQ>> affinity(const GQ& gamma_q, const GK& gamma_k,
                                           Index max_entries = default_affinity_limit) {
   using S = detail::scalar_of<T, GQ>;
-  ::mixattn::detail::refuse_arguments<S, GQ, GK>();
-  if constexpr (::mixattn::detail::accepted<S, GQ, GK>)
-    return affinity<S>(gamma_q, gamma_k, max_entries);
+  detail::refuse_arguments<S, GQ, GK>();
+  if constexpr (detail::accepted<S, GQ, GK>) return affinity<S>(gamma_q, gamma_k, max_entries);
   return {};
 }
-template <class T = void, class GQ, class GK, detail::deduce<T, GQ, GK> = 0>
+template <class T = void, class GQ, class GK, detail::enable_if_deduced_or_refused<T, GQ, GK> = 0>
 Matrix<detail::scalar_of<T, GQ>> attention_weights(const GQ& gamma_q, const GK& gamma_k,
                                                    bool causal, double eps = 1e-6,
                                                    Index max_entries = default_affinity_limit) {
   using S = detail::scalar_of<T, GQ>;
-  ::mixattn::detail::refuse_arguments<S, GQ, GK>();
-  if constexpr (::mixattn::detail::accepted<S, GQ, GK>)
+  detail::refuse_arguments<S, GQ, GK>();
+  if constexpr (detail::accepted<S, GQ, GK>)
     return attention_weights<S>(gamma_q, gamma_k, causal, eps, max_entries);
   return {};
 }

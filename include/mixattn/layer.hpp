@@ -30,14 +30,12 @@
 // thread, a step whose shapes repeat performs no heap allocation.
 #pragma once
 
-#define MIXATTN_LAYER_HPP_INCLUDING
-#include "mixattn/detail/layer_io.hpp"
-#undef MIXATTN_LAYER_HPP_INCLUDING
-
 #include "mixattn/core.hpp"
 #include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/layer_io.hpp"
 #include "mixattn/detail/parallel_gemm.hpp"
 #include "mixattn/gma.hpp"
+#include "mixattn/named_block.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/packed.hpp"
 #include "mixattn/parallel.hpp"
@@ -57,33 +55,6 @@ namespace layer {
 // ---------------------------------------------------------------------------------------------
 // Named parameter blocks and their file format
 // ---------------------------------------------------------------------------------------------
-
-/// A named, writable view of one rows x cols row-major block held elsewhere (a parameter or
-/// its gradient). It does not own the storage; it stays valid while the owner is alive and not
-/// resized. map() gives the Eigen view.
-template <class T>
-struct NamedBlock {
-  std::string name;
-  T* data = nullptr;
-  Index rows = 0;
-  Index cols = 0;
-  Eigen::Map<Matrix<T>> map() const { return Eigen::Map<Matrix<T>>(data, rows, cols); }
-};
-
-/// Read-only counterpart of NamedBlock (for saving from a const object).
-template <class T>
-struct ConstNamedBlock {
-  std::string name;
-  const T* data = nullptr;
-  Index rows = 0;
-  Index cols = 0;
-  ConstNamedBlock() = default;
-  ConstNamedBlock(std::string n, const T* d, Index r, Index c)
-      : name(std::move(n)), data(d), rows(r), cols(c) {}
-  ConstNamedBlock(const NamedBlock<T>& b)  // NOLINT: a writable view is also a readable one
-      : name(b.name), data(b.data), rows(b.rows), cols(b.cols) {}
-  Eigen::Map<const Matrix<T>> map() const { return Eigen::Map<const Matrix<T>>(data, rows, cols); }
-};
 
 /// Magic bytes opening a parameter file.
 inline constexpr char file_magic[8] = {'M', 'I', 'X', 'A', 'T', 'T', 'N', 'P'};
@@ -232,7 +203,7 @@ struct Cache {
   std::vector<gma::Saved<T>> gma_saved;
   std::vector<ovq::Saved<T>> ovq_saved;
   std::vector<reference::Saved<T>> softmax_saved;
-  Index tokens = -1;  ///< N of the forward that filled it; -1 when empty
+  Index tokens = -1;                      ///< N of the forward that filled it; -1 when empty
   std::uint64_t fingerprint[2] = {0, 0};  ///< of x and of every parameter, checked by backward
   Offsets offsets;  ///< the batch's sequence offsets ({0, N} for one sequence)
   // Working memory reused by forward_into: one output per (sequence, head), OVQ's end states.
@@ -573,9 +544,8 @@ class MultiHeadAttention {
   /// the projections of one token).
   void check_prepared(const char* fn, const DecodeState<T>& state) const {
     for (std::size_t i = 0; i < mixtures_.size(); ++i)
-      if (i >= state.gma_prepared.size() ||
-          ::mixattn::detail::mixture_fingerprint(mixtures_[i]) !=
-              state.gma_prepared[i].mixture_fingerprint())
+      if (i >= state.gma_prepared.size() || ::mixattn::detail::mixture_fingerprint(mixtures_[i]) !=
+                                                state.gma_prepared[i].mixture_fingerprint())
         ::mixattn::detail::raise_invalid_argument(::mixattn::detail::concat(
             fn, ": state came from other data: head ", i,
             "'s mixture changed since begin_decoding() prepared it; call begin_decoding() again"));
@@ -641,7 +611,7 @@ class MultiHeadAttention {
         gma::forward_into(out, mixtures_[hi], qh, kh, vh, gma_options(),
                           keep ? &c.gma_saved[i] : nullptr);
         break;
-      case MixerKind::ovq: {  // each sequence starts afresh
+      case MixerKind::ovq: {                                      // each sequence starts afresh
         const ovq::State<T> empty = ovq::State<T>::empty(r, dv);  // 0-row: nothing allocated
         ovq::forward_into(out, qh, kh, vh, beta_[h], cfg_.ovq, empty, c.ovq_state[i],
                           keep ? &c.ovq_saved[i] : nullptr);
@@ -711,7 +681,7 @@ class MultiHeadAttention {
 
   /// Whether g's blocks were set up for this layer's parameters (count and every slot's shape).
   bool gradients_fit(const Gradients<T>& g) const {
-    const std::size_t per_head = cfg_.mixer == MixerKind::gma ? 3
+    const std::size_t per_head = cfg_.mixer == MixerKind::gma   ? 3
                                  : cfg_.mixer == MixerKind::ovq ? 1
                                                                 : 0;
     const std::size_t hs = static_cast<std::size_t>(cfg_.heads);
@@ -746,13 +716,12 @@ class MultiHeadAttention {
     constexpr Index block = ::mixattn::detail::gemm_task_rows;
     g.d_mixed.resize(n, heads * dv);
     g.gemm.clear();
-    g.gemm.add(g.params[g.slot_w[3]], {transposed<T>(cache.mixed)}, {plain<T>(grad_y)}, T(1),
-               false, 0);
+    g.gemm.add(g.params[g.slot_w[3]], {transposed<T>(cache.mixed)}, {plain<T>(grad_y)}, T(1), false,
+               0);
     g.gemm.add(g.d_mixed, {plain<T>(grad_y)}, {transposed<T>(w_o_)}, T(1), false, block);
     g.gemm.run(cfg_.threads);
     if (cfg_.check_finite)
-      ::mixattn::detail::require_finite_result(g.d_mixed, fn,
-                                               "the heads' output gradient dY W_O^T",
+      ::mixattn::detail::require_finite_result(g.d_mixed, fn, "the heads' output gradient dY W_O^T",
                                                "grad_y or w_o is");
     g.dq.resize(n, heads * r);
     g.dk.resize(n, heads * r);
@@ -774,8 +743,7 @@ class MultiHeadAttention {
     g.gemm.add(g.params[g.slot_w[1]], {transposed<T>(x)}, {plain<T>(g.dk)}, T(1), false, 0);
     g.gemm.add(g.params[g.slot_w[2]], {transposed<T>(x)}, {plain<T>(g.dv)}, T(1), false, 0);
     g.gemm.add(g.x, {plain<T>(g.dq), plain<T>(g.dk), plain<T>(g.dv)},
-               {transposed<T>(w_q_), transposed<T>(w_k_), transposed<T>(w_v_)}, T(1), false,
-               block);
+               {transposed<T>(w_q_), transposed<T>(w_k_), transposed<T>(w_v_)}, T(1), false, block);
     g.gemm.run(cfg_.threads);
     if (cfg_.check_finite) {
       const char* culprit = "x, grad_y or a parameter is";

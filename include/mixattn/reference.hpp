@@ -12,7 +12,6 @@
 // The `_into` forms write into caller-owned outputs, Saved and Grad and reuse their capacity:
 // a training step whose shapes repeat performs no heap allocation.
 #pragma once
-#define MIXATTN_REFERENCE_HPP_INCLUDED
 
 #include "mixattn/core.hpp"
 #include "mixattn/detail/flash_kernels.hpp"
@@ -47,9 +46,9 @@ struct Saved {
   bool causal = false;           // options the forward ran with (the resolved scale)
   double scale = 0;
   std::uint64_t fingerprint[3] = {0, 0, 0};  // of q, k, v (mixattn::detail::Fingerprint)
-  Matrix<T> probs;  // naive: P = softmax(scale Q K^T + mask), N x M
-  Matrix<T> out;    // flash: O, N x d_v
-  Vector<T> lse;    // flash: log sum_j exp(scale q_i . k_j) over visible j, N
+  Matrix<T> probs;                           // naive: P = softmax(scale Q K^T + mask), N x M
+  Matrix<T> out;                             // flash: O, N x d_v
+  Vector<T> lse;  // flash: log sum_j exp(scale q_i . k_j) over visible j, N
   // Working memory of the forwards (used in each thread's own record, not in the caller's).
   detail::FlashScratch<T> scratch;
   mixattn::detail::GemmSpace<T> gemm;
@@ -64,16 +63,15 @@ struct Grad {
   mixattn::detail::GemmSpace<T> gemm;
 };
 
-namespace detail {
+}  // namespace reference
 
-using mixattn::detail::require;
-using mixattn::detail::require_finite;
-using mixattn::detail::shape_str;
+namespace detail {
 
 /// Validates q, k, v and the options (once, at the API boundary); returns the resolved scale.
 template <class T>
-double check_inputs(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                    const ConstMatrixRef<T>& v, const Options& opt) {
+double reference_check_inputs(const char* fn, const ConstMatrixRef<T>& q,
+                              const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                              const reference::Options& opt) {
   mixattn::detail::check_qkv_shapes<T>(fn, q, k, v);
   require(!opt.causal || q.rows() == k.rows(), fn, "causal attention needs as many keys as ",
           "queries, but q has ", q.rows(), " rows and k has ", k.rows());
@@ -88,18 +86,20 @@ double check_inputs(const char* fn, const ConstMatrixRef<T>& q, const ConstMatri
 
 /// Validates grad_out and the Saved record against the inputs; returns the resolved scale.
 template <class T>
-double check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                      const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
-                      const Saved<T>& saved, const Options& opt, typename Saved<T>::Source expected,
-                      const char* forward_name) {
-  const double scale = check_inputs<T>(fn, q, k, v, opt);
+double reference_check_backward(const char* fn, const ConstMatrixRef<T>& q,
+                                const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                                const ConstMatrixRef<T>& grad_out, const reference::Saved<T>& saved,
+                                const reference::Options& opt,
+                                typename reference::Saved<T>::Source expected,
+                                const char* forward_name) {
+  const double scale = reference_check_inputs<T>(fn, q, k, v, opt);
   require(grad_out.rows() == q.rows() && grad_out.cols() == v.cols(), fn, "grad_out is ",
           shape_str(grad_out), " but the output is ", q.rows(), " x ", v.cols(),
           " (q rows x v columns)");
   if (opt.check_finite) require_finite(grad_out, fn, "grad_out");
   require(saved.source == expected, fn, "saved was not filled by ", forward_name,
-          saved.source == Saved<T>::Source::none ? " (it is empty)"
-                                                 : " (it comes from the other forward)");
+          saved.source == reference::Saved<T>::Source::none ? " (it is empty)"
+                                                            : " (it comes from the other forward)");
   require(saved.queries == q.rows() && saved.keys == k.rows() && saved.value_dim == v.cols(), fn,
           "saved is for ", saved.queries, " queries, ", saved.keys,
           " keys and d_v = ", saved.value_dim, " but q has ", q.rows(), " rows, k has ", k.rows(),
@@ -116,9 +116,9 @@ double check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstMat
 }
 
 template <class T>
-void record(Saved<T>& saved, typename Saved<T>::Source source, const ConstMatrixRef<T>& q,
-            const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
-            double scale) {
+void reference_record(reference::Saved<T>& saved, typename reference::Saved<T>::Source source,
+                      const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                      const ConstMatrixRef<T>& v, const reference::Options& opt, double scale) {
   saved.source = source;
   saved.queries = q.rows();
   saved.keys = k.rows();
@@ -132,7 +132,8 @@ void record(Saved<T>& saved, typename Saved<T>::Source source, const ConstMatrix
 
 /// With checks on, gradients that overflow T are reported, never returned.
 template <class T>
-void check_grad(const char* fn, const Grad<T>& g, const Options& opt) {
+void reference_check_grad(const char* fn, const reference::Grad<T>& g,
+                          const reference::Options& opt) {
   if (!opt.check_finite) return;
   const char* culprit = "q, k, v or grad_out is";
   mixattn::detail::require_finite_result(g.q, fn, "the gradient of q", culprit);
@@ -142,7 +143,7 @@ void check_grad(const char* fn, const Grad<T>& g, const Options& opt) {
 
 /// Logits this large overflow T: report it rather than return NaN.
 template <class T>
-void check_output(const char* fn, const Matrix<T>& out, const Options& opt) {
+void reference_check_output(const char* fn, const Matrix<T>& out, const reference::Options& opt) {
   if (opt.check_finite && !out.allFinite())
     mixattn::detail::raise_domain_error(mixattn::detail::concat(
         fn, ": the output is not finite although q, k, v are: scale * q . k overflows the ",
@@ -153,20 +154,16 @@ void check_output(const char* fn, const Matrix<T>& out, const Options& opt) {
 
 namespace detail {
 
-using mixattn::detail::gemm;
-using mixattn::detail::plain;
-using mixattn::detail::transposed;
-
 /// naive_forward_into's body (`fn` names the entry point in messages).
 template <class T>
 void naive_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
-                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
-                   Saved<T>* saved) {
-  const double scale = check_inputs<T>(fn, q, k, v, opt);
+                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                   const reference::Options& opt, reference::Saved<T>* saved) {
+  const double scale = reference_check_inputs<T>(fn, q, k, v, opt);
   const Index n = q.rows(), m = k.rows();
   // Working memory is this thread's; P is copied into `saved` (capacity reused) only
   // once the call has succeeded, so a throwing call leaves `saved` untouched.
-  thread_local Saved<T> rec;
+  thread_local reference::Saved<T> rec;
   // S = (scale Q) K^T, associated as flash_forward does: with an extreme scale, Q K^T alone could
   // overflow or underflow where the scaled product does not. Materialised so that the scalar is
   // not folded into the GEMM's alpha (applied after the products).
@@ -187,9 +184,9 @@ void naive_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
   }
   out.resize(n, v.cols());
   gemm<T>(out, plain<T>(p), plain<T>(v), T(1), false, rec.gemm);
-  check_output(fn, out, opt);
+  reference_check_output(fn, out, opt);
   if (saved) {
-    record(*saved, Saved<T>::Source::naive, q, k, v, opt, scale);
+    reference_record(*saved, reference::Saved<T>::Source::naive, q, k, v, opt, scale);
     saved->probs = rec.probs;
     saved->out.resize(0, 0);
     saved->lse.resize(0);
@@ -198,11 +195,12 @@ void naive_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
 
 /// naive_backward_into's body.
 template <class T>
-void naive_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
+void naive_backward(const char* fn, reference::Grad<T>& g, const ConstMatrixRef<T>& q,
                     const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
-  const double scale =
-      check_backward<T>(fn, q, k, v, grad_out, saved, opt, Saved<T>::Source::naive, "naive_forward");
+                    const ConstMatrixRef<T>& grad_out, const reference::Saved<T>& saved,
+                    const reference::Options& opt) {
+  const double scale = reference_check_backward<T>(
+      fn, q, k, v, grad_out, saved, opt, reference::Saved<T>::Source::naive, "naive_forward");
   const Matrix<T>& p = saved.probs;
   require(p.rows() == q.rows() && p.cols() == k.rows(), fn, "saved.probs is ", shape_str(p),
           " but should be ", q.rows(), " x ", k.rows());
@@ -223,26 +221,26 @@ void naive_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
   qs = static_cast<T>(scale) * q;
   g.k.resize(k.rows(), k.cols());
   gemm<T>(g.k, transposed<T>(ds), plain<T>(qs), T(1), false, g.gemm);
-  check_grad(fn, g, opt);
+  reference_check_grad(fn, g, opt);
 }
 
 /// flash_forward_into's body.
 template <class T>
 void flash_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
-                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
-                   Saved<T>* saved) {
-  const double scale = check_inputs<T>(fn, q, k, v, opt);
+                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                   const reference::Options& opt, reference::Saved<T>* saved) {
+  const double scale = reference_check_inputs<T>(fn, q, k, v, opt);
   using Tiles = FlashTiles<T>;
   // Working memory is this thread's; the log-sum-exps are copied into `saved` only once the
   // call has succeeded, so a throwing call leaves `saved` untouched.
-  thread_local Saved<T> rec;
+  thread_local reference::Saved<T> rec;
   out.resize(q.rows(), v.cols());
   rec.lse.resize(q.rows());
   flash_forward_tiles<T, Tiles::forward_queries, Tiles::forward_keys>(
       q, k, v, static_cast<T>(scale), opt.causal, out, rec.lse, rec.scratch);
-  check_output(fn, out, opt);
+  reference_check_output(fn, out, opt);
   if (saved) {
-    record(*saved, Saved<T>::Source::flash, q, k, v, opt, scale);
+    reference_record(*saved, reference::Saved<T>::Source::flash, q, k, v, opt, scale);
     saved->out = out;
     saved->lse = rec.lse;
     saved->probs.resize(0, 0);
@@ -251,15 +249,16 @@ void flash_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
 
 /// flash_backward_into's body.
 template <class T>
-void flash_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
+void flash_backward(const char* fn, reference::Grad<T>& g, const ConstMatrixRef<T>& q,
                     const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                    const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
-  const double scale =
-      check_backward<T>(fn, q, k, v, grad_out, saved, opt, Saved<T>::Source::flash, "flash_forward");
-  require(saved.out.rows() == q.rows() && saved.out.cols() == v.cols() &&
-              saved.lse.size() == q.rows(),
-          fn, "saved.out is ", shape_str(saved.out), " and saved.lse has ", saved.lse.size(),
-          " entries but q has ", q.rows(), " rows and v has ", v.cols(), " columns");
+                    const ConstMatrixRef<T>& grad_out, const reference::Saved<T>& saved,
+                    const reference::Options& opt) {
+  const double scale = reference_check_backward<T>(
+      fn, q, k, v, grad_out, saved, opt, reference::Saved<T>::Source::flash, "flash_forward");
+  require(
+      saved.out.rows() == q.rows() && saved.out.cols() == v.cols() && saved.lse.size() == q.rows(),
+      fn, "saved.out is ", shape_str(saved.out), " and saved.lse has ", saved.lse.size(),
+      " entries but q has ", q.rows(), " rows and v has ", v.cols(), " columns");
   using Tiles = FlashTiles<T>;
   g.q.resize(q.rows(), q.cols());
   g.k.resize(k.rows(), k.cols());
@@ -267,10 +266,12 @@ void flash_backward(const char* fn, Grad<T>& g, const ConstMatrixRef<T>& q,
   flash_backward_tiles<T, Tiles::backward_queries, Tiles::backward_keys>(
       q, k, v, saved.out, grad_out, saved.lse, static_cast<T>(scale), opt.causal, g.q, g.k, g.v,
       g.scratch);
-  check_grad(fn, g, opt);
+  reference_check_grad(fn, g, opt);
 }
 
 }  // namespace detail
+
+namespace reference {
 
 /// Naive softmax attention (SPEC §3): forms S = (scale Q) K^T (N x M), masks it (causal: j > i is
 /// -inf), applies a max-subtracted row softmax and returns P V.
@@ -439,7 +440,7 @@ Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatri
                   detail::shape_str(q), " and v is ", detail::shape_str(v),
                   " but the cache holds keys of width ", cache.key_dim(), " and values of width ",
                   cache.value_dim());
-  const T scale = static_cast<T>(detail::check_inputs<T>(fn, q, k, v, opt));
+  const T scale = static_cast<T>(detail::reference_check_inputs<T>(fn, q, k, v, opt));
   const Index n = q.rows(), dv = v.cols(), start = cache.size();
   cache.append(k, v);
   const ConstMatrixRef<T> keys = cache.keys(), values = cache.values();
@@ -455,7 +456,7 @@ Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatri
     out.row(i).noalias() = si.transpose() * values.topRows(vis);
   }
   if (opt.check_finite && !out.allFinite()) cache.truncate(start);  // before check_output throws
-  detail::check_output(fn, out, opt);
+  detail::reference_check_output(fn, out, opt);
   return out;
 }
 
@@ -535,29 +536,25 @@ Grad<mixattn::detail::scalar_of<T, Q>> flash_backward(
 
 #ifdef MIXATTN_TEMPLATE_INSTANCE
 // The workers behind every forward and backward form (core.hpp: compiling the operators once).
-namespace reference {
 namespace detail {
-#define MIXATTN_REFERENCE_INSTANCES(T)                                                            \
-  MIXATTN_TEMPLATE_INSTANCE void naive_forward<T>(const char*, Matrix<T>&,                        \
-                                                  const ConstMatrixRef<T>&,                       \
-                                                  const ConstMatrixRef<T>&,                       \
-                                                  const ConstMatrixRef<T>&, const Options&,       \
-                                                  Saved<T>*);                                     \
-  MIXATTN_TEMPLATE_INSTANCE void flash_forward<T>(const char*, Matrix<T>&,                        \
-                                                  const ConstMatrixRef<T>&,                       \
-                                                  const ConstMatrixRef<T>&,                       \
-                                                  const ConstMatrixRef<T>&, const Options&,       \
-                                                  Saved<T>*);                                     \
-  MIXATTN_TEMPLATE_INSTANCE void naive_backward<T>(                                               \
-      const char*, Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,                  \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const Saved<T>&, const Options&);       \
-  MIXATTN_TEMPLATE_INSTANCE void flash_backward<T>(                                               \
-      const char*, Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,                  \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const Saved<T>&, const Options&);
+#define MIXATTN_REFERENCE_INSTANCES(T)                                                      \
+  MIXATTN_TEMPLATE_INSTANCE void naive_forward<T>(                                          \
+      const char*, Matrix<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,          \
+      const ConstMatrixRef<T>&, const reference::Options&, reference::Saved<T>*);           \
+  MIXATTN_TEMPLATE_INSTANCE void flash_forward<T>(                                          \
+      const char*, Matrix<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,          \
+      const ConstMatrixRef<T>&, const reference::Options&, reference::Saved<T>*);           \
+  MIXATTN_TEMPLATE_INSTANCE void naive_backward<T>(                                         \
+      const char*, reference::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const reference::Saved<T>&,       \
+      const reference::Options&);                                                           \
+  MIXATTN_TEMPLATE_INSTANCE void flash_backward<T>(                                         \
+      const char*, reference::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const reference::Saved<T>&,       \
+      const reference::Options&);
 MIXATTN_REFERENCE_INSTANCES(float)
 MIXATTN_REFERENCE_INSTANCES(double)
 #undef MIXATTN_REFERENCE_INSTANCES
 }  // namespace detail
-}  // namespace reference
 #endif
 MIXATTN_END_NAMESPACE

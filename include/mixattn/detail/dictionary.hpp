@@ -9,9 +9,7 @@
 // can replay the updates bit for bit from the recorded assignments.
 #pragma once
 
-#ifndef MIXATTN_OVQ_HPP_INCLUDED
-#error "mixattn/detail/dictionary.hpp is internal; include <mixattn/ovq.hpp>"
-#endif
+#include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
 
@@ -22,9 +20,7 @@
 #include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
-namespace ovq::detail {
-
-using mixattn::detail::wide_t;
+namespace detail {
 
 /// Dictionary size after t absorbed tokens under the plateau schedule (SPEC 2.3 step 1):
 /// N(t) = min(max(floor(t N_max / (t + alpha)), 1), N_max) for t >= 1, N(0) = 0.
@@ -301,5 +297,5 @@ class MeanUpdate {
   std::vector<Index> touched_;
 };
 
-}  // namespace ovq::detail
+}  // namespace detail
 MIXATTN_END_NAMESPACE

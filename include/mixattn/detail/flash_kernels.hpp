@@ -5,9 +5,7 @@
 // assume valid shapes, finite inputs, M >= 1 whenever N >= 1, and N == M when causal.
 #pragma once
 
-#ifndef MIXATTN_REFERENCE_HPP_INCLUDED
-#error "mixattn/detail/flash_kernels.hpp is internal; include <mixattn/reference.hpp>"
-#endif
+#include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
 #include "mixattn/detail/softmax.hpp"
@@ -18,7 +16,7 @@
 #include <type_traits>
 
 MIXATTN_BEGIN_NAMESPACE
-namespace reference::detail {
+namespace detail {
 
 /// Tile sizes, fixed at compile time. A query tile of `queries` rows meets a key tile of `keys`
 /// rows; the score tile (queries x keys) and its operand tiles stay in L2, and every tile product
@@ -36,16 +34,12 @@ struct FlashTiles {
 /// Working memory of the tiled kernels, reused across calls (capacity kept when shapes repeat).
 template <class T>
 struct FlashScratch {
-  Matrix<T> qs;                // forward: scale * one query tile; backward: scale * q (N x r)
-  Matrix<T> s, dp;             // one score / probability tile and its gradient
-  Vector<T> row_max;           // forward: per row of a query tile
+  Matrix<T> qs;       // forward: scale * one query tile; backward: scale * q (N x r)
+  Matrix<T> s, dp;    // one score / probability tile and its gradient
+  Vector<T> row_max;  // forward: per row of a query tile
   Vector<mixattn::detail::wide_t<T>> row_sum;  // forward: per row of a query tile
   Vector<T> delta;                             // backward: D_i = dO_i . O_i (N)
 };
-
-using mixattn::detail::exp_shifted_sum;
-using mixattn::detail::row_dot;
-using mixattn::detail::softmax_backward_apply;
 
 /// Columns c of a score tile whose key j0 + c lies after query i (causal mask, inclusive j <= i)
 /// start at c = i - j0 + 1. Returns how many leading columns of the row are visible, in [0, bc].
@@ -105,8 +99,8 @@ void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
         RowMap(&st(t, 0) + visible, bc - visible).setZero();
         if (visible == 0) continue;  // nothing visible in this tile: state unchanged
         T* seen = &st(t, 0);
-        const T new_max =
-            mixattn::detail::max_keep_nan(row_max[t], mixattn::detail::row_max(arch, seen, visible));
+        const T new_max = mixattn::detail::max_keep_nan(
+            row_max[t], mixattn::detail::row_max(arch, seen, visible));
         // new_max is finite (finite scores); the old max may still be -inf on the first visible
         // tile, where exp(-inf - finite) = 0 correctly discards the empty history and no
         // -inf - -inf can arise.
@@ -221,5 +215,5 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
                                           scratch);
 }
 
-}  // namespace reference::detail
+}  // namespace detail
 MIXATTN_END_NAMESPACE

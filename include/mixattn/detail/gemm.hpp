@@ -9,6 +9,8 @@
 // nothing; the arithmetic is Eigen's own kernel, with the blocking Eigen itself would choose.
 #pragma once
 
+#include "mixattn/detail/internal_header_check.hpp"
+
 #include "mixattn/core.hpp"
 
 #include <Eigen/Core>

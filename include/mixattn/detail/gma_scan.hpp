@@ -11,6 +11,8 @@
 // Eigen's GEMM. Nothing of size N x N or one state per position is ever stored.
 #pragma once
 
+#include "mixattn/detail/internal_header_check.hpp"
+
 #include "mixattn/core.hpp"
 
 #include <Eigen/Core>

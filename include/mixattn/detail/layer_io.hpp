@@ -1,8 +1,6 @@
 // mixattn/detail/layer_io.hpp — byte-level helpers of the parameter file format (layer.hpp).
 #pragma once
-#ifndef MIXATTN_LAYER_HPP_INCLUDING
-#error "mixattn/detail/layer_io.hpp is internal: include <mixattn/layer.hpp>"
-#endif
+#include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
 
@@ -15,7 +13,7 @@
 #include <type_traits>
 
 MIXATTN_BEGIN_NAMESPACE
-namespace layer::detail {
+namespace detail {
 
 // Integers and scalars are written little-endian whatever the host, byte by byte, so a file is
 // portable between hosts of either byte order.
@@ -72,5 +70,5 @@ inline std::string concat_msg(const std::string& fn, const std::string& path,
 #endif
 }
 
-}  // namespace layer::detail
+}  // namespace detail
 MIXATTN_END_NAMESPACE

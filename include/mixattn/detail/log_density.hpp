@@ -14,6 +14,8 @@
 // instead of a product), so no horizontal reduction is needed and the loads are amortised.
 #pragma once
 
+#include "mixattn/detail/internal_header_check.hpp"
+
 #include "mixattn/core.hpp"
 #include "mixattn/detail/simd.hpp"
 #include "mixattn/detail/softmax.hpp"
@@ -208,7 +210,8 @@ inline bool responsibilities_row_wide(const PackedDensity<T>& p, const T* x, T* 
     L acc = 0;
     for (Index d = 0; d < p.dim; ++d) {
       const T* slot = p.ab.data() + (d * kv + v) * 2 * Wd;
-      const L t = static_cast<L>(x[d]) * static_cast<L>(slot[lane]) - static_cast<L>(slot[Wd + lane]);
+      const L t =
+          static_cast<L>(x[d]) * static_cast<L>(slot[lane]) - static_cast<L>(slot[Wd + lane]);
       acc += t * t;
     }
     s[static_cast<std::size_t>(k)] = static_cast<L>(p.offset[k]) - acc;
@@ -245,7 +248,8 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
   // inf - inf from finite inputs far beyond T's range; NaN spreads over the whole row) is redone
   // in the wide type; a row that fails there too is reported.
   const auto settle = [&](bool ok, Index i) {
-    if ((ok && !std::isnan(out[i * ldo])) || responsibilities_row_wide(p, x + i * ldx, out + i * ldo))
+    if ((ok && !std::isnan(out[i * ldo])) ||
+        responsibilities_row_wide(p, x + i * ldx, out + i * ldo))
       return;
     std::fill(out + i * ldo, out + i * ldo + K, std::numeric_limits<T>::quiet_NaN());
     if (failed < 0) failed = i;

@@ -8,9 +8,7 @@
 // and no row can be all -inf (no NaN, whatever the inputs' norms).
 #pragma once
 
-#ifndef MIXATTN_OVQ_HPP_INCLUDED
-#error "mixattn/detail/ovq_attention.hpp is internal; include <mixattn/ovq.hpp>"
-#endif
+#include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
 #include "mixattn/detail/softmax.hpp"
@@ -20,12 +18,7 @@
 #include <limits>
 
 MIXATTN_BEGIN_NAMESPACE
-namespace ovq::detail {
-
-using mixattn::detail::exp_shifted_sum;
-using mixattn::detail::row_dot;
-using mixattn::detail::row_max;
-using mixattn::detail::softmax_backward_apply;
+namespace detail {
 
 template <class T>
 using CRef = Eigen::Ref<const Matrix<T>>;
@@ -172,5 +165,5 @@ void tile_backward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, cons
   }
 }
 
-}  // namespace ovq::detail
+}  // namespace detail
 MIXATTN_END_NAMESPACE

@@ -9,6 +9,8 @@
 // next one when it finishes one, with its own GEMM packing buffers.
 #pragma once
 
+#include "mixattn/detail/internal_header_check.hpp"
+
 #include "mixattn/core.hpp"
 #include "mixattn/detail/gemm.hpp"
 #include "mixattn/parallel.hpp"

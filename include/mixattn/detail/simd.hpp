@@ -19,6 +19,8 @@
 //   that have it) is therefore not supported by mixing TUs.
 #pragma once
 
+#include "mixattn/detail/internal_header_check.hpp"
+
 #include <xsimd/xsimd.hpp>
 
 #include <cstddef>

@@ -19,6 +19,8 @@
 // Arch = scalar_arch (no SIMD) the tail loop does the whole row.
 #pragma once
 
+#include "mixattn/detail/internal_header_check.hpp"
+
 #include "mixattn/core.hpp"
 #include "mixattn/detail/simd.hpp"
 

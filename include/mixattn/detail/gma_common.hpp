@@ -1,0 +1,203 @@
+// mixattn/detail/gma_common.hpp — what GMA's forward and backward share: the fingerprints, the
+// argument checks, the responsibilities and density-gradient passes, the mixture's gradient.
+//
+// Internal: included by mixattn/gma.hpp after its records (Saved, Grad, Prepared).
+#pragma once
+
+#include "mixattn/detail/internal_header_check.hpp"
+
+#include "mixattn/core.hpp"
+#include "mixattn/detail/gma_scratch.hpp"
+#include "mixattn/detail/log_density.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T>
+std::uint64_t mixture_fingerprint(const gma::Mixture<T>& mix) {
+  return Fingerprint()
+      .add(mix.mean)
+      .add(mix.var_raw)
+      .add(mix.prior_logit)
+      .add(mix.var_floor)
+      .value();
+}
+
+/// Fingerprint of a causal prefix state (S, z): a record's start state, or the end state whose
+/// gradient a StateGrad carries, so that pieces of a sequence are chained as they ran.
+template <class W>
+std::uint64_t gma_state_fingerprint(const Matrix<W>& S, const Vector<W>& z) {
+  return Fingerprint().add(S).add(z).value();
+}
+
+template <class T>
+void gma_check_mixture(const gma::Mixture<T>& mix, const char* fn, bool check_finite) {
+  const Index K = mix.mean.rows(), r = mix.mean.cols();
+  require(K > 0 && r > 0, fn, "mixture has ", K, " components of dimension ", r, " (mean is ",
+          shape_str(mix.mean), "); both must be positive");
+  require(mix.var_raw.rows() == K && mix.var_raw.cols() == r, fn, "mixture.var_raw is ",
+          shape_str(mix.var_raw), " but mixture.mean is ", shape_str(mix.mean));
+  require(mix.prior_logit.size() == K, fn, "mixture.prior_logit has ", mix.prior_logit.size(),
+          " entries but mixture.mean has ", K, " components");
+  require(std::isfinite(static_cast<double>(mix.var_floor)) && mix.var_floor > 0, fn,
+          "mixture.var_floor is ", mix.var_floor, "; it must be positive and finite");
+  if (check_finite) {
+    require_finite(mix.mean, fn, "mixture.mean");
+    require_finite(mix.var_raw, fn, "mixture.var_raw");
+    require_finite(mix.prior_logit, fn, "mixture.prior_logit");
+  }
+}
+
+/// Shapes of q, k, v against the mixture's dimension r, the options, and (with check_finite)
+/// the inputs' values.
+template <class T>
+void gma_check_qkv(const char* fn, Index r, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                   const ConstMatrixRef<T>& v, const gma::Options& opt) {
+  require(q.cols() == r, fn, "q is ", shape_str(q), " but the mixture has dimension ", r,
+          " (its r: q must have ", r, " columns)");
+  require(k.cols() == r, fn, "k is ", shape_str(k), " but the mixture has dimension ", r,
+          " (its r: k must have ", r, " columns)");
+  require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows());
+  require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
+          ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
+  require(!opt.causal || q.rows() == k.rows(), fn,
+          "causal needs as many queries as keys, but q has ", q.rows(), " rows and k has ",
+          k.rows());
+  // eps is applied in T: one that rounds to 0 there (1e-300 in float) would let 0 / 0 through.
+  require(opt.eps > 0 && std::isfinite(opt.eps) && static_cast<T>(opt.eps) > T(0) &&
+              std::isfinite(static_cast<T>(opt.eps)),
+          fn, "options.eps is ", opt.eps, "; it must be positive and finite in the scalar type");
+  require(opt.chunk >= 0, fn, "options.chunk is ", opt.chunk, "; it must be >= 0 (0: default)");
+  if (opt.check_finite) {
+    require_finite(q, fn, "q");
+    require_finite(k, fn, "k");
+    require_finite(v, fn, "v");
+  }
+}
+
+template <class T>
+void gma_check_inputs(const char* fn, const gma::Mixture<T>& mix, const ConstMatrixRef<T>& q,
+                      const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                      const gma::Options& opt) {
+  gma_check_mixture(mix, fn, opt.check_finite);
+  gma_check_qkv<T>(fn, mix.mean.cols(), q, k, v, opt);
+}
+
+/// A State continued by a call with K components, d_v value columns and n more tokens.
+template <class T>
+void gma_check_state(const char* fn, const gma::State<T>& st, Index K, Index dv, Index n,
+                     const gma::Options& opt) {
+  require(opt.causal, fn,
+          "a State is a causal prefix: options.causal must be true to continue one");
+  require(st.S.rows() == K && st.S.cols() == dv && st.z.size() == K, fn, "state.S is ",
+          shape_str(st.S), " and state.z has ", st.z.size(), " entries, but the mixture has ", K,
+          " components and v has ", dv, " columns: make it with State<T>::empty(", K, ", ", dv,
+          ")");
+  require(st.tokens_seen >= 0 && n <= std::numeric_limits<Index>::max() - st.tokens_seen, fn,
+          "state.tokens_seen is ", st.tokens_seen, "; with ", n,
+          " more tokens it must stay in [0, max Index]");
+  if (opt.check_finite) {
+    // One vectorised probe over the contiguous state (x * 0 is 0 only for finite x); the
+    // row-wise scan that names the entry runs only on failure.
+    using W = wide_t<T>;
+    const W probe =
+        (Eigen::Map<const Eigen::Matrix<W, 1, Eigen::Dynamic>>(st.S.data(), st.S.size()).array() *
+         W(0))
+            .sum() +
+        (st.z.array() * W(0)).sum();
+    if (probe == W(0)) return;
+    require_finite(st.S, fn, "state.S");
+    require_finite(st.z, fn, "state.z");
+  }
+}
+
+/// Per-thread scratch for forward without `saved` (two N x K buffers, kept for the thread's
+/// lifetime and grown to the largest call; each thread has its own, so calls stay reentrant).
+template <class T>
+Matrix<T>& gma_workspace(int slot) {
+  thread_local Matrix<T> buffers[2];
+  return buffers[slot];
+}
+
+inline Index gma_chunk(const gma::Options& opt) {
+  return opt.chunk > 0 ? opt.chunk : gma_default_chunk;
+}
+
+/// Gamma of the n rows of x (N x r view) into out (N x K), for a mixture already reduced to its
+/// packed constants; `scores` (optional) keeps the kernel's score rows between calls. A row that
+/// overflows even in the wide fallback is reported (with checks on) as std::domain_error naming
+/// `arg`.
+template <class Arch, class T>
+void gma_gamma_into(const PackedDensity<T>& p, const ConstMatrixRef<T>& x, T* out, bool check,
+                    const char* fn, const char* arg, std::vector<T>* scores = nullptr) {
+  const Index bad = responsibilities_into(Arch{}, p, x.data(), x.outerStride(), x.rows(), out,
+                                          p.components, scores);
+  if (bad >= 0 && check)
+    raise_domain_error(concat(fn, ": ", arg, " row ", bad, " (largest magnitude ",
+                              x.row(bad).cwiseAbs().maxCoeff(),
+                              ") is so far from every mixture component that its log-densities "
+                              "overflow even in the widest type: scale ",
+                              arg, " down"));
+}
+
+/// Through the softmax and the log-density (SPEC 1.5) for n <= panel tokens x (stride ldx) with
+/// responsibilities gamma (n x K, stride ldg): ds holds dGamma on entry and dS on exit (n x K,
+/// stride ldds); dx (n x r, stride lddx) is written; the mixture's token sums go to `sums`.
+template <class Arch, class T, class W>
+void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T* x, Index ldx,
+                               const T* gamma, Index ldg, T* ds, Index ldds, Index n,
+                               GmaBackwardScratch<T>& s, DensityGradSums<W>& sums, T* dx,
+                               Index lddx) {
+  const Index K = p.components, r = p.dim, rp = p.padded_dim;
+  for (Index i = 0; i < n; ++i) {
+    // dS = gamma . (dgamma - gamma . dgamma)
+    T* di = ds + i * ldds;
+    softmax_backward_row(arch, gamma + i * ldg, di, K);
+    for (Index k = 0; k < K; ++k) sums.w(k) += static_cast<W>(di[k]);
+    std::copy(x + i * ldx, x + i * ldx + r, s.xpad.data() + i * rp);  // padding stays zero
+  }
+  s.acc.topRows(n).setZero();
+  density_grad_into(arch, p, s.xpad.data(), rp, ds, ldds, n, s.acc.data(), rp, sums);
+  for (Index i = 0; i < n; ++i)
+    for (Index m = 0; m < r; ++m) dx[i * lddx + m] = T(-2) * s.acc(i, m);
+}
+
+/// Mixture gradients from the token sums (SPEC 1.5): d var_raw = d var . sigmoid(var_raw),
+/// d prior_logit = dlogpi - pi sum(dlogpi).
+template <class T, class W>
+void gma_mixture_grad(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
+                      const DensityGradSums<W>& sums, Matrix<W>& dmu, Matrix<W>& dvar,
+                      gma::MixtureGrad<T>& grad) {
+  const Index K = mix.mean.rows(), r = mix.mean.cols();
+  density_grad_finish(c, sums, dmu, dvar);
+  grad.mean = dmu.template cast<T>();
+  grad.var_raw.resize(K, r);
+  for (Index kk = 0; kk < K; ++kk)
+    for (Index m = 0; m < r; ++m)
+      grad.var_raw(kk, m) =
+          static_cast<T>(dvar(kk, m) * sigmoid(static_cast<W>(mix.var_raw(kk, m))));
+  const W total = sums.w.sum();
+  grad.prior_logit = (sums.w.array() - c.log_pi.array().exp() * total).template cast<T>();
+}
+
+/// With checks on, gradients that overflow T are reported, never returned.
+template <class T>
+void gma_check_grad(const char* fn, const gma::Grad<T>& g) {
+  const char* culprit = "q, k, v or grad_out is";
+  require_finite_result(g.q, fn, "the gradient of q", culprit);
+  require_finite_result(g.k, fn, "the gradient of k", culprit);
+  require_finite_result(g.v, fn, "the gradient of v", culprit);
+  require_finite_result(g.mixture.mean, fn, "the gradient of mixture.mean", culprit);
+  require_finite_result(g.mixture.var_raw, fn, "the gradient of mixture.var_raw", culprit);
+  require_finite_result(g.mixture.prior_logit, fn, "the gradient of mixture.prior_logit", culprit);
+  require_finite_result(g.state.S, fn, "the gradient of the start state's S", culprit);
+  require_finite_result(g.state.z, fn, "the gradient of the start state's z", culprit);
+}
+
+}  // namespace detail
+MIXATTN_END_NAMESPACE

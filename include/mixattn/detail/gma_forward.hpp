@@ -1,0 +1,209 @@
+// mixattn/detail/gma_forward.hpp — GMA's forward (SPEC.md §1.2–1.4): the bidirectional read-out,
+// the record for backward, the whole-sequence body and the continued (State) body with its
+// one-token path.
+//
+// Internal: included by mixattn/gma.hpp after its records.
+#pragma once
+
+#include "mixattn/detail/internal_header_check.hpp"
+
+#include "mixattn/core.hpp"
+#include "mixattn/detail/gma_common.hpp"
+#include "mixattn/detail/gma_scan.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// Bidirectional read-out (SPEC 1.3): Vt = Gamma_K^T V, z = Gamma_K^T 1, then numerators by
+/// GEMM and denominators by GEMV (cheaper than copying V into [V | 1] for the ones column).
+template <class T>
+void gma_bidirectional_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
+                               T eps, Matrix<T>& vt, Vector<T>& z, Matrix<T>& out, Vector<T>& den,
+                               GmaForwardScratch<T>& s) {
+  const Index K = gq.cols(), dv = v.cols();
+  vt.resize(K, dv);
+  gemm<T>(vt, transposed<T>(gk), plain<T>(v), T(1), false, s.gemm);
+  z.resize(K);
+  s.ones.setOnes(gk.rows());  // a stored vector: the GEMV reads it in place, no temporary
+  z.noalias() = gk.transpose() * s.ones;
+  gemm<T>(out, plain<T>(gq), plain<T>(vt), T(1), false, s.gemm);
+  den.noalias() = gq * z;
+  den.array() += eps;
+  out.array().colwise() /= den.array();
+}
+
+/// This thread's forward scratch, for calls without `saved` (kept for the thread's lifetime).
+template <class T>
+GmaForwardScratch<T>& gma_thread_scratch() {
+  thread_local GmaForwardScratch<T> scratch;
+  return scratch;
+}
+
+/// Completes a Saved record whose gamma_q, gamma_k and den the forward wrote in place: the
+/// output, the options and the fingerprints of the call's own inputs.
+/// The start state (saved.start_S, saved.start_z: empty for a whole sequence) is in place
+/// before the call; its fingerprint is taken here, and end_fingerprint is reset (a continued
+/// forward sets it after). O(size) passes, no allocation.
+template <class T>
+void gma_save(gma::Saved<T>& saved, const Matrix<T>& out, const ConstMatrixRef<T>& q,
+              const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const gma::Options& opt,
+              std::uint64_t mixture_fingerprint) {
+  saved.out = out;
+  saved.causal = opt.causal;
+  saved.eps = opt.eps;
+  saved.chunk = gma_chunk(opt);
+  saved.fingerprint[0] = fingerprint(q);
+  saved.fingerprint[1] = fingerprint(k);
+  saved.fingerprint[2] = fingerprint(v);
+  saved.fingerprint[3] = mixture_fingerprint;
+  saved.fingerprint[4] = gma_state_fingerprint(saved.start_S, saved.start_z);
+  saved.end_fingerprint = 0;
+  saved.valid = true;
+}
+
+/// forward_into's body; `fn` names the public entry point in messages.
+template <class Arch, class T>
+void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
+                 const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 const gma::Options& opt, gma::Saved<T>* saved) {
+  gma_check_inputs(fn, mix, q, k, v, opt);
+  using W = wide_t<T>;
+  const Index N = q.rows(), K = mix.components(), dv = v.cols();
+  const T eps = static_cast<T>(opt.eps);
+  // Without `saved` the responsibilities and the rest are scratch: this thread's buffers, so a
+  // steady stream of calls neither page-faults fresh memory nor returns it to the OS each time.
+  GmaForwardScratch<T>& s = saved ? saved->scratch : gma_thread_scratch<T>();
+  if (saved) saved->valid = false;
+  mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
+  pack_density_into<Arch>(s.packed, mix.mean, s.constants);
+  Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
+  Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
+  gq.resize(N, K);
+  gk.resize(k.rows(), K);
+  gma_gamma_into<Arch, T>(s.packed, q, gq.data(), opt.check_finite, fn, "q", &s.scores);
+  gma_gamma_into<Arch, T>(s.packed, k, gk.data(), opt.check_finite, fn, "k", &s.scores);
+  out.resize(N, dv);
+  Vector<T>& den = saved ? saved->den : s.den;
+  den.resize(N);
+  if (opt.causal) {
+    s.scan.S.setZero(K, dv);
+    s.scan.z.setZero(K);
+    gma_causal_forward<T>(gq, gk, v, eps, gma_chunk(opt), out, den, s.scan.S, s.scan.z, s.scan);
+  } else {
+    gma_bidirectional_forward<T>(gq, gk, v, eps, saved ? saved->vt : s.vt, saved ? saved->z : s.z,
+                                 out, den, s);
+  }
+  // Gamma is finite now, so only the sums of v over keys can overflow (the output itself is a
+  // weighted mean of v's rows).
+  if (opt.check_finite) require_finite_result(out, fn, "the output", "v is");
+  if (saved) {
+    if (opt.causal) {
+      saved->vt.resize(0, 0);
+      saved->z.resize(0);
+    }
+    saved->continued = false;
+    saved->start_S.resize(0, 0);
+    saved->start_z.resize(0);
+    gma_save(*saved, out, q, k, v, opt, mixture_fingerprint(mix));
+  }
+}
+
+/// Wide scratch of the one-token decode kernel, per thread (d_v + 2K).
+template <class W>
+Vector<W>& gma_decode_scratch() {
+  thread_local Vector<W> buffer;
+  return buffer;
+}
+
+/// With checks on, whether v holds values that may make a continued forward's sums overflow.
+/// The state holds weighted sums of v's rows in the wide type (z only weights): values below
+/// sqrt(max T) cannot overflow it (not even over 2^63 tokens), and cannot carry a sum that is
+/// already near the limit over it either, since they are below half its rounding step there.
+template <class T>
+bool gma_large_values(const ConstMatrixRef<T>& v, const gma::Options& opt) {
+  if (!opt.check_finite || v.size() == 0) return false;
+  return static_cast<double>(v.cwiseAbs().maxCoeff()) >
+         std::sqrt(static_cast<double>(std::numeric_limits<T>::max()));
+}
+
+/// With checks on, a continued forward whose output or (after large values) new state
+/// overflowed restores the start state when it kept it and throws domain_error. The output, a
+/// weighted mean of values, is always probed (O(n d_v)); the state (O(K d_v)) only after large
+/// values, so that decoding ordinary tokens pays no extra pass over it.
+template <class T>
+void gma_check_continued(const char* fn, const Matrix<T>& out, gma::State<T>& st, bool large,
+                         bool kept, const Matrix<wide_t<T>>& start_S,
+                         const Vector<wide_t<T>>& start_z, Index start_tokens) {
+  using W = wide_t<T>;
+  const bool finite =
+      (out.array() * T(0)).sum() == T(0) && (!large || (st.S.array() * W(0)).sum() == W(0));
+  if (finite) return;
+  if (kept) {
+    st.S = start_S;
+    st.z = start_z;
+    st.tokens_seen = start_tokens;
+  }
+  require_finite_result(out, fn, "the output", "v is");
+  require_finite_result(st.S, fn, "the state's S", "v is");
+}
+
+/// Causal forward continuing `st` (SPEC 1.4) for a mixture already packed, into out (n x d_v);
+/// validated by the caller. Short pieces (fewer tokens than a chunk: decoding) take the
+/// one-token recurrence on the wide state, longer ones the chunked scan; both are the same sums
+/// up to rounding. Working memory lives in `saved` (or this thread's scratch without it).
+template <class Arch, class T>
+void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T>& p,
+                           const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                           const ConstMatrixRef<T>& v, const gma::Options& opt, gma::State<T>& st,
+                           gma::Saved<T>* saved, std::uint64_t mixture_fingerprint) {
+  using W = wide_t<T>;
+  const Index N = q.rows(), K = p.components, dv = v.cols(), chunk = gma_chunk(opt);
+  GmaForwardScratch<T>& s = saved ? saved->scratch : gma_thread_scratch<T>();
+  if (saved) saved->valid = false;
+  Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
+  Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
+  gq.resize(N, K);
+  gk.resize(N, K);
+  // Rows far from every component fall back to a wider type; a throw here leaves st untouched.
+  gma_gamma_into<Arch, T>(p, q, gq.data(), opt.check_finite, fn, "q", &s.scores);
+  gma_gamma_into<Arch, T>(p, k, gk.data(), opt.check_finite, fn, "k", &s.scores);
+  out.resize(N, dv);
+  Vector<T>& den = saved ? saved->den : s.den;
+  den.resize(N);
+  // The start state, for backward or to give it back untouched after an overflow (capacity
+  // reused when shapes repeat).
+  const Index start_tokens = st.tokens_seen;
+  const bool large = gma_large_values<T>(v, opt), kept = large || saved != nullptr;
+  Matrix<W>& start_S = saved ? saved->start_S : s.start_S;
+  Vector<W>& start_z = saved ? saved->start_z : s.start_z;
+  if (kept) {
+    start_S = st.S;
+    start_z = st.z;
+  }
+  if (N < chunk) {
+    Vector<W>& w = gma_decode_scratch<W>();
+    w.resize(dv + 2 * K);
+    gma_causal_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, dv,
+                         static_cast<T>(opt.eps), st.S, st.z, w, out.data(), dv, den.data());
+  } else {
+    gma_causal_forward<T>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z, s.scan);
+  }
+  st.tokens_seen += N;
+  if (opt.check_finite)
+    gma_check_continued<T>(fn, out, st, large, kept, start_S, start_z, start_tokens);
+  if (saved) {
+    saved->vt.resize(0, 0);
+    saved->z.resize(0);
+    saved->continued = true;
+    gma_save(*saved, out, q, k, v, opt, mixture_fingerprint);
+    saved->end_fingerprint = gma_state_fingerprint(st.S, st.z);
+  }
+}
+
+}  // namespace detail
+MIXATTN_END_NAMESPACE

@@ -1,0 +1,64 @@
+// mixattn/detail/gma_scratch.hpp — GMA's working memory (the forward and backward scratch kept in
+// Saved and Grad for reuse).
+//
+// Internal: included by mixattn/gma.hpp after its public types, before its records.
+#pragma once
+
+#include "mixattn/detail/internal_header_check.hpp"
+
+#include "mixattn/core.hpp"
+#include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/gma_scan.hpp"
+#include "mixattn/detail/log_density.hpp"
+
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// Scratch of a forward call: the mixture's packed constants, the bidirectional read-out's
+/// buffers (when no Saved holds them), the causal scan's state and the GEMM packing buffers.
+template <class T>
+struct GmaForwardScratch {
+  MixtureConstants<wide_t<T>> constants;
+  PackedDensity<T> packed;
+  std::vector<T> scores;  // the density kernel's rows of scores
+  Vector<T> den, z, ones;
+  Matrix<T> vt;
+  // A continued forward's start state, kept (without a Saved to hold it) after values large
+  // enough to overflow the state, so that an overflow gives the State back untouched.
+  Matrix<wide_t<T>> start_S;
+  Vector<wide_t<T>> start_z;
+  GmaScanScratch<T> scan;
+  GemmSpace<T> gemm;
+};
+
+/// Rows per panel of the backward: the panel's dGamma/dS (panel x K), [g | h] (panel x (d_v+1))
+/// and padded x / dx tiles stay in L2 while the log-density kernel streams them once per tile of
+/// components, and the kernel's in-panel float sums stay short (the sweep: bench/results/tuning.md,
+/// "GMA backward panel").
+constexpr Index gma_backward_panel = 256;
+
+/// Scratch of one backward call, reused by every panel and, through Grad, by later calls.
+template <class T>
+struct GmaBackwardScratch {
+  using W = wide_t<T>;
+  Matrix<T> gh;       // panel x (d_v + 1): [g | h] (bidirectional)
+  Matrix<T> ds;       // panel x K: dGamma, then dS in place (bidirectional)
+  Matrix<T> xpad;     // panel x padded r: x, zero beyond r
+  Matrix<T> acc;      // panel x padded r: -dx / 2
+  Matrix<T> upd;      // K x (d_v + 1): one panel's [dVt | dZ]
+  Matrix<T> vz, dvz;  // K x (d_v + 1): [Vt | Z] and the summed [dVt | dZ]
+  Matrix<W> dvz_wide;
+  Matrix<T> g, dgq, dgk;  // causal: N x d_v, N x K, M x K
+  Vector<T> h, inv_den;   // causal: N
+  Matrix<W> dmu, dvar;    // K x r
+  MixtureConstants<W> constants;
+  PackedDensityDims<T> packed;
+  DensityGradSums<W> sums;
+  Matrix<W> G;  // causal: K x d_v, the suffix state dL/dS (when grad.state does not hold it)
+  Vector<W> u;  // causal: K, dL/dz
+  GmaScanScratch<T> scan;
+  GemmSpace<T> gemm;
+};
+
+}  // namespace detail
+MIXATTN_END_NAMESPACE
