@@ -42,32 +42,31 @@ struct HeadsSaved {
   std::vector<Saved<T>> heads;
 };
 
-/// Gradients of forward_heads: dq (N x H r), dk (M x H r), dv (M x H d_v), one MixtureGrad per head.
+/// Gradients of forward_heads: dq (N x H r), dk (M x H r), dv (M x H d_v), one MixtureGrad per
+/// head.
 template <class T>
 struct HeadsGrad {
   Matrix<T> q, k, v;
   std::vector<MixtureGrad<T>> mixtures;
 };
 
-
 /// Multi-head GMA forward. mixtures: H mixtures of dimension r; q: N x (H r), k: M x (H r),
 /// v: M x (H d_v). Returns N x (H d_v). threads: 0 = all cores, 1 = the calling thread only.
 template <class T>
 Matrix<T> forward_heads(const std::vector<Mixture<T>>& mixtures, const ConstMatrixRef<T>& q,
                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                        const Options& opt = {}, int threads = 1,
-                        HeadsSaved<T>* saved = nullptr) {
-  mixattn::detail::check_gma_heads("mixattn::gma::forward_heads", mixtures, q.cols(), k.cols(), v.cols(),
-                      threads);
+                        const Options& opt = {}, int threads = 1, HeadsSaved<T>* saved = nullptr) {
+  mixattn::detail::check_gma_heads("mixattn::gma::forward_heads", mixtures, q.cols(), k.cols(),
+                                   v.cols(), threads);
   const Index heads = static_cast<Index>(mixtures.size());
-  const Index r = q.cols() / heads, dv = v.cols() / heads;
+  const Index r = q.cols() / heads, d_v = v.cols() / heads;
   Matrix<T> out(q.rows(), v.cols());
   std::vector<Saved<T>> local(saved ? static_cast<std::size_t>(heads) : 0);
   parallel_for(heads, threads, [&](Index h) {
     const std::size_t hs = static_cast<std::size_t>(h);
-    out.middleCols(h * dv, dv) =
+    out.middleCols(h * d_v, d_v) =
         forward(mixtures[hs], q.middleCols(h * r, r), k.middleCols(h * r, r),
-                v.middleCols(h * dv, dv), opt, saved ? &local[hs] : nullptr);
+                v.middleCols(h * d_v, d_v), opt, saved ? &local[hs] : nullptr);
   });
   if (saved) saved->heads = std::move(local);
   return out;
@@ -87,7 +86,7 @@ HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>& mixtures, const Const
   mixattn::detail::require(grad_out.rows() == q.rows() && grad_out.cols() == v.cols(), fn,
                            "grad_out is ", mixattn::detail::shape_str(grad_out), " but expected ",
                            q.rows(), " x ", v.cols());
-  const Index r = q.cols() / heads, dv = v.cols() / heads;
+  const Index r = q.cols() / heads, d_v = v.cols() / heads;
   HeadsGrad<T> g;
   g.q.resize(q.rows(), q.cols());
   g.k.resize(k.rows(), k.cols());
@@ -96,11 +95,11 @@ HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>& mixtures, const Const
   parallel_for(heads, threads, [&](Index h) {
     const std::size_t hs = static_cast<std::size_t>(h);
     Grad<T> gh = backward(mixtures[hs], q.middleCols(h * r, r), k.middleCols(h * r, r),
-                          v.middleCols(h * dv, dv), grad_out.middleCols(h * dv, dv),
+                          v.middleCols(h * d_v, d_v), grad_out.middleCols(h * d_v, d_v),
                           saved.heads[hs], opt);
     g.q.middleCols(h * r, r) = gh.q;
     g.k.middleCols(h * r, r) = gh.k;
-    g.v.middleCols(h * dv, dv) = gh.v;
+    g.v.middleCols(h * d_v, d_v) = gh.v;
     g.mixtures[hs] = std::move(gh.mixture);
   });
   return g;
@@ -116,8 +115,8 @@ Matrix<T> forward_heads(const std::vector<Mixture<T>>&, const Q&, const K&, cons
 }
 template <class T, class Q, class K, class V, class G,
           mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
-HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>&, const Q&, const K&, const V&,
-                            const G&, const HeadsSaved<T>&, const Options& = {}, int = 1) {
+HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>&, const Q&, const K&, const V&, const G&,
+                            const HeadsSaved<T>&, const Options& = {}, int = 1) {
   mixattn::detail::refuse_arguments<T, Q, K, V, G>();
   return {};
 }

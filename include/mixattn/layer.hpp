@@ -281,12 +281,12 @@ class MultiHeadAttention {
  public:
   explicit MultiHeadAttention(const Config& config) : cfg_(config) {
     validate_config();
-    const Index h = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim, d = cfg_.model_dim;
+    const Index h = cfg_.heads, r = cfg_.key_dim, d_v = cfg_.value_dim, d = cfg_.model_dim;
     std::mt19937_64 rng(cfg_.seed);
     w_q_ = gaussian(d, h * r, 1.0 / std::sqrt(static_cast<double>(d)), rng);
     w_k_ = gaussian(d, h * r, 1.0 / std::sqrt(static_cast<double>(d)), rng);
-    w_v_ = gaussian(d, h * dv, 1.0 / std::sqrt(static_cast<double>(d)), rng);
-    w_o_ = gaussian(h * dv, d, 1.0 / std::sqrt(static_cast<double>(h * dv)), rng);
+    w_v_ = gaussian(d, h * d_v, 1.0 / std::sqrt(static_cast<double>(d)), rng);
+    w_o_ = gaussian(h * d_v, d, 1.0 / std::sqrt(static_cast<double>(h * d_v)), rng);
     if (cfg_.mixer == MixerKind::gma)
       for (Index i = 0; i < h; ++i)
         mixtures_.push_back(gma::Mixture<T>::random(cfg_.components, r,
@@ -376,20 +376,20 @@ class MultiHeadAttention {
                                "decoding needs a causal layer: set config.causal = true");
     ::mixattn::detail::require(reserve_tokens >= 0, fn, "reserve_tokens is ", reserve_tokens,
                                ", must be >= 0");
-    const Index heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
+    const Index heads = cfg_.heads, r = cfg_.key_dim, d_v = cfg_.value_dim;
     DecodeState<T> st;
     st.layer = this;
     for (Index h = 0; h < heads; ++h) {
       switch (cfg_.mixer) {
         case MixerKind::gma:
           st.gma_prepared.emplace_back(mixtures_[static_cast<std::size_t>(h)]);
-          st.gma.push_back(gma::State<T>::empty(cfg_.components, dv));
+          st.gma.push_back(gma::State<T>::empty(cfg_.components, d_v));
           break;
         case MixerKind::ovq:
-          st.ovq.push_back(ovq::State<T>::empty(r, dv));
+          st.ovq.push_back(ovq::State<T>::empty(r, d_v));
           break;
         case MixerKind::softmax:
-          st.softmax.emplace_back(r, dv, reserve_tokens);
+          st.softmax.emplace_back(r, d_v, reserve_tokens);
           break;
       }
     }
@@ -413,17 +413,17 @@ class MultiHeadAttention {
     ::mixattn::detail::require(state.layer == this && have == hs, fn,
                                "state was not made by this layer's begin_decoding()");
     if (cfg_.mixer == MixerKind::gma) check_prepared(fn, state);
-    const Index n = x.rows(), r = cfg_.key_dim, dv = cfg_.value_dim;
+    const Index n = x.rows(), r = cfg_.key_dim, d_v = cfg_.value_dim;
     const Matrix<T> q = x * w_q_, k = x * w_k_, v = x * w_v_;
     check_projections(fn, q, k, v);  // before any head's state moves
-    Matrix<T> mixed(n, cfg_.heads * dv);
+    Matrix<T> mixed(n, cfg_.heads * d_v);
     const gma::Options gopt = gma_options();
     const reference::Options sopt = softmax_options();
     parallel_for(cfg_.heads, cfg_.threads, [&](Index h) {
       const std::size_t i = static_cast<std::size_t>(h);
       const ConstMatrixRef<T> qh = q.middleCols(h * r, r), kh = k.middleCols(h * r, r);
-      const ConstMatrixRef<T> vh = v.middleCols(h * dv, dv);
-      auto out = mixed.middleCols(h * dv, dv);
+      const ConstMatrixRef<T> vh = v.middleCols(h * d_v, d_v);
+      auto out = mixed.middleCols(h * d_v, d_v);
       switch (cfg_.mixer) {
         case MixerKind::gma:
           out = gma::forward(state.gma_prepared[i], qh, kh, vh, gopt, state.gma[i]);
@@ -556,18 +556,18 @@ class MultiHeadAttention {
     check_input(fn, x);
     using ::mixattn::detail::plain;
     constexpr Index block = ::mixattn::detail::gemm_task_rows;
-    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
+    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, d_v = cfg_.value_dim;
     c.tokens = -1;  // stays invalid if a head throws
     c.q.resize(n, heads * r);
     c.k.resize(n, heads * r);
-    c.v.resize(n, heads * dv);
+    c.v.resize(n, heads * d_v);
     c.gemm.clear();  // the projections in row blocks, on the pool
     c.gemm.add(c.q, {plain<T>(x)}, {plain<T>(w_q_)}, T(1), false, block);
     c.gemm.add(c.k, {plain<T>(x)}, {plain<T>(w_k_)}, T(1), false, block);
     c.gemm.add(c.v, {plain<T>(x)}, {plain<T>(w_v_)}, T(1), false, block);
     c.gemm.run(cfg_.threads);
     check_projections(fn, c.q, c.k, c.v);
-    c.mixed.resize(n, heads * dv);
+    c.mixed.resize(n, heads * d_v);
     const Index items = (static_cast<Index>(c.offsets.size()) - 1) * heads;
     const std::size_t is = static_cast<std::size_t>(items);
     c.gma_saved.resize(keep && cfg_.mixer == MixerKind::gma ? is : 0);
@@ -598,21 +598,21 @@ class MultiHeadAttention {
 
   /// The mixer of item i = b H + h: head h on sequence b.
   void head_forward(Cache<T>& c, Index item, bool keep) const {
-    const Index r = cfg_.key_dim, dv = cfg_.value_dim, h = item % cfg_.heads;
+    const Index r = cfg_.key_dim, d_v = cfg_.value_dim, h = item % cfg_.heads;
     const std::size_t i = static_cast<std::size_t>(item), hi = static_cast<std::size_t>(h);
     const Index t0 = c.offsets[static_cast<std::size_t>(item / cfg_.heads)];
     const Index n = sequence_length(c.offsets, item);
     const ConstMatrixRef<T> qh = c.q.block(t0, h * r, n, r);
     const ConstMatrixRef<T> kh = c.k.block(t0, h * r, n, r);
-    const ConstMatrixRef<T> vh = c.v.block(t0, h * dv, n, dv);
+    const ConstMatrixRef<T> vh = c.v.block(t0, h * d_v, n, d_v);
     Matrix<T>& out = c.head_out[i];
     switch (cfg_.mixer) {
       case MixerKind::gma:
         gma::forward_into(out, mixtures_[hi], qh, kh, vh, gma_options(),
                           keep ? &c.gma_saved[i] : nullptr);
         break;
-      case MixerKind::ovq: {                                      // each sequence starts afresh
-        const ovq::State<T> empty = ovq::State<T>::empty(r, dv);  // 0-row: nothing allocated
+      case MixerKind::ovq: {                                       // each sequence starts afresh
+        const ovq::State<T> empty = ovq::State<T>::empty(r, d_v);  // 0-row: nothing allocated
         ovq::forward_into(out, qh, kh, vh, beta_[h], cfg_.ovq, empty, c.ovq_state[i],
                           keep ? &c.ovq_saved[i] : nullptr);
         break;
@@ -622,7 +622,7 @@ class MultiHeadAttention {
                                          keep ? &c.softmax_saved[i] : nullptr);
         break;
     }
-    c.mixed.block(t0, h * dv, n, dv) = out;
+    c.mixed.block(t0, h * d_v, n, d_v) = out;
   }
 
   void check_backward(const char* fn, const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& grad_y,
@@ -710,11 +710,11 @@ class MultiHeadAttention {
     check_backward(fn, x, grad_y, cache);
     using ::mixattn::detail::plain;
     using ::mixattn::detail::transposed;
-    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, dv = cfg_.value_dim;
+    const Index n = x.rows(), heads = cfg_.heads, r = cfg_.key_dim, d_v = cfg_.value_dim;
     prepare_gradients(g);
     // Y = M W_O: dW_O = Mᵀ dY (one task: its depth is N), dM = dY W_Oᵀ (row blocks).
     constexpr Index block = ::mixattn::detail::gemm_task_rows;
-    g.d_mixed.resize(n, heads * dv);
+    g.d_mixed.resize(n, heads * d_v);
     g.gemm.clear();
     g.gemm.add(g.params[g.slot_w[3]], {transposed<T>(cache.mixed)}, {plain<T>(grad_y)}, T(1), false,
                0);
@@ -725,7 +725,7 @@ class MultiHeadAttention {
                                                "grad_y or w_o is");
     g.dq.resize(n, heads * r);
     g.dk.resize(n, heads * r);
-    g.dv.resize(n, heads * dv);
+    g.dv.resize(n, heads * d_v);
     const Index items = (static_cast<Index>(cache.offsets.size()) - 1) * heads;
     const std::size_t is = static_cast<std::size_t>(items);
     g.gma_grads.resize(cfg_.mixer == MixerKind::gma ? is : 0);
@@ -756,14 +756,14 @@ class MultiHeadAttention {
 
   /// The backward of item i = b H + h into its own record and its rows of dQ, dK, dV.
   void head_backward(Gradients<T>& g, const Cache<T>& cache, Index item) const {
-    const Index r = cfg_.key_dim, dv = cfg_.value_dim, h = item % cfg_.heads;
+    const Index r = cfg_.key_dim, d_v = cfg_.value_dim, h = item % cfg_.heads;
     const std::size_t i = static_cast<std::size_t>(item), hi = static_cast<std::size_t>(h);
     const Index t0 = cache.offsets[static_cast<std::size_t>(item / cfg_.heads)];
     const Index n = sequence_length(cache.offsets, item);
     const ConstMatrixRef<T> qh = cache.q.block(t0, h * r, n, r);
     const ConstMatrixRef<T> kh = cache.k.block(t0, h * r, n, r);
-    const ConstMatrixRef<T> vh = cache.v.block(t0, h * dv, n, dv);
-    const ConstMatrixRef<T> doh = g.d_mixed.block(t0, h * dv, n, dv);
+    const ConstMatrixRef<T> vh = cache.v.block(t0, h * d_v, n, d_v);
+    const ConstMatrixRef<T> doh = g.d_mixed.block(t0, h * d_v, n, d_v);
     const Matrix<T>*gq = nullptr, *gk = nullptr, *gv = nullptr;
     switch (cfg_.mixer) {
       case MixerKind::gma: {
@@ -788,7 +788,7 @@ class MultiHeadAttention {
     }
     g.dq.block(t0, h * r, n, r) = *gq;
     g.dk.block(t0, h * r, n, r) = *gk;
-    g.dv.block(t0, h * dv, n, dv) = *gv;
+    g.dv.block(t0, h * d_v, n, d_v) = *gv;
   }
 
   /// Per-head parameters' gradients: the items' summed in sequence order.

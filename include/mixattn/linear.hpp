@@ -102,17 +102,17 @@ void linear_attend(const Matrix<T>& phi_q, const Matrix<T>& phi_k, const ConstMa
                    const linear::Options& opt, Matrix<T>& out, Vector<T>& den, Matrix<T>& kv,
                    Vector<T>& ksum) {
   using W = wide_t<T>;
-  const Index r = phi_q.cols(), dv = v.cols();
+  const Index r = phi_q.cols(), d_v = v.cols();
   const T eps = static_cast<T>(opt.eps);
   den.resize(phi_q.rows());
   if (opt.causal) {
-    Matrix<W> S = Matrix<W>::Zero(r, dv);
+    Matrix<W> S = Matrix<W>::Zero(r, d_v);
     Vector<W> z = Vector<W>::Zero(r);
     GmaScanScratch<T> scan;
     gma_causal_forward<T>(phi_q, phi_k, v, eps, linear_chunk(opt), out, den, S, z, scan);
   } else {
     // write KV = Phi_K^T V, z = Phi_K^T 1; read numerators by GEMM, denominators by GEMV
-    kv.resize(r, dv);
+    kv.resize(r, d_v);
     kv.noalias() = phi_k.transpose() * v;
     ksum.setZero(r);
     if (phi_k.rows() > 0) ksum = phi_k.colwise().sum().transpose();  // (no columns of empty data)
@@ -165,17 +165,17 @@ void linear_check_backward(const char* fn, const ConstMatrixRef<T>& q, const Con
                            const linear::Saved<T>& saved, const linear::Options& opt,
                            Index features) {
   linear_check_inputs<T>(fn, q, k, v, opt);
-  const Index N = q.rows(), M = k.rows(), r = features, dv = v.cols();
-  require(grad_out.rows() == N && grad_out.cols() == dv, fn, "grad_out is ", shape_str(grad_out),
-          " but the output is ", N, " x ", dv, " (q rows x v columns)");
+  const Index N = q.rows(), M = k.rows(), r = features, d_v = v.cols();
+  require(grad_out.rows() == N && grad_out.cols() == d_v, fn, "grad_out is ", shape_str(grad_out),
+          " but the output is ", N, " x ", d_v, " (q rows x v columns)");
   if (opt.check_finite) require_finite(grad_out, fn, "grad_out");
   require(saved.valid, fn, "saved was not filled by forward");
   require(saved.phi_q.rows() == N && saved.phi_q.cols() == r && saved.phi_k.rows() == M &&
               saved.phi_k.cols() == r && saved.den.size() == N && saved.out.rows() == N &&
-              saved.out.cols() == dv,
+              saved.out.cols() == d_v,
           fn, "saved is for N = ", saved.phi_q.rows(), ", M = ", saved.phi_k.rows(),
           ", features = ", saved.phi_q.cols(), ", d_v = ", saved.out.cols(),
-          " but the inputs have N = ", N, ", M = ", M, ", features = ", r, ", d_v = ", dv);
+          " but the inputs have N = ", N, ", M = ", M, ", features = ", r, ", d_v = ", d_v);
   require(saved.causal == opt.causal && saved.eps == opt.eps && saved.chunk == linear_chunk(opt),
           fn, "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
           ", chunk = ", saved.chunk, " but options give causal = ", opt.causal, ", eps = ", opt.eps,
@@ -194,25 +194,25 @@ void linear_check_backward(const char* fn, const ConstMatrixRef<T>& q, const Con
 template <class T>
 void linear_backward_bidirectional(const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                                    const linear::Saved<T>& saved, Matrix<T>& dphi_q,
-                                   Matrix<T>& dphi_k, Matrix<T>& dv_out) {
-  const Index N = saved.phi_q.rows(), r = saved.phi_q.cols(), dv = v.cols();
-  Matrix<T> gh(N, dv + 1);
+                                   Matrix<T>& dphi_k, Matrix<T>& dv) {
+  const Index N = saved.phi_q.rows(), r = saved.phi_q.cols(), d_v = v.cols();
+  Matrix<T> gh(N, d_v + 1);
   const Vector<T> inv_den = saved.den.cwiseInverse();
-  gh.leftCols(dv) = grad_out;
-  gh.leftCols(dv).array().colwise() *= inv_den.array();
-  gh.col(dv) =
+  gh.leftCols(d_v) = grad_out;
+  gh.leftCols(d_v).array().colwise() *= inv_den.array();
+  gh.col(d_v) =
       -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
-  Matrix<T> kvz(r, dv + 1);
-  kvz.leftCols(dv) = saved.kv;
-  kvz.col(dv) = saved.ksum;
+  Matrix<T> kvz(r, d_v + 1);
+  kvz.leftCols(d_v) = saved.kv;
+  kvz.col(d_v) = saved.ksum;
   dphi_q.resize(N, r);
   dphi_q.noalias() = gh * kvz.transpose();
-  Matrix<T> dkvz(r, dv + 1);
+  Matrix<T> dkvz(r, d_v + 1);
   dkvz.noalias() = saved.phi_q.transpose() * gh;
   dphi_k.resize(v.rows(), r);
-  dphi_k.noalias() = v * dkvz.leftCols(dv).transpose();
-  dphi_k.rowwise() += dkvz.col(dv).transpose();
-  dv_out.noalias() = saved.phi_k * dkvz.leftCols(dv);
+  dphi_k.noalias() = v * dkvz.leftCols(d_v).transpose();
+  dphi_k.rowwise() += dkvz.col(d_v).transpose();
+  dv.noalias() = saved.phi_k * dkvz.leftCols(d_v);
 }
 
 /// Causal backward (SPEC 4.3): the scan shared with GMA (SPEC 1.5) from a zero start state and
@@ -220,9 +220,9 @@ void linear_backward_bidirectional(const ConstMatrixRef<T>& v, const ConstMatrix
 template <class T>
 void linear_backward_causal(const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                             const linear::Saved<T>& saved, Matrix<T>& dphi_q, Matrix<T>& dphi_k,
-                            Matrix<T>& dv_out) {
+                            Matrix<T>& dv) {
   using W = wide_t<T>;
-  const Index N = saved.phi_q.rows(), r = saved.phi_q.cols(), dv = v.cols();
+  const Index N = saved.phi_q.rows(), r = saved.phi_q.cols(), d_v = v.cols();
   const Vector<T> inv_den = saved.den.cwiseInverse();
   Matrix<T> g = grad_out;
   g.array().colwise() *= inv_den.array();
@@ -230,10 +230,10 @@ void linear_backward_causal(const ConstMatrixRef<T>& v, const ConstMatrixRef<T>&
       -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
   dphi_q.resize(N, r);
   dphi_k.resize(N, r);
-  Matrix<W> G = Matrix<W>::Zero(r, dv);
+  Matrix<W> G = Matrix<W>::Zero(r, d_v);
   Vector<W> u = Vector<W>::Zero(r);
   GmaScanScratch<T> scan;  // the prefix starts from zero (no start state)
-  gma_causal_backward<T>(saved.phi_q, saved.phi_k, v, g, h, saved.chunk, dphi_q, dphi_k, dv_out,
+  gma_causal_backward<T>(saved.phi_q, saved.phi_k, v, g, h, saved.chunk, dphi_q, dphi_k, dv,
                          nullptr, nullptr, G, u, scan);
 }
 
@@ -325,13 +325,12 @@ Grad<T> backward(const Q&, const K&, const V&, const G&, const Saved<T>&, const 
 #ifdef MIXATTN_TEMPLATE_INSTANCE
 // core.hpp: compiling the operators once.
 namespace linear {
-#define MIXATTN_LINEAR_INSTANCES(T)                                                               \
-  MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(const ConstMatrixRef<T>&,                     \
-                                                    const ConstMatrixRef<T>&,                     \
-                                                    const ConstMatrixRef<T>&, const Options&,     \
-                                                    Saved<T>*);                                   \
-  MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                               \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
+#define MIXATTN_LINEAR_INSTANCES(T)                                                 \
+  MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
+      const Options&, Saved<T>*);                                                   \
+  MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                 \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
       const ConstMatrixRef<T>&, const Saved<T>&, const Options&);
 MIXATTN_LINEAR_INSTANCES(float)
 MIXATTN_LINEAR_INSTANCES(double)

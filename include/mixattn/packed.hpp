@@ -46,15 +46,15 @@ inline void check_offsets(const char* fn, const char* name, const Offsets& offse
           " entries; it needs B + 1 >= 2 (one more than the number of sequences)");
   require(offsets.front() == 0, fn, name, "[0] is ", offsets.front(), "; it must be 0");
   for (std::size_t b = 0; b + 1 < offsets.size(); ++b)
-    require(offsets[b] <= offsets[b + 1], fn, name, " decreases at ", b, ": ", offsets[b],
-            " > ", offsets[b + 1]);
+    require(offsets[b] <= offsets[b + 1], fn, name, " decreases at ", b, ": ", offsets[b], " > ",
+            offsets[b + 1]);
   require(offsets.back() == rows, fn, name, " ends at ", offsets.back(), " but the input has ",
           rows, " rows");
 }
 
 /// Head layout of a packed call: H_q query heads of width r and H_kv key/value heads.
 struct PackedHeads {
-  Index batch = 0, heads = 0, kv_heads = 0, r = 0, dv = 0;
+  Index batch = 0, heads = 0, kv_heads = 0, r = 0, d_v = 0;
   Index items() const { return batch * heads; }
   Index kv_of(Index h) const { return h / (heads / kv_heads); }
 };
@@ -89,7 +89,7 @@ void packed_sum_kv(const std::vector<Grad>& items, const PackedHeads& ph, const 
                    Index k_cols, Index v_cols, Matrix<T>& dk, Matrix<T>& dv, int threads) {
   dk.resize(k_offsets.back(), k_cols);
   dv.resize(k_offsets.back(), v_cols);
-  const Index group = ph.heads / ph.kv_heads, r = ph.r, d = ph.dv;
+  const Index group = ph.heads / ph.kv_heads, r = ph.r, d = ph.d_v;
   parallel_for(ph.batch * ph.kv_heads, threads, [&](Index bg) {
     const Index b = bg / ph.kv_heads, g = bg % ph.kv_heads;
     const Index k0 = k_offsets[static_cast<std::size_t>(b)];
@@ -144,8 +144,8 @@ struct PairRows {
   Index b, h, g, q0, nq, k0, nk;  // g: the key/value head query head h reads
 };
 
-inline PairRows pair_rows(const PackedHeads& ph, const Offsets& q_offsets,
-                          const Offsets& k_offsets, Index item) {
+inline PairRows pair_rows(const PackedHeads& ph, const Offsets& q_offsets, const Offsets& k_offsets,
+                          Index item) {
   const Index b = item / ph.heads, h = item % ph.heads;
   const std::size_t bs = static_cast<std::size_t>(b);
   return {b,
@@ -181,19 +181,19 @@ void packed_items(const PackedHeads& ph, const Offsets& q_offsets, const Offsets
 /// output into its block of out.
 template <class T, class Record, class Item>
 void packed_forward(Matrix<T>& out, const PackedHeads& ph, const Offsets& q_offsets,
-                    const Offsets& k_offsets, PackedRecords<T, Record>& rec, bool keep,
-                    int threads, bool quadratic, Item&& item) {
+                    const Offsets& k_offsets, PackedRecords<T, Record>& rec, bool keep, int threads,
+                    bool quadratic, Item&& item) {
   const std::size_t items = static_cast<std::size_t>(ph.items());
   rec.items.resize(keep ? items : 0);
   rec.outs.resize(items);
   rec.q_offsets = q_offsets;
   rec.k_offsets = k_offsets;
-  out.resize(q_offsets.back(), ph.heads * ph.dv);
+  out.resize(q_offsets.back(), ph.heads * ph.d_v);
   packed_items(ph, q_offsets, k_offsets, threads, quadratic, rec.order,
                [&](const PairRows& p, std::size_t i) {
                  Matrix<T>& o = rec.outs[i];
                  item(p, o, keep ? &rec.items[i] : nullptr);
-                 out.block(p.q0, p.h * ph.dv, p.nq, ph.dv) = o;
+                 out.block(p.q0, p.h * ph.d_v, p.nq, ph.d_v) = o;
                });
 }
 
@@ -202,8 +202,8 @@ template <class T, class Record>
 void check_packed_backward(const char* fn, const PackedHeads& ph, Index q_rows,
                            const ConstMatrixRef<T>& grad_out, const Offsets& q_offsets,
                            const Offsets& k_offsets, const PackedRecords<T, Record>& saved) {
-  require(grad_out.rows() == q_rows && grad_out.cols() == ph.heads * ph.dv, fn, "grad_out is ",
-          shape_str(grad_out), " but the output is ", q_rows, " x ", ph.heads * ph.dv);
+  require(grad_out.rows() == q_rows && grad_out.cols() == ph.heads * ph.d_v, fn, "grad_out is ",
+          shape_str(grad_out), " but the output is ", q_rows, " x ", ph.heads * ph.d_v);
   require(static_cast<Index>(saved.items.size()) == ph.items() && saved.q_offsets == q_offsets &&
               saved.k_offsets == k_offsets,
           fn, "saved holds ", saved.items.size(), " records for other offsets; this call has ",
@@ -222,7 +222,7 @@ void packed_backward(PackedGrads<T, GradRecord>& grad, const PackedHeads& ph,
   grad.items.resize(static_cast<std::size_t>(ph.items()));
   grad.q.resize(q_offsets.back(), ph.heads * ph.r);
   grad.k.resize(k_offsets.back(), ph.kv_heads * ph.r);
-  grad.v.resize(k_offsets.back(), ph.kv_heads * ph.dv);
+  grad.v.resize(k_offsets.back(), ph.kv_heads * ph.d_v);
   packed_items(ph, q_offsets, k_offsets, threads, quadratic, grad.order,
                [&](const PairRows& p, std::size_t i) {
                  GradRecord& g = grad.items[i];
@@ -230,10 +230,10 @@ void packed_backward(PackedGrads<T, GradRecord>& grad, const PackedHeads& ph,
                  grad.q.block(p.q0, p.h * ph.r, p.nq, ph.r) = g.q;
                  if (grouped) return;
                  grad.k.block(p.k0, p.g * ph.r, p.nk, ph.r) = g.k;
-                 grad.v.block(p.k0, p.g * ph.dv, p.nk, ph.dv) = g.v;
+                 grad.v.block(p.k0, p.g * ph.d_v, p.nk, ph.d_v) = g.v;
                });
   if (grouped)
-    packed_sum_kv(grad.items, ph, k_offsets, ph.kv_heads * ph.r, ph.kv_heads * ph.dv, grad.k,
+    packed_sum_kv(grad.items, ph, k_offsets, ph.kv_heads * ph.r, ph.kv_heads * ph.d_v, grad.k,
                   grad.v, threads);
 }
 
@@ -270,14 +270,13 @@ void forward_packed_into(Matrix<T>& out, const std::vector<Mixture<T>>& mixtures
       detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(), k.rows(),
                            v.rows(), q_offsets, k_offsets, threads);
   PackedSaved<T> local;
-  const Index r = ph.r, dv = ph.dv;
-  detail::packed_forward(out, ph, q_offsets, k_offsets, saved ? *saved : local, saved != nullptr,
-                         threads, false, [&](const detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
-                           forward_into(o, mixtures[static_cast<std::size_t>(p.h)],
-                                        q.block(p.q0, p.h * r, p.nq, r),
-                                        k.block(p.k0, p.h * r, p.nk, r),
-                                        v.block(p.k0, p.h * dv, p.nk, dv), opt, s);
-                         });
+  const Index r = ph.r, d_v = ph.d_v;
+  detail::packed_forward(
+      out, ph, q_offsets, k_offsets, saved ? *saved : local, saved != nullptr, threads, false,
+      [&](const detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
+        forward_into(o, mixtures[static_cast<std::size_t>(p.h)], q.block(p.q0, p.h * r, p.nq, r),
+                     k.block(p.k0, p.h * r, p.nk, r), v.block(p.k0, p.h * d_v, p.nk, d_v), opt, s);
+      });
 }
 
 /// Packed GMA backward; grad_out: total_q x (H d_v); saved from forward_packed_into with the
@@ -295,13 +294,13 @@ void backward_packed_into(PackedGrad<T>& grad, const std::vector<Mixture<T>>& mi
       detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(), k.rows(),
                            v.rows(), q_offsets, k_offsets, threads);
   detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, q_offsets, k_offsets, saved);
-  const Index r = ph.r, dv = ph.dv;
+  const Index r = ph.r, d_v = ph.d_v;
   detail::packed_backward(
       grad, ph, q_offsets, k_offsets, saved, threads, false,
       [&](const detail::PairRows& p, Grad<T>& g, const Saved<T>& s) {
         backward_into(g, mixtures[static_cast<std::size_t>(p.h)], q.block(p.q0, p.h * r, p.nq, r),
-                      k.block(p.k0, p.h * r, p.nk, r), v.block(p.k0, p.h * dv, p.nk, dv),
-                      grad_out.block(p.q0, p.h * dv, p.nq, dv), s, opt);
+                      k.block(p.k0, p.h * r, p.nk, r), v.block(p.k0, p.h * d_v, p.nk, d_v),
+                      grad_out.block(p.q0, p.h * d_v, p.nq, d_v), s, opt);
       });
   grad.mixtures.resize(static_cast<std::size_t>(heads));
   for (Index h = 0; h < heads; ++h) {  // sequence order, as separate calls summed would be
@@ -349,12 +348,12 @@ void flash_forward_packed_into(Matrix<T>& out, Index heads, Index kv_heads,
       mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
                                     k.rows(), v.rows(), q_offsets, k_offsets, threads);
   PackedSaved<T> local;
-  const Index r = ph.r, dv = ph.dv;
+  const Index r = ph.r, d_v = ph.d_v;
   mixattn::detail::packed_forward(
       out, ph, q_offsets, k_offsets, saved ? *saved : local, saved != nullptr, threads, true,
       [&](const mixattn::detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
         flash_forward_into<T>(o, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
-                              v.block(p.k0, p.g * dv, p.nk, dv), opt, s);
+                              v.block(p.k0, p.g * d_v, p.nk, d_v), opt, s);
       });
 }
 
@@ -364,21 +363,20 @@ void flash_backward_packed_into(PackedGrad<T>& grad, Index heads, Index kv_heads
                                 const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                                 const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                                 const Offsets& q_offsets, const Offsets& k_offsets,
-                                const PackedSaved<T>& saved, const Options& opt,
-                                int threads = 1) {
+                                const PackedSaved<T>& saved, const Options& opt, int threads = 1) {
   constexpr const char* fn = "mixattn::reference::flash_backward_packed_into";
   const mixattn::detail::PackedHeads ph =
       mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
                                     k.rows(), v.rows(), q_offsets, k_offsets, threads);
   mixattn::detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, q_offsets, k_offsets,
                                             saved);
-  const Index r = ph.r, dv = ph.dv;
+  const Index r = ph.r, d_v = ph.d_v;
   mixattn::detail::packed_backward(
       grad, ph, q_offsets, k_offsets, saved, threads, true,
       [&](const mixattn::detail::PairRows& p, Grad<T>& g, const Saved<T>& s) {
         flash_backward_into<T>(g, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
-                               v.block(p.k0, p.g * dv, p.nk, dv),
-                               grad_out.block(p.q0, p.h * dv, p.nq, dv), s, opt);
+                               v.block(p.k0, p.g * d_v, p.nk, d_v),
+                               grad_out.block(p.q0, p.h * d_v, p.nq, d_v), s, opt);
       });
 }
 
@@ -413,16 +411,15 @@ void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixRef<T>
   const mixattn::detail::PackedHeads ph =
       mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
                                     k.rows(), v.rows(), offsets, offsets, threads);
-  detail::require(static_cast<Index>(states.size()) == ph.items(), fn, "states has ",
-                  states.size(), " entries but ", ph.batch, " sequences x ", heads, " heads need ",
-                  ph.items());
+  detail::require(static_cast<Index>(states.size()) == ph.items(), fn, "states has ", states.size(),
+                  " entries but ", ph.batch, " sequences x ", heads, " heads need ", ph.items());
   PackedSaved<T> local;
-  const Index r = ph.r, dv = ph.dv;
+  const Index r = ph.r, d_v = ph.d_v;
   mixattn::detail::packed_forward(
       out, ph, offsets, offsets, saved ? *saved : local, saved != nullptr, threads, false,
       [&](const mixattn::detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
         forward_into(o, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
-                     v.block(p.k0, p.g * dv, p.nk, dv), beta[static_cast<std::size_t>(p.h)], opt,
+                     v.block(p.k0, p.g * d_v, p.nk, d_v), beta[static_cast<std::size_t>(p.h)], opt,
                      states[static_cast<std::size_t>(p.b * heads + p.h)], s);
       });
 }
@@ -440,13 +437,13 @@ void backward_packed_into(PackedGrad<T>& grad, Index kv_heads, const ConstMatrix
       mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
                                     k.rows(), v.rows(), offsets, offsets, threads);
   mixattn::detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, offsets, offsets, saved);
-  const Index r = ph.r, dv = ph.dv;
+  const Index r = ph.r, d_v = ph.d_v;
   mixattn::detail::packed_backward(
       grad, ph, offsets, offsets, saved, threads, false,
       [&](const mixattn::detail::PairRows& p, Grad<T>& g, const Saved<T>& s) {
         backward_into(g, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
-                      v.block(p.k0, p.g * dv, p.nk, dv), beta[static_cast<std::size_t>(p.h)],
-                      grad_out.block(p.q0, p.h * dv, p.nq, dv), s, opt);
+                      v.block(p.k0, p.g * d_v, p.nk, d_v), beta[static_cast<std::size_t>(p.h)],
+                      grad_out.block(p.q0, p.h * d_v, p.nq, d_v), s, opt);
       });
   grad.beta.assign(static_cast<std::size_t>(heads), T(0));
   for (Index h = 0; h < heads; ++h)  // sequence order, as separate calls summed would be

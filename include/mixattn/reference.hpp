@@ -441,10 +441,10 @@ Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatri
                   " but the cache holds keys of width ", cache.key_dim(), " and values of width ",
                   cache.value_dim());
   const T scale = static_cast<T>(detail::reference_check_inputs<T>(fn, q, k, v, opt));
-  const Index n = q.rows(), dv = v.cols(), start = cache.size();
+  const Index n = q.rows(), d_v = v.cols(), start = cache.size();
   cache.append(k, v);
   const ConstMatrixRef<T> keys = cache.keys(), values = cache.values();
-  Matrix<T> out(n, dv);
+  Matrix<T> out(n, d_v);
   Vector<T> s(start + n);
   for (Index i = 0; i < n; ++i) {
     // one softmax row over the visible tokens (the query's own key included)

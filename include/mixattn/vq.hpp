@@ -111,15 +111,15 @@ template <class T>
 Matrix<T> vq_key_gradient(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& v,
                           const Matrix<T>& gh, const Matrix<T>& phi_q, const CodeVector& codes,
                           T tau, bool causal, Index chunk) {
-  const Index N = q.rows(), M = v.rows(), r = q.cols(), dv = v.cols(), S = phi_q.cols();
-  Matrix<T> dk = Matrix<T>::Zero(M, r), v1(M, dv + 1), scaled;
-  v1.leftCols(dv) = v;
-  v1.col(dv).setOnes();
+  const Index N = q.rows(), M = v.rows(), r = q.cols(), d_v = v.cols(), S = phi_q.cols();
+  Matrix<T> dk = Matrix<T>::Zero(M, r), v1(M, d_v + 1), scaled;
+  v1.leftCols(d_v) = v;
+  v1.col(d_v).setOnes();
   std::vector<char> used(static_cast<std::size_t>(S), 0);
   for (Index j = 0; j < M; ++j) used[static_cast<std::size_t>(codes[j])] = 1;
   std::vector<Matrix<T>> state(static_cast<std::size_t>(S));
   for (Index s = 0; s < S; ++s)
-    if (used[static_cast<std::size_t>(s)]) state[static_cast<std::size_t>(s)].setZero(r, dv + 1);
+    if (used[static_cast<std::size_t>(s)]) state[static_cast<std::size_t>(s)].setZero(r, d_v + 1);
   const auto absorb = [&](Index i0, Index c) {  // queries [i0, i0 + c) into every used T_s
     for (Index s = 0; s < S; ++s) {
       if (!used[static_cast<std::size_t>(s)]) continue;
@@ -139,8 +139,8 @@ Matrix<T> vq_key_gradient(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& v
     for (Index c0 = ((N - 1) / chunk) * chunk; N > 0 && c0 >= 0; c0 -= chunk) {
       const Index c = std::min(chunk, N - c0);
       read(c0, c);
-      b.noalias() = gh.middleRows(c0, c).leftCols(dv) * v.middleRows(c0, c).transpose();
-      b.colwise() += gh.col(dv).segment(c0, c);
+      b.noalias() = gh.middleRows(c0, c).leftCols(d_v) * v.middleRows(c0, c).transpose();
+      b.colwise() += gh.col(d_v).segment(c0, c);
       for (Index i = 0; i < c; ++i)
         for (Index j = 0; j < c; ++j) b(i, j) *= j <= i ? phi_q(c0 + i, codes[c0 + j]) : T(0);
       dk.middleRows(c0, c).noalias() += b.transpose() * q.middleRows(c0, c);
@@ -260,12 +260,12 @@ Grad<T> backward(const Q&, const K&, const V&, const C&, const G&, const Saved<T
 #ifdef MIXATTN_TEMPLATE_INSTANCE
 // core.hpp: compiling the operators once.
 namespace vq {
-#define MIXATTN_VQ_INSTANCES(T)                                                                   \
-  MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                              \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
-      const ConstMatrixRef<T>&, const Options&, Saved<T>*);                                       \
-  MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                               \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
+#define MIXATTN_VQ_INSTANCES(T)                                                     \
+  MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
+      const ConstMatrixRef<T>&, const Options&, Saved<T>*);                         \
+  MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                 \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
       const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const Saved<T>&, const Options&);
 MIXATTN_VQ_INSTANCES(float)
 MIXATTN_VQ_INSTANCES(double)

@@ -22,12 +22,12 @@ namespace detail {
 /// dL/d(end state) is only meaningful for a forward that continued a State.
 template <class T>
 void gma_check_state_grad(const char* fn, const gma::Saved<T>& saved, const gma::StateGrad<T>& gs,
-                          Index K, Index dv, bool check_finite) {
+                          Index K, Index d_v, bool check_finite) {
   require(saved.continued, fn,
           "grad_state_out is given but saved is from a forward without a State");
-  require(gs.S.rows() == K && gs.S.cols() == dv && gs.z.size() == K, fn, "grad_state_out.S is ",
+  require(gs.S.rows() == K && gs.S.cols() == d_v && gs.z.size() == K, fn, "grad_state_out.S is ",
           shape_str(gs.S), " and grad_state_out.z has ", gs.z.size(), " entries, but the state is ",
-          K, " x ", dv, " and ", K);
+          K, " x ", d_v, " and ", K);
   if (check_finite) {
     require_finite(gs.S, fn, "grad_state_out.S");
     require_finite(gs.z, fn, "grad_state_out.z");
@@ -62,26 +62,26 @@ void gma_check_backward(const char* fn, const gma::Mixture<T>& mix, const ConstM
                         const ConstMatrixRef<T>& grad_out, const gma::Saved<T>& saved,
                         const gma::Options& opt, const gma::StateGrad<T>* grad_state_out) {
   gma_check_inputs(fn, mix, q, k, v, opt);
-  const Index N = q.rows(), M = k.rows(), K = mix.components(), dv = v.cols();
-  require(grad_out.rows() == N && grad_out.cols() == dv, fn, "grad_out is ", shape_str(grad_out),
-          " but the output is ", N, " x ", dv);
+  const Index N = q.rows(), M = k.rows(), K = mix.components(), d_v = v.cols();
+  require(grad_out.rows() == N && grad_out.cols() == d_v, fn, "grad_out is ", shape_str(grad_out),
+          " but the output is ", N, " x ", d_v);
   if (opt.check_finite) require_finite(grad_out, fn, "grad_out");
   require(saved.valid, fn, "saved was not filled by forward");
   require(saved.gamma_q.rows() == N && saved.gamma_q.cols() == K && saved.gamma_k.rows() == M &&
               saved.gamma_k.cols() == K && saved.den.size() == N && saved.out.rows() == N &&
-              saved.out.cols() == dv,
+              saved.out.cols() == d_v,
           fn, "saved is for N = ", saved.gamma_q.rows(), ", M = ", saved.gamma_k.rows(),
           ", K = ", saved.gamma_q.cols(), ", d_v = ", saved.out.cols(),
-          " but the inputs have N = ", N, ", M = ", M, ", K = ", K, ", d_v = ", dv);
+          " but the inputs have N = ", N, ", M = ", M, ", K = ", K, ", d_v = ", d_v);
   require(saved.causal == opt.causal && saved.eps == opt.eps, fn,
           "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
           " but options have causal = ", opt.causal, ", eps = ", opt.eps);
   gma_check_record(fn, saved, mix, q, k, v);
-  require(!saved.continued || (saved.start_S.rows() == K && saved.start_S.cols() == dv &&
+  require(!saved.continued || (saved.start_S.rows() == K && saved.start_S.cols() == d_v &&
                                saved.start_z.size() == K),
-          fn, "saved.start_S is ", shape_str(saved.start_S), " but the state is ", K, " x ", dv);
+          fn, "saved.start_S is ", shape_str(saved.start_S), " but the state is ", K, " x ", d_v);
   if (grad_state_out != nullptr)
-    gma_check_state_grad(fn, saved, *grad_state_out, K, dv, opt.check_finite);
+    gma_check_state_grad(fn, saved, *grad_state_out, K, d_v, opt.check_finite);
 }
 
 /// Causal backward (SPEC 1.5): g_i = dO_i / den_i, h_i = -(dO_i . O_i) / den_i through the
@@ -96,7 +96,7 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
                              gma::Grad<T>& grad) {
   using W = wide_t<T>;
   GmaBackwardScratch<T>& s = grad.scratch;
-  const Index N = q.rows(), M = k.rows(), K = p.components, r = p.dim, dv = v.cols();
+  const Index N = q.rows(), M = k.rows(), K = p.components, r = p.dim, d_v = v.cols();
   s.inv_den = saved.den.cwiseInverse();
   s.g = grad_out;
   s.g.array().colwise() *= s.inv_den.array();
@@ -112,7 +112,7 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
     G = grad_state_out->S;
     u = grad_state_out->z;
   } else {
-    G.setZero(K, dv);
+    G.setZero(K, d_v);
     u.setZero(K);
   }
   if (!saved.continued) {
@@ -145,21 +145,21 @@ void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
                                 const ConstMatrixRef<T>& grad_out, const gma::Saved<T>& saved,
                                 Index panel, gma::Grad<T>& grad) {
   GmaBackwardScratch<T>& s = grad.scratch;
-  const Index N = q.rows(), M = k.rows(), K = p.components, r = p.dim, dv = v.cols();
-  s.gh.resize(panel, dv + 1);
+  const Index N = q.rows(), M = k.rows(), K = p.components, r = p.dim, d_v = v.cols();
+  s.gh.resize(panel, d_v + 1);
   s.ds.resize(panel, K);
-  s.upd.resize(K, dv + 1);
-  s.vz.resize(K, dv + 1);
-  s.vz.leftCols(dv) = saved.vt;
-  s.vz.col(dv) = saved.z;
-  s.dvz_wide.setZero(K, dv + 1);
+  s.upd.resize(K, d_v + 1);
+  s.vz.resize(K, d_v + 1);
+  s.vz.leftCols(d_v) = saved.vt;
+  s.vz.col(d_v) = saved.z;
+  s.dvz_wide.setZero(K, d_v + 1);
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);
-    Eigen::Map<Matrix<T>> gh(s.gh.data(), n, dv + 1), ds(s.ds.data(), n, K);
+    Eigen::Map<Matrix<T>> gh(s.gh.data(), n, d_v + 1), ds(s.ds.data(), n, K);
     for (Index i = 0; i < n; ++i) {
       const T inv = T(1) / saved.den(i0 + i);
-      gh.row(i).head(dv) = grad_out.row(i0 + i) * inv;
-      gh(i, dv) = -grad_out.row(i0 + i).dot(saved.out.row(i0 + i)) * inv;
+      gh.row(i).head(d_v) = grad_out.row(i0 + i) * inv;
+      gh(i, d_v) = -grad_out.row(i0 + i).dot(saved.out.row(i0 + i)) * inv;
     }
     gemm<T>(s.upd, transposed<T>(saved.gamma_q.middleRows(i0, n)), plain<T>(gh), T(1), false,
             s.gemm);
@@ -170,13 +170,13 @@ void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
                               grad.q.data() + i0 * r, r);
   }
   s.dvz = s.dvz_wide.template cast<T>();
-  gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz.leftCols(dv)), T(1), false, s.gemm);
+  gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz.leftCols(d_v)), T(1), false, s.gemm);
   for (Index j0 = 0; j0 < M; j0 += panel) {
     const Index n = std::min(panel, M - j0);
     Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
-    gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz.leftCols(dv)), T(1), false,
+    gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz.leftCols(d_v)), T(1), false,
             s.gemm);
-    ds.rowwise() += s.dvz.col(dv).transpose();
+    ds.rowwise() += s.dvz.col(d_v).transpose();
     gma_density_backward_rows(Arch{}, p, k.data() + j0 * k.outerStride(), k.outerStride(),
                               saved.gamma_k.data() + j0 * K, K, ds.data(), K, n, s, s.sums,
                               grad.k.data() + j0 * r, r);
@@ -192,7 +192,7 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
                   const gma::StateGrad<T>* grad_state_out) {
   gma_check_backward(fn, mix, q, k, v, grad_out, saved, opt, grad_state_out);
   using W = wide_t<T>;
-  const Index N = q.rows(), M = k.rows(), K = mix.components(), dv = v.cols(), r = mix.dim();
+  const Index N = q.rows(), M = k.rows(), K = mix.components(), d_v = v.cols(), r = mix.dim();
   GmaBackwardScratch<T>& s = grad.scratch;
   mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
   pack_density_dims_into<Arch>(s.packed, mix.mean, s.constants);
@@ -202,7 +202,7 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
   s.sums.reset(K, s.packed.padded_dim);
   grad.q.resize(N, r);
   grad.k.resize(M, r);
-  grad.v.resize(M, dv);
+  grad.v.resize(M, d_v);
   if (opt.causal) {
     gma_causal_backward_all<Arch>(s.packed, q, k, v, grad_out, saved, grad_state_out, panel, grad);
   } else {

@@ -90,13 +90,13 @@ void gma_check_inputs(const char* fn, const gma::Mixture<T>& mix, const ConstMat
 
 /// A State continued by a call with K components, d_v value columns and n more tokens.
 template <class T>
-void gma_check_state(const char* fn, const gma::State<T>& st, Index K, Index dv, Index n,
+void gma_check_state(const char* fn, const gma::State<T>& st, Index K, Index d_v, Index n,
                      const gma::Options& opt) {
   require(opt.causal, fn,
           "a State is a causal prefix: options.causal must be true to continue one");
-  require(st.S.rows() == K && st.S.cols() == dv && st.z.size() == K, fn, "state.S is ",
+  require(st.S.rows() == K && st.S.cols() == d_v && st.z.size() == K, fn, "state.S is ",
           shape_str(st.S), " and state.z has ", st.z.size(), " entries, but the mixture has ", K,
-          " components and v has ", dv, " columns: make it with State<T>::empty(", K, ", ", dv,
+          " components and v has ", d_v, " columns: make it with State<T>::empty(", K, ", ", d_v,
           ")");
   require(st.tokens_seen >= 0 && n <= std::numeric_limits<Index>::max() - st.tokens_seen, fn,
           "state.tokens_seen is ", st.tokens_seen, "; with ", n,

@@ -25,8 +25,8 @@ template <class T>
 void gma_bidirectional_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
                                T eps, Matrix<T>& vt, Vector<T>& z, Matrix<T>& out, Vector<T>& den,
                                GmaForwardScratch<T>& s) {
-  const Index K = gq.cols(), dv = v.cols();
-  vt.resize(K, dv);
+  const Index K = gq.cols(), d_v = v.cols();
+  vt.resize(K, d_v);
   gemm<T>(vt, transposed<T>(gk), plain<T>(v), T(1), false, s.gemm);
   z.resize(K);
   s.ones.setOnes(gk.rows());  // a stored vector: the GEMV reads it in place, no temporary
@@ -73,7 +73,7 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
                  const gma::Options& opt, gma::Saved<T>* saved) {
   gma_check_inputs(fn, mix, q, k, v, opt);
   using W = wide_t<T>;
-  const Index N = q.rows(), K = mix.components(), dv = v.cols();
+  const Index N = q.rows(), K = mix.components(), d_v = v.cols();
   const T eps = static_cast<T>(opt.eps);
   // Without `saved` the responsibilities and the rest are scratch: this thread's buffers, so a
   // steady stream of calls neither page-faults fresh memory nor returns it to the OS each time.
@@ -87,11 +87,11 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
   gk.resize(k.rows(), K);
   gma_gamma_into<Arch, T>(s.packed, q, gq.data(), opt.check_finite, fn, "q", &s.scores);
   gma_gamma_into<Arch, T>(s.packed, k, gk.data(), opt.check_finite, fn, "k", &s.scores);
-  out.resize(N, dv);
+  out.resize(N, d_v);
   Vector<T>& den = saved ? saved->den : s.den;
   den.resize(N);
   if (opt.causal) {
-    s.scan.S.setZero(K, dv);
+    s.scan.S.setZero(K, d_v);
     s.scan.z.setZero(K);
     gma_causal_forward<T>(gq, gk, v, eps, gma_chunk(opt), out, den, s.scan.S, s.scan.z, s.scan);
   } else {
@@ -162,7 +162,7 @@ void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T
                            const ConstMatrixRef<T>& v, const gma::Options& opt, gma::State<T>& st,
                            gma::Saved<T>* saved, std::uint64_t mixture_fingerprint) {
   using W = wide_t<T>;
-  const Index N = q.rows(), K = p.components, dv = v.cols(), chunk = gma_chunk(opt);
+  const Index N = q.rows(), K = p.components, d_v = v.cols(), chunk = gma_chunk(opt);
   GmaForwardScratch<T>& s = saved ? saved->scratch : gma_thread_scratch<T>();
   if (saved) saved->valid = false;
   Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
@@ -172,7 +172,7 @@ void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T
   // Rows far from every component fall back to a wider type; a throw here leaves st untouched.
   gma_gamma_into<Arch, T>(p, q, gq.data(), opt.check_finite, fn, "q", &s.scores);
   gma_gamma_into<Arch, T>(p, k, gk.data(), opt.check_finite, fn, "k", &s.scores);
-  out.resize(N, dv);
+  out.resize(N, d_v);
   Vector<T>& den = saved ? saved->den : s.den;
   den.resize(N);
   // The start state, for backward or to give it back untouched after an overflow (capacity
@@ -187,9 +187,9 @@ void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T
   }
   if (N < chunk) {
     Vector<W>& w = gma_decode_scratch<W>();
-    w.resize(dv + 2 * K);
-    gma_causal_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, dv,
-                         static_cast<T>(opt.eps), st.S, st.z, w, out.data(), dv, den.data());
+    w.resize(d_v + 2 * K);
+    gma_causal_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, d_v,
+                         static_cast<T>(opt.eps), st.S, st.z, w, out.data(), d_v, den.data());
   } else {
     gma_causal_forward<T>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z, s.scan);
   }

@@ -35,9 +35,9 @@ struct GmaScanScratch {
   Vector<T> z_t, z_update;  // K
   Matrix<T> a_buf, b_buf;   // chunk x chunk
   /// Sizes the T buffers (the wide states are set by the callers).
-  void reset(Index K, Index dv, Index chunk) {
-    s_t.resize(K, dv);
-    update.resize(K, dv);
+  void reset(Index K, Index d_v, Index chunk) {
+    s_t.resize(K, d_v);
+    update.resize(K, d_v);
     z_t.resize(K);
     z_update.resize(K);
     a_buf.resize(chunk, chunk);
@@ -53,8 +53,8 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
                         Index chunk, Matrix<T>& out, Vector<T>& den, Matrix<wide_t<T>>& S,
                         Vector<wide_t<T>>& z, GmaScanScratch<T>& scratch) {
   using W = wide_t<T>;
-  const Index N = gq.rows(), K = gq.cols(), dv = v.cols();
-  scratch.reset(K, dv, chunk);
+  const Index N = gq.rows(), K = gq.cols(), d_v = v.cols();
+  scratch.reset(K, d_v, chunk);
   Matrix<T>& s_t = scratch.s_t;
   Matrix<T>& update = scratch.update;
   Vector<T>& z_t = scratch.z_t;
@@ -90,18 +90,18 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
 /// No T copy of the state: the decode path, where a chunk's GEMMs would be 1 x K.
 /// w: wide scratch of at least d_v + 2K. Writes out (n x d_v, stride ldo) and den (n).
 template <class T>
-void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n, Index K, Index dv,
+void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n, Index K, Index d_v,
                        T eps, Matrix<wide_t<T>>& S, Vector<wide_t<T>>& z, Vector<wide_t<T>>& w,
                        T* out, Index ldo, T* den) {
   using W = wide_t<T>;
   constexpr int B = 16;
   using Block = Eigen::Matrix<W, B, 1>;
   W* vw = w.data();
-  W* kw = vw + dv;
+  W* kw = vw + d_v;
   W* qw = kw + K;
   W* s = S.data();
   for (Index i = 0; i < n; ++i) {
-    for (Index c = 0; c < dv; ++c) vw[c] = static_cast<W>(v[i * ldv + c]);
+    for (Index c = 0; c < d_v; ++c) vw[c] = static_cast<W>(v[i * ldv + c]);
     for (Index c = 0; c < K; ++c) {
       kw[c] = static_cast<W>(gk[i * K + c]);
       qw[c] = static_cast<W>(gq[i * K + c]);
@@ -110,20 +110,20 @@ void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n,
     const W dw = Eigen::Map<const Vector<W>>(qw, K).dot(z) + static_cast<W>(eps);
     T* o = out + i * ldo;
     Index j = 0;
-    for (; j + B <= dv; j += B) {
+    for (; j + B <= d_v; j += B) {
       const Block vb = Eigen::Map<const Block>(vw + j);
       Block acc = Block::Zero();
       for (Index c = 0; c < K; ++c) {
-        Eigen::Map<Block> row(s + c * dv + j);
+        Eigen::Map<Block> row(s + c * d_v + j);
         row += kw[c] * vb;
         acc += qw[c] * row;
       }
       for (int l = 0; l < B; ++l) o[j + l] = static_cast<T>(acc[l] / dw);
     }
-    for (; j < dv; ++j) {  // columns beyond the last full block
+    for (; j < d_v; ++j) {  // columns beyond the last full block
       W acc = 0;
       for (Index c = 0; c < K; ++c) {
-        W& e = s[c * dv + j];
+        W& e = s[c * d_v + j];
         e += kw[c] * vw[j];
         acc += qw[c] * e;
       }
@@ -143,12 +143,12 @@ void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n,
 template <class T>
 void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
                          const Matrix<T>& g, const Vector<T>& h, Index chunk, Matrix<T>& dgq,
-                         Matrix<T>& dgk, Matrix<T>& dv_out, const Matrix<wide_t<T>>* S0,
+                         Matrix<T>& dgk, Matrix<T>& dv, const Matrix<wide_t<T>>* S0,
                          const Vector<wide_t<T>>* z0, Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u,
                          GmaScanScratch<T>& scratch) {
   using W = wide_t<T>;
-  const Index N = gq.rows(), K = gq.cols(), dv = v.cols();
-  scratch.reset(K, dv, chunk);
+  const Index N = gq.rows(), K = gq.cols(), d_v = v.cols();
+  scratch.reset(K, d_v, chunk);
   Matrix<T>& b_buf = scratch.b_buf;
   Matrix<T>& a_buf = scratch.a_buf;
   Matrix<T>& update = scratch.update;
@@ -160,7 +160,7 @@ void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMa
     S = *S0;
     z = *z0;
   } else {
-    S.setZero(K, dv);
+    S.setZero(K, d_v);
     z.setZero(K);
   }
   s_t = S.template cast<T>();
@@ -202,7 +202,7 @@ void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMa
     b.template triangularView<Eigen::StrictlyUpper>().setZero();
     a.noalias() = gqc * gkc.transpose();
     a.template triangularView<Eigen::StrictlyUpper>().setZero();
-    MatrixRef<T> dk = dgk.middleRows(s, c), dvc = dv_out.middleRows(s, c);
+    MatrixRef<T> dk = dgk.middleRows(s, c), dvc = dv.middleRows(s, c);
     dk.noalias() = vc * g_t.transpose();
     dk.rowwise() += u_t.transpose();
     dk.noalias() += b.transpose() * gqc;

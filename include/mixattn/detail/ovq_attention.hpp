@@ -59,13 +59,13 @@ struct AttentionScratch {
 /// bias. With `check`, returns whether every logit was finite (a non-finite dictionary or
 /// pending entry always makes one non-finite: x * inf and 0 * inf are never finite).
 template <class T>
-bool tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRef<T>& ko,
+bool tile_weights(const CRef<T>& qh, const CRef<T>& dict_k, const T* logc, const CRef<T>& ko,
                   const CRef<T>& kn, Index p0, T s, AttentionScratch<T>& sc, bool check = false) {
-  const Index m = qh.rows(), n = dk.rows(), lo = ko.rows(), l = lo + kn.rows();
+  const Index m = qh.rows(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
   MIXATTN_ASSERT(l == p0 + m);
   Eigen::Ref<Matrix<T>> pd = sc.pd.topLeftCorner(m, n);
   Eigen::Ref<Matrix<T>> pb = sc.pb.topLeftCorner(m, l);
-  if (n > 0) pd.noalias() = qh * dk.transpose();
+  if (n > 0) pd.noalias() = qh * dict_k.transpose();
   if (lo > 0) pb.leftCols(lo).noalias() = qh * ko.transpose();
   pb.rightCols(l - lo).noalias() = qh * kn.transpose();
   using W = mixattn::detail::wide_t<T>;
@@ -96,24 +96,24 @@ bool tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRe
 
 /// The same with the block's keys in one piece (kb: L x r).
 template <class T>
-void tile_weights(const CRef<T>& qh, const CRef<T>& dk, const T* logc, const CRef<T>& kb, Index p0,
-                  T s, AttentionScratch<T>& sc) {
-  tile_weights<T>(qh, dk, logc, kb.topRows(0), kb, p0, s, sc);
+void tile_weights(const CRef<T>& qh, const CRef<T>& dict_k, const T* logc, const CRef<T>& kb,
+                  Index p0, T s, AttentionScratch<T>& sc) {
+  tile_weights<T>(qh, dict_k, logc, kb.topRows(0), kb, p0, s, sc);
 }
 
 /// out (m x d_v) = softmax-weighted dictionary values plus block values (SPEC 2.2); the block in
 /// two parts as in tile_weights (ko, vo: the state's pending keys and values; kn, vn: this
 /// call's). Returns tile_weights' finiteness verdict.
 template <class T>
-bool tile_forward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, const T* logc,
+bool tile_forward(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v, const T* logc,
                   const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn, const CRef<T>& vn,
                   Index p0, T s, AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> out,
                   bool check = false) {
-  const Index m = qh.rows(), n = dk.rows(), lo = ko.rows(), l = lo + kn.rows();
-  const bool finite = tile_weights<T>(qh, dk, logc, ko, kn, p0, s, sc, check);
+  const Index m = qh.rows(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
+  const bool finite = tile_weights<T>(qh, dict_k, logc, ko, kn, p0, s, sc, check);
   out.noalias() = sc.pb.topLeftCorner(m, l).rightCols(l - lo) * vn;
   if (lo > 0) out.noalias() += sc.pb.topLeftCorner(m, lo) * vo;
-  if (n > 0) out.noalias() += sc.pd.topLeftCorner(m, n) * dv;
+  if (n > 0) out.noalias() += sc.pd.topLeftCorner(m, n) * dict_v;
   out.array().colwise() *= sc.inv.head(m).array();
   return finite;
 }
@@ -125,14 +125,14 @@ bool tile_forward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, const
 ///   dD_v += P_dict^T dO.
 /// dkb, dvb: L x r, L x d_v accumulators (rows of the block); ddk, ddv: N x r, N x d_v.
 template <class T>
-void tile_backward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, const T* logc,
+void tile_backward(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v, const T* logc,
                    const CRef<T>& kb, const CRef<T>& vb, Index p0, T s, const CRef<T>& dout,
                    AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> dqh,
                    mixattn::detail::wide_t<T>& ds, Eigen::Ref<Matrix<T>> dkb,
                    Eigen::Ref<Matrix<T>> dvb, bool dict_grad, Eigen::Ref<Matrix<T>> ddk,
                    Eigen::Ref<Matrix<T>> ddv) {
-  const Index m = qh.rows(), n = dk.rows(), l = kb.rows();
-  tile_weights<T>(qh, dk, logc, kb, p0, s, sc);
+  const Index m = qh.rows(), n = dict_k.rows(), l = kb.rows();
+  tile_weights<T>(qh, dict_k, logc, kb, p0, s, sc);
   Eigen::Ref<Matrix<T>> pd = sc.pd.topLeftCorner(m, n);
   Eigen::Ref<Matrix<T>> pb = sc.pb.topLeftCorner(m, l);
   Eigen::Ref<Matrix<T>> dpd = sc.dpd.topLeftCorner(m, n);
@@ -142,7 +142,7 @@ void tile_backward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, cons
   dpb.noalias() = dout * vb.transpose();
   if (n > 0) {
     pd = sc.inv.head(m).asDiagonal() * pd;
-    dpd.noalias() = dout * dv.transpose();
+    dpd.noalias() = dout * dict_v.transpose();
   }
   const mixattn::detail::simd_arch arch{};
   for (Index i = 0; i < m; ++i) {
@@ -153,7 +153,7 @@ void tile_backward(const CRef<T>& qh, const CRef<T>& dk, const CRef<T>& dv, cons
     softmax_backward_apply(arch, pd.row(i).data(), dpd.row(i).data(), n, delta);
   }
   g.noalias() = dpb * kb;
-  if (n > 0) g.noalias() += dpd * dk;
+  if (n > 0) g.noalias() += dpd * dict_k;
   dqh += s * g;
   for (Index i = 0; i < m; ++i)
     ds += static_cast<mixattn::detail::wide_t<T>>(qh.row(i).dot(g.row(i)));

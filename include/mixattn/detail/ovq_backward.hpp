@@ -28,11 +28,11 @@ void ovq_check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstM
                         const ovq::Saved<T>& saved, const ovq::Options& opt) {
   ovq_check_options(opt, fn);
   require(saved.recorded, fn, "saved was not filled by mixattn::ovq::forward");
-  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols(), tn = saved.tokens;
-  ovq_check_inputs<T>(q, k, v, r, dv, "saved", fn);
+  const Index r = saved.start.keys.cols(), d_v = saved.start.values.cols(), tn = saved.tokens;
+  ovq_check_inputs<T>(q, k, v, r, d_v, "saved", fn);
   require(q.rows() == tn, fn, "q has ", q.rows(), " rows but saved is for ", tn, " tokens");
-  require(grad_out.rows() == tn && grad_out.cols() == dv, fn, "grad_out is ", shape_str(grad_out),
-          " but the output is ", tn, " x ", dv);
+  require(grad_out.rows() == tn && grad_out.cols() == d_v, fn, "grad_out is ", shape_str(grad_out),
+          " but the output is ", tn, " x ", d_v);
   require(opt.block == saved.block && opt.count_bias == saved.count_bias &&
               opt.norm_eps == saved.norm_eps,
           fn, "options (block ", opt.block, ", count_bias ", opt.count_bias, ", norm_eps ",
@@ -56,20 +56,20 @@ void ovq_check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstM
 /// Sizes the backward's scratch (no allocation when the shapes repeat).
 template <class T>
 void prepare_backward(BackwardScratch<T>& w, Index groups, Index snaps, Index capacity, Index c,
-                      Index r, Index dv) {
+                      Index r, Index d_v) {
   w.checkpoints.resize(static_cast<std::size_t>(groups));
   w.snaps.resize(static_cast<std::size_t>(snaps));
-  for (auto& d : w.checkpoints) d.allocate(capacity, r, dv);
-  for (auto& d : w.snaps) d.allocate(capacity, r, dv);
-  w.work.allocate(capacity, r, dv);
-  w.update.reserve(capacity, r, dv);
+  for (auto& d : w.checkpoints) d.allocate(capacity, r, d_v);
+  for (auto& d : w.snaps) d.allocate(capacity, r, d_v);
+  w.work.allocate(capacity, r, d_v);
+  w.update.reserve(capacity, r, d_v);
   w.kb.resize(c, r);
-  w.vb.resize(c, dv);
+  w.vb.resize(c, d_v);
   w.qh.resize(c, r);
   w.dkb.resize(c, r);
-  w.dvb.resize(c, dv);
+  w.dvb.resize(c, d_v);
   w.ddk.setZero(capacity, r);
-  w.ddv.setZero(capacity, dv);
+  w.ddv.setZero(capacity, d_v);
   w.logc.resize(capacity);
   w.sc.reserve(capacity, c, r, true);
   w.hits.assign(static_cast<std::size_t>(capacity), 0);
@@ -80,17 +80,17 @@ void prepare_backward(BackwardScratch<T>& w, Index groups, Index snaps, Index ca
 template <class T>
 void ovq_check_state_grad(const char* fn, const ovq::StateGrad<T>& gs, const ovq::Saved<T>& saved,
                           Index n_end, Index p_end, bool check_finite) {
-  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols();
+  const Index r = saved.start.keys.cols(), d_v = saved.start.values.cols();
   require(gs.keys.rows() == n_end && gs.keys.cols() == r && gs.values.rows() == n_end &&
-              gs.values.cols() == dv,
+              gs.values.cols() == d_v,
           fn, "grad_state_out.keys is ", shape_str(gs.keys), " and grad_state_out.values is ",
           shape_str(gs.values), " but the end state's dictionary is ", n_end, " x ", r, " and ",
-          n_end, " x ", dv);
+          n_end, " x ", d_v);
   require(gs.pending_keys.rows() == p_end && gs.pending_keys.cols() == r &&
-              gs.pending_values.rows() == p_end && gs.pending_values.cols() == dv,
+              gs.pending_values.rows() == p_end && gs.pending_values.cols() == d_v,
           fn, "grad_state_out.pending_keys is ", shape_str(gs.pending_keys),
           " and grad_state_out.pending_values is ", shape_str(gs.pending_values),
-          " but the end state's unfinished block is ", p_end, " x ", r, " and ", p_end, " x ", dv);
+          " but the end state's unfinished block is ", p_end, " x ", r, " and ", p_end, " x ", d_v);
   if (check_finite) {
     require_finite(gs.keys, fn, "grad_state_out.keys");
     require_finite(gs.values, fn, "grad_state_out.values");
@@ -111,10 +111,10 @@ void ovq_check_state_grad(const char* fn, const ovq::StateGrad<T>& gs, const ovq
 /// be) is overwritten.
 template <class T>
 void load_end_grad(BackwardScratch<T>& w, const ovq::StateGrad<T>* gs, Index n_end, Index r,
-                   Index dv) {
+                   Index d_v) {
   if (gs == nullptr) {
     w.dpk.resize(0, r);
-    w.dpv.resize(0, dv);
+    w.dpv.resize(0, d_v);
     return;
   }
   w.ddk.topRows(n_end) = gs->keys;
@@ -276,7 +276,7 @@ void ovq_backward(const char* fn, ovq::Grad<T>& g, const ConstMatrixRef<T>& q,
                   const ovq::Options& opt, const ovq::StateGrad<T>* gs) {
   using W = wide_t<T>;
   ovq_check_backward<T>(fn, q, k, v, beta, grad_out, saved, opt);
-  const Index r = saved.start.keys.cols(), dv = saved.start.values.cols(), tn = saved.tokens;
+  const Index r = saved.start.keys.cols(), d_v = saved.start.values.cols(), tn = saved.tokens;
   const Index c = saved.block;
   const ovq::State<T>& st = saved.start;
   const Blocks blocks(c, st.pending_keys.rows(), tn);
@@ -291,11 +291,11 @@ void ovq_backward(const char* fn, ovq::Grad<T>& g, const ConstMatrixRef<T>& q,
       1, static_cast<Index>(std::ceil(std::sqrt(static_cast<double>(blocks.count)))));
   BackwardScratch<T>& w = g.scratch;
   prepare_backward(w, (blocks.count + group - 1) / group, std::min(group, blocks.count), capacity,
-                   c, r, dv);
-  load_end_grad(w, gs, n_final, r, dv);
+                   c, r, d_v);
+  load_end_grad(w, gs, n_final, r, d_v);
   g.q.setZero(tn, r);
   g.k.setZero(tn, r);
-  g.v.setZero(tn, dv);
+  g.v.setZero(tn, d_v);
   g.beta = T(0);
   begin_state_grad(g, w, st, blocks);
   const T s = beta * static_cast<T>(std::sqrt(static_cast<double>(r)));

@@ -84,13 +84,13 @@ void ovq_check_state_values(const ovq::State<T>& st, const char* fn) {
 /// Shapes of q, k, v (and grad_out when given) against the key and value widths.
 template <class T>
 void ovq_check_inputs(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                      const ConstMatrixRef<T>& v, Index r, Index dv, const char* where,
+                      const ConstMatrixRef<T>& v, Index r, Index d_v, const char* where,
                       const char* fn) {
   require(q.cols() == r, fn, "q has ", q.cols(), " columns but ", where, " has key width ", r,
           " (q: ", shape_str(q), ")");
   require(k.cols() == r, fn, "k has ", k.cols(), " columns but ", where, " has key width ", r,
           " (k: ", shape_str(k), ")");
-  require(v.cols() == dv, fn, "v has ", v.cols(), " columns but ", where, " has value width ", dv,
+  require(v.cols() == d_v, fn, "v has ", v.cols(), " columns but ", where, " has value width ", d_v,
           " (v: ", shape_str(v), ")");
   require(k.rows() == q.rows(), fn, "k has ", k.rows(), " rows but q has ", q.rows());
   require(v.rows() == q.rows(), fn, "v has ", v.rows(), " rows but q has ", q.rows());
@@ -197,8 +197,8 @@ T ovq_check_forward(const char* fn, const ConstMatrixRef<T>& q, const ConstMatri
                     const ovq::State<T>& state) {
   ovq_check_options(opt, fn);
   ovq_check_state(state, opt, fn);
-  const Index r = state.keys.cols(), dv = state.values.cols(), tn = q.rows();
-  ovq_check_inputs<T>(q, k, v, r, dv, "state.keys", fn);
+  const Index r = state.keys.cols(), d_v = state.values.cols(), tn = q.rows();
+  ovq_check_inputs<T>(q, k, v, r, d_v, "state.keys", fn);
   require(tn <= std::numeric_limits<Index>::max() - state.tokens_seen - opt.block, fn,
           "state.tokens_seen + q.rows() overflows the token counter");
   if (opt.check_finite) {
@@ -350,7 +350,7 @@ void ovq_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
                  const ovq::Options& opt, const ovq::State<T>& start, ovq::State<T>& next,
                  ovq::Saved<T>* saved) {
   const T s = ovq_check_forward<T>(fn, q, k, v, beta, opt, start);
-  const Index r = start.keys.cols(), dv = start.values.cols(), tn = q.rows();
+  const Index r = start.keys.cols(), d_v = start.values.cols(), tn = q.rows();
   if (opt.check_finite && (tn == 0 || saved != nullptr)) ovq_check_state_values(start, fn);
   const Index c = opt.block, n_start = start.keys.rows();
   const Blocks blocks(c, start.pending_keys.rows(), tn);
@@ -363,12 +363,12 @@ void ovq_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
   ForwardScratch<T>& w = saved != nullptr ? saved->scratch : thread_scratch;
   if (saved != nullptr) begin_record(*saved, start, opt, blocks, tn, beta);
   w.kn.resize(rows_new, r);
-  w.vn.resize(rows_new, dv);
+  w.vn.resize(rows_new, d_v);
   w.qh.resize(rows_new, r);
   w.logc.resize(capacity);
   w.sc.reserve(capacity, c, r, false, rows_new);
-  if (blocks.complete > 0) w.absorb.reserve(opt, capacity, r, dv, saved == nullptr);
-  out.resize(tn, dv);
+  if (blocks.complete > 0) w.absorb.reserve(opt, capacity, r, d_v, saved == nullptr);
+  out.resize(tn, d_v);
   if (&start == &next) {
     // Values near T's limit, in v, in the unfinished block or in the dictionary, when the call
     // absorbs a block (only then is the dictionary changed before the overflow check): keep a
@@ -389,7 +389,7 @@ void ovq_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
     store_pending<T>(w, start, blocks, tn, next);
     loan.give_back();
   } else {
-    w.dict.allocate(capacity, r, dv);
+    w.dict.allocate(capacity, r, d_v);
     w.dict.load(start.keys, start.values, start.counts);
     forward_blocks<T>(fn, out, q, k, v, s, opt, start, blocks, capacity, w.dict, nullptr, w, saved);
     ovq::State<T> unused;
