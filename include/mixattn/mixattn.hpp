@@ -8,6 +8,7 @@
 #include "mixattn/linear.hpp"
 #include "mixattn/performer.hpp"
 #include "mixattn/vq.hpp"
+#include "mixattn/rope.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/batched.hpp"
 #include "mixattn/packed.hpp"
