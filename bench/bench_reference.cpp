@@ -157,7 +157,8 @@ void run_window(benchmark::State& state, Index window, bool backward) {
   mb::PeakHeap heap;
   mb::timed_loop(state, heap, [&] {
     ref::Saved<float> saved;
-    Matrix<float> out = ref::flash_forward<float>(in.q, in.k, in.v, opt, backward ? &saved : nullptr);
+    Matrix<float> out =
+        ref::flash_forward<float>(in.q, in.k, in.v, opt, backward ? &saved : nullptr);
     benchmark::DoNotOptimize(out.data());
     if (backward) {
       ref::Grad<float> g = ref::flash_backward<float>(in.q, in.k, in.v, in.d_out, saved, opt);

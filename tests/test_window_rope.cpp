@@ -288,23 +288,24 @@ void check_backward_skips(Index n, Index w, Backward&& backward) {
 
 template <class T, Index BQ, Index BK>
 void check_kernel_skips(Index n, Index w) {
-  check_forward_skips<T, BQ, BK>(n, w, [&](const Matrix<T>& q, const Matrix<T>& k,
-                                           const Matrix<T>& v) {
-    Matrix<T> out(n, v.cols());
-    Vector<T> lse(n);
-    kern::flash_forward_tiles<T, BQ, BK>(q, k, v, T(0.5), true, out, lse, w);
-    return out;
-  });
-  check_backward_skips<T, BQ, BK>(n, w, [&](const Matrix<T>& q, const Matrix<T>& k,
-                                            const Matrix<T>& v, const Matrix<T>& go,
-                                            Matrix<T>& dk, Matrix<T>& dv) {
-    Matrix<T> out(n, v.cols()), dq(n, q.cols());
-    Vector<T> lse(n);
-    kern::flash_forward_tiles<T, BQ, BK>(q, k, v, T(0.5), true, out, lse, w);
-    dk.resize(n, k.cols());
-    dv.resize(n, v.cols());
-    kern::flash_backward_tiles<T, BQ, BK>(q, k, v, out, go, lse, T(0.5), true, dq, dk, dv, w);
-  });
+  check_forward_skips<T, BQ, BK>(
+      n, w, [&](const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v) {
+        Matrix<T> out(n, v.cols());
+        Vector<T> lse(n);
+        kern::flash_forward_tiles<T, BQ, BK>(q, k, v, T(0.5), true, out, lse, w);
+        return out;
+      });
+  check_backward_skips<T, BQ, BK>(
+      n, w,
+      [&](const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v, const Matrix<T>& go,
+          Matrix<T>& dk, Matrix<T>& dv) {
+        Matrix<T> out(n, v.cols()), dq(n, q.cols());
+        Vector<T> lse(n);
+        kern::flash_forward_tiles<T, BQ, BK>(q, k, v, T(0.5), true, out, lse, w);
+        dk.resize(n, k.cols());
+        dv.resize(n, v.cols());
+        kern::flash_backward_tiles<T, BQ, BK>(q, k, v, out, go, lse, T(0.5), true, dq, dk, dv, w);
+      });
 }
 
 TYPED_TEST(Window, TilesOutsideEveryWindowAreSkipped) {
@@ -318,8 +319,7 @@ TYPED_TEST(Window, TilesOutsideEveryWindowAreSkipped) {
   opt.check_finite = false;
   const Index n = 700;
   check_forward_skips<T, Tiles::forward_queries, Tiles::forward_keys>(
-      n, opt.window,
-      [&](const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v) {
+      n, opt.window, [&](const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v) {
         return ref::flash_forward<T>(q, k, v, opt);
       });
   check_backward_skips<T, Tiles::backward_queries, Tiles::backward_keys>(
@@ -345,14 +345,17 @@ TEST(WindowBackward, MatchesCentralDifferences) {
     for (Index w : {1, 3, 7}) {
       ++seed;
       SCOPED_TRACE(where(n, w, seed));
-      Matrix<double> q = random_matrix<double>(n, 3, seed), k = random_matrix<double>(n, 3, seed + 1);
+      Matrix<double> q = random_matrix<double>(n, 3, seed),
+                     k = random_matrix<double>(n, 3, seed + 1);
       Matrix<double> v = random_matrix<double>(n, 2, seed + 2);
       const Matrix<double> wgt = random_matrix<double>(n, 2, seed + 3);
       const ref::Options opt = windowed(w);
       ref::Saved<double> saved;
       ref::flash_forward<double>(q, k, v, opt, &saved);
       const ref::Grad<double> g = ref::flash_backward(q, k, v, wgt, saved, opt);
-      const auto loss = [&] { return ref::flash_forward<double>(q, k, v, opt).cwiseProduct(wgt).sum(); };
+      const auto loss = [&] {
+        return ref::flash_forward<double>(q, k, v, opt).cwiseProduct(wgt).sum();
+      };
       EXPECT_TRUE(all_close(g.q, numeric_gradient(q, loss), 1e-6, 1e-7)) << "dq";
       EXPECT_TRUE(all_close(g.k, numeric_gradient(k, loss), 1e-6, 1e-7)) << "dk";
       EXPECT_TRUE(all_close(g.v, numeric_gradient(v, loss), 1e-6, 1e-7)) << "dv";
@@ -395,9 +398,8 @@ TEST(WindowDecode, PiecesMatchNaive) {
     Matrix<double> got(n, 3);
     Index at = 0;
     for (Index piece : {1, 5, 3, 11, 1, 19}) {
-      got.middleRows(at, piece) = ref::decode<double>(cache, q.middleRows(at, piece),
-                                                      k.middleRows(at, piece),
-                                                      v.middleRows(at, piece), opt);
+      got.middleRows(at, piece) = ref::decode<double>(
+          cache, q.middleRows(at, piece), k.middleRows(at, piece), v.middleRows(at, piece), opt);
       at += piece;
     }
     ASSERT_EQ(at, n);
@@ -413,10 +415,12 @@ TEST(WindowErrors, RejectedWithMessages) {
   bidirectional.window = 3;
   for (const ref::Options& bad : {negative, bidirectional}) {
     const char* what = bad.window < 0 ? "must be >= 0" : "needs options.causal = true";
-    expect_throw<std::invalid_argument>([&] { ref::flash_forward<double>(q, k, v, bad); },
-                                        {"mixattn::reference::flash_forward", "options.window", what});
-    expect_throw<std::invalid_argument>([&] { ref::naive_forward<double>(q, k, v, bad); },
-                                        {"mixattn::reference::naive_forward", "options.window", what});
+    expect_throw<std::invalid_argument>(
+        [&] { ref::flash_forward<double>(q, k, v, bad); },
+        {"mixattn::reference::flash_forward", "options.window", what});
+    expect_throw<std::invalid_argument>(
+        [&] { ref::naive_forward<double>(q, k, v, bad); },
+        {"mixattn::reference::naive_forward", "options.window", what});
     Matrix<double> out;
     expect_throw<std::invalid_argument>(
         [&] { ref::flash_forward_into<double>(out, q, k, v, bad, nullptr); },
@@ -461,7 +465,8 @@ Matrix<long double> rope_direct(const Matrix<T>& x, Index start, long double bas
       const long double a =
           sign * (start + n) * std::pow(base, -2.0L * static_cast<long double>(i) / r);
       const long double x0 = x(n, 2 * i), x1 = x(n, 2 * i + 1);
-      y(n, c) = c % 2 == 0 ? x0 * std::cos(a) - x1 * std::sin(a) : x0 * std::sin(a) + x1 * std::cos(a);
+      y(n, c) =
+          c % 2 == 0 ? x0 * std::cos(a) - x1 * std::sin(a) : x0 * std::sin(a) + x1 * std::cos(a);
     }
   return y;
 }
@@ -603,10 +608,10 @@ TYPED_TEST(Rope, ArgumentErrors) {
   for (Index r : {3, 1, 0}) {
     const Matrix<T> x = Matrix<T>::Ones(4, r);
     expect_throw<std::invalid_argument>([&] { rope::apply<T>(x, 0); },
-                                        {"mixattn::rope::apply", "x is 4 x " , "r must be even"});
-    expect_throw<std::invalid_argument>([&] { rope::backward<T>(x, 0); },
-                                        {"mixattn::rope::backward", "grad_out is 4 x ",
-                                         "r must be even"});
+                                        {"mixattn::rope::apply", "x is 4 x ", "r must be even"});
+    expect_throw<std::invalid_argument>(
+        [&] { rope::backward<T>(x, 0); },
+        {"mixattn::rope::backward", "grad_out is 4 x ", "r must be even"});
     Matrix<T> y = x;
     expect_throw<std::invalid_argument>([&] { rope::apply_in_place<T>(y, 0); },
                                         {"apply_in_place", "r must be even"});

@@ -444,7 +444,8 @@ class KvCache {
 
 /// Causal softmax decoding: appends the n new tokens' k (n x r) and v (n x d_v) to `cache` and
 /// returns their outputs (n x d_v) for q (n x r): new token i attends to every cached token and
-/// to the new ones up to itself (with options.window w, to the last w of those, itself included). Over any pieces of a sequence, the rows of
+/// to the new ones up to itself (with options.window w, to the last w of those, itself
+/// included). Over any pieces of a sequence, the rows of
 /// naive_forward(q, k, v, causal) up to rounding. options.causal must be true (decoding is
 /// causal); options.scale as for the forwards. O(n (size + n) (r + d_v)) time, O(size + n)
 /// scratch. On a throw (invalid_argument for shapes or options, domain_error for non-finite

@@ -59,7 +59,8 @@ void rope_rotate(const char* fn, const ConstMatrixRef<T>& x, MatrixRef<T> out, I
   thread_local Vector<double> theta;  // capacity kept: repeated shapes allocate nothing
   theta.resize(pairs);
   const double r = static_cast<double>(x.cols());
-  for (Index i = 0; i < pairs; ++i) theta[i] = std::pow(opt.base, -2.0 * static_cast<double>(i) / r);
+  for (Index i = 0; i < pairs; ++i)
+    theta[i] = std::pow(opt.base, -2.0 * static_cast<double>(i) / r);
   for (Index row = 0; row < n; ++row) {
     // p theta_i in double: exact positions up to 2^53, and float inputs are rotated with a
     // cosine and sine correct to double before the one rounding to T.
@@ -164,9 +165,9 @@ Matrix<T> backward(const X&, Index = 0, const Options& = {}) {
 #ifdef MIXATTN_TEMPLATE_INSTANCE
 // core.hpp: compiling the operators once.
 namespace detail {
-#define MIXATTN_ROPE_INSTANCES(T)                                                                 \
-  MIXATTN_TEMPLATE_INSTANCE void rope_rotate<T>(const char*, const ConstMatrixRef<T>&,            \
-                                                MatrixRef<T>, Index, const rope::Options&, double);
+#define MIXATTN_ROPE_INSTANCES(T)                \
+  MIXATTN_TEMPLATE_INSTANCE void rope_rotate<T>( \
+      const char*, const ConstMatrixRef<T>&, MatrixRef<T>, Index, const rope::Options&, double);
 MIXATTN_ROPE_INSTANCES(float)
 MIXATTN_ROPE_INSTANCES(double)
 #undef MIXATTN_ROPE_INSTANCES

@@ -77,7 +77,7 @@ void run_case(fz::Bytes& in) {
   if (opt.causal && window_byte % 4 != 0)
     opt.window = 1 + static_cast<Index>(window_byte) % (n + 2);
   else if (!opt.causal && window_byte % 16 == 1)
-    opt.window = 1 + window_byte / 16;  // invalid: a window needs causal
+    opt.window = 1 + window_byte / 16;      // invalid: a window needs causal
   if (window_byte == 255) opt.window = -1;  // invalid: negative
   ex.invalid = ex.invalid || opt.window < 0 || (opt.window > 0 && !opt.causal);
   if (fz::verbose())
