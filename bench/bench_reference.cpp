@@ -8,10 +8,19 @@
 // each bidirectional and causal, forward and forward+backward; r = d_v = 64.
 // FLOPS counters use the nominal GEMM work (4 N² r forward, 14 N² r forward+backward
 // bidirectional, about half causal), identical for an operator and its floor.
+//   flash_window<w>_*  sliding-window causal flash attention (SPEC §7), windows of w = 256 and
+//            512 keys, N = 2048, 4096, 8192: the time should grow with N w, not N². FLOPS count
+//            the visible (query, key) pairs only, V = sum_i min(i + 1, w) = N w - w (w - 1) / 2
+//            (N >= w), at the full kernels' per-pair rates: 2 V (r + d_v) forward (about
+//            4 N w r for r = d_v and N >> w), 2 V (3 r + 2 d_v) more for the backward. The
+//            masked parts of edge tiles (up to a tile's width per row) are not counted: the
+//            count is the useful work, not the work done.
 #include "bench_common.hpp"
 #include "softmax_floor.hpp"
 
 #include <mixattn/reference.hpp>
+
+#include <algorithm>
 
 namespace {
 
@@ -132,6 +141,51 @@ void floor_softmax_fwd_bwd_causal(benchmark::State& s) {
   run_floor(s, true, true);
 }
 
+/// Visible (query, key) pairs of causal attention with a window of w keys over n tokens.
+double window_pairs(Index n, Index w) {
+  double v = 0;
+  for (Index i = 0; i < n; ++i) v += static_cast<double>(std::min(i + 1, w));
+  return v;
+}
+
+void run_window(benchmark::State& state, Index window, bool backward) {
+  const Index n = state.range(0);
+  const Inputs in(n);
+  ref::Options opt;
+  opt.causal = true;
+  opt.window = window;
+  mb::PeakHeap heap;
+  mb::timed_loop(state, heap, [&] {
+    ref::Saved<float> saved;
+    Matrix<float> out =
+        ref::flash_forward<float>(in.q, in.k, in.v, opt, backward ? &saved : nullptr);
+    benchmark::DoNotOptimize(out.data());
+    if (backward) {
+      ref::Grad<float> g = ref::flash_backward<float>(in.q, in.k, in.v, in.d_out, saved, opt);
+      benchmark::DoNotOptimize(g.q.data());
+    }
+  });
+  const double pairs = window_pairs(n, window);
+  double flops = 2 * pairs * static_cast<double>(kR + kDv);
+  if (backward) flops += 2 * pairs * static_cast<double>(3 * kR + 2 * kDv);
+  mb::set_flops(state, flops);
+  mb::set_bytes(state, io_bytes(n, backward));
+  mb::finish(state, n, heap);
+}
+
+void flash_window256_forward_causal(benchmark::State& s) {
+  run_window(s, 256, false);
+}
+void flash_window512_forward_causal(benchmark::State& s) {
+  run_window(s, 512, false);
+}
+void flash_window256_fwd_bwd_causal(benchmark::State& s) {
+  run_window(s, 256, true);
+}
+void flash_window512_fwd_bwd_causal(benchmark::State& s) {
+  run_window(s, 512, true);
+}
+
 constexpr Index kNaiveMax = 4096;
 constexpr Index kFlashMax = 16384;
 
@@ -140,6 +194,12 @@ void naive_sweep(benchmark::internal::Benchmark* b) {
 }
 void flash_sweep(benchmark::internal::Benchmark* b) {
   mb::sweep(b, 256, kFlashMax, kQuickSet);
+}
+/// N = 2048 ... 8192 (4096 alone in quick mode); the complexity fit is against N (linear for a
+/// fixed window).
+void window_sweep(benchmark::internal::Benchmark* b) {
+  constexpr Index quick_set[] = {4096};
+  mb::sweep(b, 2048, 8192, quick_set);
 }
 
 BENCHMARK(naive_forward_bidir)->Apply(naive_sweep);
@@ -154,6 +214,10 @@ BENCHMARK(floor_softmax_forward_bidir)->Apply(flash_sweep);
 BENCHMARK(floor_softmax_forward_causal)->Apply(flash_sweep);
 BENCHMARK(floor_softmax_fwd_bwd_bidir)->Apply(flash_sweep);
 BENCHMARK(floor_softmax_fwd_bwd_causal)->Apply(flash_sweep);
+BENCHMARK(flash_window256_forward_causal)->Apply(window_sweep);
+BENCHMARK(flash_window512_forward_causal)->Apply(window_sweep);
+BENCHMARK(flash_window256_fwd_bwd_causal)->Apply(window_sweep);
+BENCHMARK(flash_window512_fwd_bwd_causal)->Apply(window_sweep);
 
 }  // namespace
 

@@ -14,4 +14,5 @@
 #include "mixattn/parallel.hpp"
 #include "mixattn/performer.hpp"
 #include "mixattn/reference.hpp"
+#include "mixattn/rope.hpp"
 #include "mixattn/vq.hpp"

@@ -2,6 +2,9 @@
 //
 //     O = softmax(scale Q K^T + mask) V,   scale default 1/sqrt(r),   causal mask j <= i
 //
+// Sliding-window causal attention (SPEC.md §7) is the option `window`: query i sees keys
+// i - window < j <= i, and the tiled form then skips the key tiles outside every window, O(N w).
+//
 // Two implementations of the same function, each with its backward:
 //   naive_*  materialises the N x M probability matrix: the obvious form, the tests' oracle.
 //   flash_*  tiles queries and keys with an online softmax (FlashAttention-2 schedule) and keeps
@@ -31,6 +34,9 @@ struct Options {
   bool causal = false;       // token i attends to j <= i (requires q.rows() == k.rows())
   double scale = 0;          // logit scale; 0 means 1/sqrt(r)
   bool check_finite = true;  // reject NaN/Inf in q, k, v (and grad_out) with std::domain_error
+  /// Sliding window (SPEC §7): query i attends to the `window` keys i - window < j <= i. 0: no
+  /// window; >= 1 requires causal; >= N is plain causal attention.
+  Index window = 0;
 };
 
 /// What a forward keeps for its backward. Filled by naive_forward (the N x M probabilities) or by
@@ -45,6 +51,7 @@ struct Saved {
   Index value_dim = 0;           // d_v
   bool causal = false;           // options the forward ran with (the resolved scale)
   double scale = 0;
+  Index window = 0;
   std::uint64_t fingerprint[3] = {0, 0, 0};  // of q, k, v (mixattn::detail::Fingerprint)
   Matrix<T> probs;                           // naive: P = softmax(scale Q K^T + mask), N x M
   Matrix<T> out;                             // flash: O, N x d_v
@@ -76,6 +83,9 @@ double reference_check_inputs(const char* fn, const ConstMatrixRef<T>& q,
   require(!opt.causal || q.rows() == k.rows(), fn, "causal attention needs as many keys as ",
           "queries, but q has ", q.rows(), " rows and k has ", k.rows());
   require(std::isfinite(opt.scale), fn, "options.scale is ", opt.scale, ", not finite");
+  require(opt.window >= 0, fn, "options.window is ", opt.window, ", must be >= 0 (0: no window)");
+  require(opt.window == 0 || opt.causal, fn, "options.window is ", opt.window,
+          ": a sliding window needs options.causal = true");
   if (opt.check_finite) {
     require_finite(q, fn, "q");
     require_finite(k, fn, "k");
@@ -107,6 +117,8 @@ double reference_check_backward(const char* fn, const ConstMatrixRef<T>& q,
   require(saved.causal == opt.causal && saved.scale == scale, fn,
           "saved was made with causal = ", saved.causal, ", scale = ", saved.scale,
           " but options give causal = ", opt.causal, ", scale = ", scale);
+  require(saved.window == opt.window, fn, "saved was made with window = ", saved.window,
+          " but options give window = ", opt.window);
   const ConstMatrixRef<T>* inputs[3] = {&q, &k, &v};
   const char* names[3] = {"q", "k", "v"};
   for (int a = 0; a < 3; ++a)
@@ -125,6 +137,7 @@ void reference_record(reference::Saved<T>& saved, typename reference::Saved<T>::
   saved.value_dim = v.cols();
   saved.causal = opt.causal;
   saved.scale = scale;
+  saved.window = opt.window;
   saved.fingerprint[0] = mixattn::detail::fingerprint(q);
   saved.fingerprint[1] = mixattn::detail::fingerprint(k);
   saved.fingerprint[2] = mixattn::detail::fingerprint(v);
@@ -177,9 +190,13 @@ void naive_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
     // (key 0 is always visible, scores are finite) unless check_finite is off and a score is
     // not; the row is then NaN either way.
     const Index visible = opt.causal ? i + 1 : m;
-    T* row = p.row(i).data();
-    if (!mixattn::detail::softmax_row(mixattn::detail::simd_arch{}, row, visible, visible, row))
-      p.row(i).head(visible).setConstant(std::numeric_limits<T>::quiet_NaN());
+    // Sliding window (SPEC §7): keys j <= i - window get probability 0 as well.
+    const Index first = opt.window > 0 ? std::max<Index>(0, i + 1 - opt.window) : 0;
+    T* row = p.row(i).data() + first;
+    const Index seen = visible - first;
+    if (!mixattn::detail::softmax_row(mixattn::detail::simd_arch{}, row, seen, seen, row))
+      p.row(i).segment(first, seen).setConstant(std::numeric_limits<T>::quiet_NaN());
+    p.row(i).head(first).setZero();
     p.row(i).tail(m - visible).setZero();
   }
   out.resize(n, v.cols());
@@ -237,7 +254,7 @@ void flash_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
   out.resize(q.rows(), v.cols());
   rec.lse.resize(q.rows());
   flash_forward_tiles<T, Tiles::forward_queries, Tiles::forward_keys>(
-      q, k, v, static_cast<T>(scale), opt.causal, out, rec.lse, rec.scratch);
+      q, k, v, static_cast<T>(scale), opt.causal, out, rec.lse, rec.scratch, opt.window);
   reference_check_output(fn, out, opt);
   if (saved) {
     reference_record(*saved, reference::Saved<T>::Source::flash, q, k, v, opt, scale);
@@ -265,7 +282,7 @@ void flash_backward(const char* fn, reference::Grad<T>& g, const ConstMatrixRef<
   g.v.resize(v.rows(), v.cols());
   flash_backward_tiles<T, Tiles::backward_queries, Tiles::backward_keys>(
       q, k, v, saved.out, grad_out, saved.lse, static_cast<T>(scale), opt.causal, g.q, g.k, g.v,
-      g.scratch);
+      g.scratch, opt.window);
   reference_check_grad(fn, g, opt);
 }
 
@@ -274,7 +291,8 @@ void flash_backward(const char* fn, reference::Grad<T>& g, const ConstMatrixRef<
 namespace reference {
 
 /// Naive softmax attention (SPEC §3): forms S = (scale Q) K^T (N x M), masks it (causal: j > i is
-/// -inf), applies a max-subtracted row softmax and returns P V.
+/// -inf; with options.window w also j <= i - w, SPEC §7), applies a max-subtracted row softmax and
+/// returns P V.
 ///   q: N x r, k: M x r, v: M x d_v (row-major, rows are tokens)  ->  N x d_v.
 /// N == 0 gives a 0 x d_v result. `saved` (optional) receives P for naive_backward.
 /// Throws std::invalid_argument on bad shapes/options, std::domain_error on non-finite input.
@@ -321,7 +339,8 @@ void naive_backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstM
 
 /// Tiled softmax attention with an online softmax (SPEC §3; FlashAttention-2 forward): the same
 /// function as naive_forward in O(N + tile) extra memory. Causal tiles wholly above the diagonal
-/// are skipped and only diagonal tiles are masked.
+/// are skipped and only diagonal tiles are masked; with options.window w (SPEC §7) so are the
+/// tiles wholly before every row's window, so the cost is O(N w r), not O(N^2 r).
 ///   q: N x r, k: M x r, v: M x d_v (row-major, rows are tokens)  ->  N x d_v.
 /// N == 0 gives a 0 x d_v result. `saved` (optional) receives the output and the per-row
 /// log-sum-exp for flash_backward.
@@ -348,7 +367,7 @@ void flash_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstM
 /// the saved log-sum-exp, P = exp(scale Q K^T - lse), and accumulates
 ///   dV += P^T dO,  dS = P o (dP - D) with dP = dO V^T and D_i = dO_i . O_i,
 ///   dQ += scale dS K,  dK += scale dS^T Q,
-/// in O(N + M + tile) extra memory.
+/// in O(N + M + tile) extra memory; with options.window, over the forward's tiles only (SPEC §7).
 ///   q: N x r, k: M x r, v: M x d_v, grad_out: N x d_v; saved from flash_forward on the same
 ///   inputs and options.  ->  Grad {q: N x r, k: M x r, v: M x d_v}.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
@@ -426,7 +445,8 @@ class KvCache {
 
 /// Causal softmax decoding: appends the n new tokens' k (n x r) and v (n x d_v) to `cache` and
 /// returns their outputs (n x d_v) for q (n x r): new token i attends to every cached token and
-/// to the new ones up to itself. Over any pieces of a sequence, the rows of
+/// to the new ones up to itself (with options.window w, to the last w of those, itself
+/// included). Over any pieces of a sequence, the rows of
 /// naive_forward(q, k, v, causal) up to rounding. options.causal must be true (decoding is
 /// causal); options.scale as for the forwards. O(n (size + n) (r + d_v)) time, O(size + n)
 /// scratch. On a throw (invalid_argument for shapes or options, domain_error for non-finite
@@ -448,12 +468,14 @@ Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatri
   Vector<T> s(start + n);
   for (Index i = 0; i < n; ++i) {
     // one softmax row over the visible tokens (the query's own key included)
-    const Index vis = start + i + 1;
+    const Index end = start + i + 1;
+    const Index first = opt.window > 0 ? std::max<Index>(0, end - opt.window) : 0;  // SPEC §7
+    const Index vis = end - first;
     auto si = s.head(vis);
-    si.noalias() = keys.topRows(vis) * (q.row(i).transpose() * scale);
+    si.noalias() = keys.middleRows(first, vis) * (q.row(i).transpose() * scale);
     if (!mixattn::detail::softmax_row(mixattn::detail::simd_arch{}, si.data(), vis, vis, si.data()))
       si.setConstant(std::numeric_limits<T>::quiet_NaN());  // non-finite scores, unchecked
-    out.row(i).noalias() = si.transpose() * values.topRows(vis);
+    out.row(i).noalias() = si.transpose() * values.middleRows(first, vis);
   }
   if (opt.check_finite && !out.allFinite()) cache.truncate(start);  // before check_output throws
   detail::reference_check_output(fn, out, opt);

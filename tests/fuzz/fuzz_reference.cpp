@@ -1,8 +1,9 @@
 // libFuzzer target: reference softmax attention (SPEC §3), naive and flash, forward and backward.
 // Decodes shapes (≤ 64 tokens, ≤ 16 dims, sometimes inconsistent), options (scale 0, tiny, huge,
-// NaN, Inf; causal with N != M; check_finite on/off) and values (NaN, Inf, huge, tiny, zero and
-// duplicated rows), and holds every call to the oracle in fuzz_common.hpp. Where the logits are
-// moderate, naive and flash must also agree.
+// NaN, Inf; causal with N != M; check_finite on/off; a sliding window, SPEC §7, of 0 or
+// 1 ... N + 2 keys when causal, now and then one without causal or a negative one) and values
+// (NaN, Inf, huge, tiny, zero and duplicated rows), and holds every call to the oracle in
+// fuzz_common.hpp. Where the logits are moderate, naive and flash must also agree.
 #include <mixattn/reference.hpp>
 
 #include "fuzz_common.hpp"
@@ -70,11 +71,20 @@ void run_case(fz::Bytes& in) {
   fz::Flags grad_flags;
   const Matrix<T> dout = fz::matrix<T>(in, n, dv, grad_flags);
   const std::uint8_t backward_mode = in.u8();
+  // The window is drawn after everything else, so that the inputs before it decode as they did
+  // before windows existed (an exhausted input reads 0: no window).
+  const std::uint8_t window_byte = in.u8();
+  if (opt.causal && window_byte % 4 != 0)
+    opt.window = 1 + static_cast<Index>(window_byte) % (n + 2);
+  else if (!opt.causal && window_byte % 16 == 1)
+    opt.window = 1 + window_byte / 16;      // invalid: a window needs causal
+  if (window_byte == 255) opt.window = -1;  // invalid: negative
+  ex.invalid = ex.invalid || opt.window < 0 || (opt.window > 0 && !opt.causal);
   if (fz::verbose())
     std::cerr << (sizeof(T) == 4 ? "float" : "double") << " n=" << n << " m=" << m << " r=" << r
               << " kr=" << kr << " dv=" << dv << " vrows=" << vrows << " causal=" << opt.causal
               << " scale=" << opt.scale << " check_finite=" << opt.check_finite
-              << " padded=" << padded << " invalid=" << ex.invalid
+              << " window=" << opt.window << " padded=" << padded << " invalid=" << ex.invalid
               << " non_finite=" << ex.flags.non_finite << " extreme=" << ex.flags.extreme
               << " backward_mode=" << int(backward_mode % 12) << "\nq=\n" << q << "\nk=\n" << k
               << "\nv=\n" << v << "\ndout=\n" << dout << "\n";

@@ -47,6 +47,13 @@ inline Index visible_columns(Index i, Index j0, Index bc) {
   return std::clamp<Index>(i - j0 + 1, 0, bc);
 }
 
+/// Sliding window of w keys (SPEC §7: query i sees i - w < j <= i): the first column of a score
+/// tile whose key j0 + c is inside query i's window, c = i - w + 1 - j0, clamped to [0, visible]
+/// (visible: the row's count from visible_columns). Columns [first, visible) are the row's keys.
+inline Index window_first_column(Index i, Index j0, Index window, Index visible) {
+  return std::clamp<Index>(i - window + 1 - j0, 0, visible);
+}
+
 /// Forward over all query tiles. q: N x r, k: M x r, v: M x d_v; out: N x d_v and lse: N are
 /// sized by the caller and overwritten. out = softmax(scale q k^T + mask) v, lse_i = log sum_j
 /// exp(scale q_i . k_j) over the visible j.
@@ -54,14 +61,21 @@ inline Index visible_columns(Index i, Index j0, Index bc) {
 /// Per query tile, a running max m and running sum l per row (online softmax): when a key tile
 /// raises the max from m to m', the earlier sum and output row are rescaled by exp(m - m'), so
 /// the N x M score matrix is never formed. Scratch is allocated once per call.
+///
+/// window > 0 (causal only, SPEC §7): query i sees keys i - window < j <= i. Key tiles start at
+/// the query tile's first window key, so keys before it cost nothing (O(N (window + tiles)) work);
+/// the rows of a tile that reaches before a later row's window are masked there as well.
+/// window == 0 runs the plain causal or bidirectional schedule unchanged, and so does any
+/// window >= N (it starts every key range at 0 and masks nothing more): the same bits.
 template <class T, Index BlockQ, Index BlockK>
 void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                          const ConstMatrixRef<T>& v, T scale, bool causal, Matrix<T>& out,
-                         Vector<T>& lse, FlashScratch<T>& scratch) {
+                         Vector<T>& lse, FlashScratch<T>& scratch, Index window = 0) {
   const Index n = q.rows(), m_keys = k.rows(), r = q.cols();
   const T neg_inf = -std::numeric_limits<T>::infinity();
   MIXATTN_ASSERT(out.rows() == n && out.cols() == v.cols() && lse.size() == n);
   MIXATTN_ASSERT(!causal || n == m_keys);
+  MIXATTN_ASSERT(window >= 0 && (window == 0 || causal));
 
   using RowMap = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
   using W = mixattn::detail::wide_t<T>;
@@ -86,27 +100,34 @@ void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
     // Causal: key tiles wholly after the tile's last query are skipped; the last tile is cut
     // at the tile's last query, so only the diagonal tile needs a mask.
     const Index key_end = causal ? i0 + br : m_keys;
-    for (Index j0 = 0; j0 < key_end; j0 += BlockK) {
+    // Sliding window: keys before the tile's first query's window are skipped.
+    const Index key_begin = window > 0 ? std::max<Index>(0, i0 - window + 1) : 0;
+    for (Index j0 = key_begin; j0 < key_end; j0 += BlockK) {
       const Index bc = std::min(BlockK, key_end - j0);
       MatrixRef<T> st = s.topLeftCorner(br, bc);
       st.noalias() = qs.topRows(br) * k.middleRows(j0, bc).transpose();
       const bool diagonal = causal && j0 + bc - 1 > i0;
+      // Sliding window: the tile holds keys before the window of the tile's last query.
+      const bool trailing = window > 0 && j0 < i0 + br - window;
 
       for (Index t = 0; t < br; ++t) {
         const Index visible = diagonal ? visible_columns(i0 + t, j0, bc) : bc;
+        const Index first = trailing ? window_first_column(i0 + t, j0, window, visible) : 0;
         // Masked keys get probability 0 in the tile that feeds the P V product (set, not
         // computed: Eigen's vectorised exp clamps its argument, exp(-inf) is a denormal).
         RowMap(&st(t, 0) + visible, bc - visible).setZero();
-        if (visible == 0) continue;  // nothing visible in this tile: state unchanged
-        T* seen = &st(t, 0);
-        const T new_max = mixattn::detail::max_keep_nan(
-            row_max[t], mixattn::detail::row_max(arch, seen, visible));
+        if (first > 0) RowMap(&st(t, 0), first).setZero();
+        if (visible == first) continue;  // nothing visible in this tile: state unchanged
+        T* seen = &st(t, first);
+        const Index count = visible - first;
+        const T new_max =
+            mixattn::detail::max_keep_nan(row_max[t], mixattn::detail::row_max(arch, seen, count));
         // new_max is finite (finite scores); the old max may still be -inf on the first visible
         // tile, where exp(-inf - finite) = 0 correctly discards the empty history and no
         // -inf - -inf can arise.
         const T alpha = std::exp(row_max[t] - new_max);
         row_sum[t] =
-            static_cast<W>(alpha) * row_sum[t] + exp_shifted_sum(arch, seen, visible, new_max);
+            static_cast<W>(alpha) * row_sum[t] + exp_shifted_sum(arch, seen, count, new_max);
         if (alpha != T(1)) o.row(t) *= alpha;
         row_max[t] = new_max;
       }
@@ -132,14 +153,19 @@ void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 ///   dS = P o (dP - D),  dQ += scale dS K,  dK += scale dS^T Q
 /// with S = scale Q K^T. The scale is folded into a scaled copy Qs = scale Q: S = Qs K^T and
 /// dK += dS^T Qs need no rescale, and dQ is scaled once at the end.
+///
+/// window > 0 (causal only): the forward's mask (SPEC §7). A key tile meets only the query tiles
+/// up to its last key's window, and each meeting starts at the query tile's first window key;
+/// window == 0 and window >= N run the unwindowed schedule, bit for bit.
 template <class T, Index BlockQ, Index BlockK>
 void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                           const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& out,
                           const ConstMatrixRef<T>& grad_out, const Vector<T>& lse, T scale,
                           bool causal, Matrix<T>& dq, Matrix<T>& dk, Matrix<T>& dv,
-                          FlashScratch<T>& scratch) {
+                          FlashScratch<T>& scratch, Index window = 0) {
   const Index n = q.rows(), m_keys = k.rows();
   MIXATTN_ASSERT(!causal || n == m_keys);
+  MIXATTN_ASSERT(window >= 0 && (window == 0 || causal));
   dq.setZero();
   dk.setZero();
   dv.setZero();
@@ -161,14 +187,20 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
 
   for (Index j0 = 0; j0 < m_keys; j0 += BlockK) {
     const Index bc = std::min(BlockK, m_keys - j0);
+    // Sliding window: queries from j0 + bc - 1 + window on see none of these keys.
+    const Index query_end = window > 0 ? std::min(n, j0 + bc + window - 1) : n;
     // Causal: queries before j0 see none of these keys.
-    for (Index i0 = causal ? j0 : 0; i0 < n; i0 += BlockQ) {
+    for (Index i0 = causal ? j0 : 0; i0 < query_end; i0 += BlockQ) {
       const Index br = std::min(BlockQ, n - i0);
+      // Sliding window: keys before the window of the tile's first query are masked for every
+      // row of the tile, so the tile starts at key jb.
+      const Index jb = window > 0 ? std::max(j0, i0 - window + 1) : j0;
       // Causal: keys after the tile's last query are masked for every row of the tile.
-      const Index bcc = causal ? std::min(bc, i0 + br - j0) : bc;
-      const bool diagonal = causal && j0 + bcc - 1 > i0;
-      const ConstMatrixRef<T> kb = k.middleRows(j0, bcc);
-      const ConstMatrixRef<T> vb = v.middleRows(j0, bcc);
+      const Index bcc = (causal ? std::min(bc, i0 + br - j0) : bc) - (jb - j0);
+      const bool diagonal = causal && jb + bcc - 1 > i0;
+      const bool trailing = window > 0 && jb < i0 + br - window;
+      const ConstMatrixRef<T> kb = k.middleRows(jb, bcc);
+      const ConstMatrixRef<T> vb = v.middleRows(jb, bcc);
       const ConstMatrixRef<T> gb = grad_out.middleRows(i0, br);
       const ConstMatrixRef<T> qsb = qs.middleRows(i0, br);
       MatrixRef<T> pt = p.topLeftCorner(br, bcc);
@@ -176,20 +208,22 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
 
       pt.noalias() = qsb * kb.transpose();
       for (Index t = 0; t < br; ++t) {
-        const Index visible = diagonal ? visible_columns(i0 + t, j0, bcc) : bcc;
+        const Index visible = diagonal ? visible_columns(i0 + t, jb, bcc) : bcc;
+        const Index first = trailing ? window_first_column(i0 + t, jb, window, visible) : 0;
         // P <= 1 exactly; the clamp keeps it so when this S differs from the forward's by
         // rounding and logits are huge (|S| ~ 1e8 in float: a few ulps would be exp(+8)).
-        RowMap seen(&pt(t, 0), visible);
+        RowMap seen(&pt(t, 0) + first, visible - first);
         seen = (seen - lse[i0 + t]).min(T(0)).exp();
         RowMap(&pt(t, 0) + visible, bcc - visible).setZero();
+        if (first > 0) RowMap(&pt(t, 0), first).setZero();
       }
-      dv.middleRows(j0, bcc).noalias() += pt.transpose() * gb;
+      dv.middleRows(jb, bcc).noalias() += pt.transpose() * gb;
 
       dpt.noalias() = gb * vb.transpose();
       for (Index t = 0; t < br; ++t)
         softmax_backward_apply(arch, &pt(t, 0), &dpt(t, 0), bcc, delta[i0 + t]);
       dq.middleRows(i0, br).noalias() += dpt * kb;
-      dk.middleRows(j0, bcc).noalias() += dpt.transpose() * qsb;
+      dk.middleRows(jb, bcc).noalias() += dpt.transpose() * qsb;
     }
   }
   dq *= scale;
@@ -199,9 +233,9 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
 template <class T, Index BlockQ, Index BlockK>
 void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                          const ConstMatrixRef<T>& v, T scale, bool causal, Matrix<T>& out,
-                         Vector<T>& lse) {
+                         Vector<T>& lse, Index window = 0) {
   FlashScratch<T> scratch;
-  flash_forward_tiles<T, BlockQ, BlockK>(q, k, v, scale, causal, out, lse, scratch);
+  flash_forward_tiles<T, BlockQ, BlockK>(q, k, v, scale, causal, out, lse, scratch, window);
 }
 
 /// flash_backward_tiles with scratch of its own (allocated per call).
@@ -209,10 +243,11 @@ template <class T, Index BlockQ, Index BlockK>
 void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                           const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& out,
                           const ConstMatrixRef<T>& grad_out, const Vector<T>& lse, T scale,
-                          bool causal, Matrix<T>& dq, Matrix<T>& dk, Matrix<T>& dv) {
+                          bool causal, Matrix<T>& dq, Matrix<T>& dk, Matrix<T>& dv,
+                          Index window = 0) {
   FlashScratch<T> scratch;
   flash_backward_tiles<T, BlockQ, BlockK>(q, k, v, out, grad_out, lse, scale, causal, dq, dk, dv,
-                                          scratch);
+                                          scratch, window);
 }
 
 }  // namespace detail
