@@ -9,6 +9,7 @@
 // position offsets, relative-position dot products, argument errors.
 #include <mixattn/reference.hpp>
 #include <mixattn/rope.hpp>
+#include <mixattn/window.hpp>
 
 #include "test_util.hpp"
 
@@ -494,6 +495,52 @@ double rope_atol(double pair_norm, double max_abs_position, double base = 10000)
          (std::numeric_limits<T>::epsilon() +
           std::numeric_limits<double>::epsilon() * (2 + max_abs_position * (2 + std::log(base)))) *
          pair_norm;
+}
+
+// window.hpp is a face over the tiled reference with causal and the window set: the same bits
+// (forward, record and gradients, value-returning and _into forms), and its own messages.
+TYPED_TEST(Window, PublicFaceIsTheWindowedFlashKernel) {
+  using T = TypeParam;
+  namespace win = mixattn::window;
+  const Index n = 300, r = 16, d_v = 8;
+  const Matrix<T> q = random_matrix<T>(n, r, 11), k = random_matrix<T>(n, r, 12);
+  const Matrix<T> v = random_matrix<T>(n, d_v, 13), go = random_matrix<T>(n, d_v, 14);
+  for (Index w : {1, 37, 256, 1000}) {
+    win::Options wo;
+    wo.window = w;
+    ref::Saved<T> ref_saved;
+    win::Saved<T> win_saved;
+    const Matrix<T> want = ref::flash_forward<T>(q, k, v, windowed(w), &ref_saved);
+    EXPECT_TRUE(same_bits(win::forward<T>(q, k, v, wo, &win_saved), want)) << "w = " << w;
+    EXPECT_TRUE(same_bits(win_saved.lse, ref_saved.lse));
+    Matrix<T> out;
+    win::forward_into<T>(out, q, k, v, wo, nullptr);
+    EXPECT_TRUE(same_bits(out, want));
+    const ref::Grad<T> g_ref = ref::flash_backward<T>(q, k, v, go, ref_saved, windowed(w));
+    const win::Grad<T> g = win::backward<T>(q, k, v, go, win_saved, wo);
+    win::Grad<T> g_into;
+    win::backward_into<T>(g_into, q, k, v, go, win_saved, wo);
+    const win::Grad<T>* grads[2] = {&g, &g_into};
+    for (const win::Grad<T>* got : grads) {
+      EXPECT_TRUE(same_bits(got->q, g_ref.q));
+      EXPECT_TRUE(same_bits(got->k, g_ref.k));
+      EXPECT_TRUE(same_bits(got->v, g_ref.v));
+    }
+  }
+  win::Options zero;
+  zero.window = 0;
+  expect_throw<std::invalid_argument>([&] { win::forward<T>(q, k, v, zero); },
+                                      {"mixattn::window::forward", "options.window is 0"});
+  const Matrix<T> k_short = random_matrix<T>(n - 1, r, 15),
+                  v_short = random_matrix<T>(n - 1, d_v, 16);
+  expect_throw<std::invalid_argument>([&] { win::forward<T>(q, k_short, v_short); },
+                                      {"mixattn::window::forward", "as many keys as queries"});
+  win::Saved<T> saved;
+  win::Options w8;
+  w8.window = 8;
+  win::forward<T>(q, k, v, w8, &saved);
+  expect_throw<std::invalid_argument>([&] { win::backward<T>(q, k, v, go, saved); },
+                                      {"mixattn::window::backward", "window"});
 }
 
 TYPED_TEST(Rope, MatchesDirectFormula) {

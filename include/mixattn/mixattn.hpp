@@ -16,3 +16,4 @@
 #include "mixattn/reference.hpp"
 #include "mixattn/rope.hpp"
 #include "mixattn/vq.hpp"
+#include "mixattn/window.hpp"

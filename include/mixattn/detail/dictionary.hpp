@@ -141,11 +141,24 @@ class BlockQuantizer {
   /// tokens join their nearest old row, or row 0 (the first pick) when there is none.
   void plan(const Dictionary<T>& dict, const Eigen::Ref<const Matrix<T>>& kb, Index nu, bool greedy,
             bool existing_only, std::int32_t* assign, std::int32_t* seeds) {
-    const Index c = kb.rows(), n0 = dict.size;
+    const Index c = kb.rows();
     MIXATTN_ASSERT(nu <= c && c <= best_.size());
+    nearest_old_rows(dict, kb);
+    std::fill(pick_of_.begin(), pick_of_.begin() + c, -1);
+    for (Index j = 0; j < c; ++j) key_[j] = best_[j];
+    if (greedy)
+      seed_greedy(kb, nu, seeds);
+    else if (nu > 0)
+      seed_one_shot(kb, nu, dict.size, existing_only, seeds);
+    assign_tokens(c, nu, dict.size, existing_only, assign);
+  }
+
+ private:
+  /// Nearest old centroid of every token (ties -> lowest row) into best_ / arg_, reused by the
+  /// seeding score and the assignment: C x N scores, one tile of dictionary rows at a time.
+  void nearest_old_rows(const Dictionary<T>& dict, const Eigen::Ref<const Matrix<T>>& kb) {
+    const Index c = kb.rows(), n0 = dict.size;
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
-    // Nearest old centroid of every token (ties -> lowest row), reused by the seeding score and
-    // the assignment: C x N scores, one tile of dictionary rows at a time.
     for (Index j = 0; j < c; ++j) {
       best_[j] = neg_inf;
       arg_[j] = 0;  // a row that exists (or the first pick's) even if every score is NaN
@@ -165,55 +178,60 @@ class BlockQuantizer {
         arg_[j] = n_lo + arg;
       }
     }
-    std::fill(pick_of_.begin(), pick_of_.begin() + c, -1);
-    for (Index j = 0; j < c; ++j) key_[j] = best_[j];
+  }
 
-    if (greedy) {
-      // Each pick is the unpicked token whose largest similarity to every centroid so far is
-      // smallest (strict < keeps the lowest index on ties; with no centroid all keys are -inf
-      // and token 0 wins, as the rule says).
-      for (Index p = 0; p < nu; ++p) {
-        Index pick = -1;
-        T low = std::numeric_limits<T>::infinity();
-        for (Index j = 0; j < c; ++j)
-          if (pick_of_[j] < 0 && (pick < 0 || key_[j] < low)) low = key_[j], pick = j;
-        seeds[p] = static_cast<std::int32_t>(pick);
-        pick_of_[pick] = p;
-        seed_dots_.col(p).head(c).noalias() = kb * kb.row(pick).transpose();
-        for (Index j = 0; j < c; ++j) key_[j] = std::max(key_[j], seed_dots_(j, p));
-      }
-    } else if (nu > 0) {
-      // One shot: all picks scored against the old dictionary; with none, the first token is
-      // the first pick and the others are scored against it alone.
-      Index p0 = 0;
-      if (n0 == 0) {
-        seeds[0] = 0;
-        pick_of_[0] = 0;
-        p0 = 1;
-        for (Index j = 0; j < c; ++j) key_[j] = kb.row(j).dot(kb.row(0));
-      }
-      Index m = 0;
+  /// Greedy seeding: each pick is the unpicked token whose largest similarity to every centroid
+  /// so far is smallest (strict < keeps the lowest index on ties; with no centroid all keys are
+  /// -inf and token 0 wins, as the rule says).
+  void seed_greedy(const Eigen::Ref<const Matrix<T>>& kb, Index nu, std::int32_t* seeds) {
+    const Index c = kb.rows();
+    for (Index p = 0; p < nu; ++p) {
+      Index pick = -1;
+      T low = std::numeric_limits<T>::infinity();
       for (Index j = 0; j < c; ++j)
-        if (pick_of_[j] < 0) order_[m++] = j;
-      const Index take = nu - p0;
-      std::partial_sort(order_.begin(), order_.begin() + take, order_.begin() + m,
-                        [this](Index a, Index b) {
-                          return key_[a] < key_[b] || (!(key_[b] < key_[a]) && a < b);
-                        });
-      for (Index p = p0; p < nu; ++p) {
-        const Index pick = order_[p - p0];
-        seeds[p] = static_cast<std::int32_t>(pick);
-        pick_of_[pick] = p;
-      }
-      if (!existing_only) {
-        for (Index p = 0; p < nu; ++p) seed_keys_.row(p) = kb.row(seeds[p]);
-        seed_dots_.topLeftCorner(c, nu).noalias() = kb * seed_keys_.topRows(nu).transpose();
-      }
+        if (pick_of_[j] < 0 && (pick < 0 || key_[j] < low)) low = key_[j], pick = j;
+      seeds[p] = static_cast<std::int32_t>(pick);
+      pick_of_[pick] = p;
+      seed_dots_.col(p).head(c).noalias() = kb * kb.row(pick).transpose();
+      for (Index j = 0; j < c; ++j) key_[j] = std::max(key_[j], seed_dots_(j, p));
     }
+  }
 
-    // Assignment: argmax over old rows then (unless existing_only) the new seeds in row order;
-    // strict > keeps the lowest row on ties. Seeds count as assigned to their own centroid.
-    // arg_ already holds the nearest old row, and row 0 = n0 + first pick without old rows.
+  /// One-shot seeding: all picks scored against the old dictionary; with none, the first token
+  /// is the first pick and the others are scored against it alone.
+  void seed_one_shot(const Eigen::Ref<const Matrix<T>>& kb, Index nu, Index n0,
+                     bool existing_only, std::int32_t* seeds) {
+    const Index c = kb.rows();
+    Index p0 = 0;
+    if (n0 == 0) {
+      seeds[0] = 0;
+      pick_of_[0] = 0;
+      p0 = 1;
+      for (Index j = 0; j < c; ++j) key_[j] = kb.row(j).dot(kb.row(0));
+    }
+    Index m = 0;
+    for (Index j = 0; j < c; ++j)
+      if (pick_of_[j] < 0) order_[m++] = j;
+    const Index take = nu - p0;
+    std::partial_sort(order_.begin(), order_.begin() + take, order_.begin() + m,
+                      [this](Index a, Index b) {
+                        return key_[a] < key_[b] || (!(key_[b] < key_[a]) && a < b);
+                      });
+    for (Index p = p0; p < nu; ++p) {
+      const Index pick = order_[p - p0];
+      seeds[p] = static_cast<std::int32_t>(pick);
+      pick_of_[pick] = p;
+    }
+    if (!existing_only) {
+      for (Index p = 0; p < nu; ++p) seed_keys_.row(p) = kb.row(seeds[p]);
+      seed_dots_.topLeftCorner(c, nu).noalias() = kb * seed_keys_.topRows(nu).transpose();
+    }
+  }
+
+  /// Assignment: argmax over old rows then (unless existing_only) the new seeds in row order;
+  /// strict > keeps the lowest row on ties. Seeds count as assigned to their own centroid.
+  /// arg_ already holds the nearest old row, and row 0 = n0 + first pick without old rows.
+  void assign_tokens(Index c, Index nu, Index n0, bool existing_only, std::int32_t* assign) const {
     const Index candidates = existing_only ? 0 : nu;
     for (Index j = 0; j < c; ++j) {
       if (pick_of_[j] >= 0) {
@@ -228,7 +246,6 @@ class BlockQuantizer {
     }
   }
 
- private:
   Matrix<T> scores_;                                            // C x score_tile
   Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> seed_dots_;  // C x C: column p = kb kb[seed p]
   Matrix<T> seed_keys_;                                         // C x r (one-shot gather)
