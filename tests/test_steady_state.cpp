@@ -372,8 +372,12 @@ TEST(SteadyState, LayerStepAllocatesNothing) {
     layer::MixerKind mixer;
     bool causal;
   };
-  for (const Case c : {Case{layer::MixerKind::gma, false}, Case{layer::MixerKind::gma, true},
-                       Case{layer::MixerKind::ovq, true}, Case{layer::MixerKind::softmax, true}}) {
+  for (const Case c :
+       {Case{layer::MixerKind::gma, false}, Case{layer::MixerKind::gma, true},
+        Case{layer::MixerKind::ovq, true}, Case{layer::MixerKind::softmax, true},
+        Case{layer::MixerKind::linear, false}, Case{layer::MixerKind::linear, true},
+        Case{layer::MixerKind::performer, false}, Case{layer::MixerKind::performer, true},
+        Case{layer::MixerKind::vq, false}, Case{layer::MixerKind::vq, true}}) {
     layer::Config cfg;
     cfg.model_dim = 128;
     cfg.heads = 4;
@@ -394,7 +398,8 @@ TEST(SteadyState, LayerStepAllocatesNothing) {
       mha.backward_into(g, x, dy, cache);
     };
     step();
-    EXPECT_EQ(allocations_of(step), 0) << "mixer " << static_cast<int>(c.mixer);
+    EXPECT_EQ(allocations_of(step), 0)
+        << "mixer " << layer::mixer_name(c.mixer) << ", causal = " << c.causal;
     layer::Cache<float> ref_cache;
     EXPECT_EQ(y, mha.forward(x, &ref_cache));
     const layer::Gradients<float> ref = mha.backward(x, dy, ref_cache);
