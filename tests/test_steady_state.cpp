@@ -25,8 +25,11 @@
 
 #include <mixattn/gma.hpp>
 #include <mixattn/layer.hpp>
+#include <mixattn/linear.hpp>
 #include <mixattn/ovq.hpp>
+#include <mixattn/performer.hpp>
 #include <mixattn/reference.hpp>
+#include <mixattn/vq.hpp>
 
 #include <gtest/gtest.h>
 
@@ -207,6 +210,79 @@ TYPED_TEST(SteadyStateTyped, SoftmaxStepAllocatesNothing) {
   }
 }
 
+/// The baselines' `_into` forms (linear attention, Performer, VQ attention), bidirectional and
+/// causal: a second step with the same shapes allocates nothing, and the results equal the
+/// value-returning forms' bit for bit. N = 2048, r = d_v = 64, m = S = 64 features or codes.
+TYPED_TEST(SteadyStateTyped, BaselineStepsAllocateNothing) {
+  using T = TypeParam;
+  namespace linear = mixattn::linear;
+  namespace performer = mixattn::performer;
+  namespace vq = mixattn::vq;
+  const Index N = 2048, r = 64, dv = 64, m = 64;
+  const Matrix<T> q = random_matrix<T>(N, r, 51), k = random_matrix<T>(N, r, 52);
+  const Matrix<T> v = random_matrix<T>(N, dv, 53), dout = random_matrix<T>(N, dv, 54);
+  const performer::Features<T> features = performer::Features<T>::random(m, r, 55);
+  const Matrix<T> codebook = random_matrix<T>(m, r, 56);
+  for (const bool causal : {false, true}) {
+    Matrix<T> out_l, out_p, out_v;
+    linear::Options lo;
+    lo.causal = causal;
+    linear::Saved<T> saved_l;
+    linear::Grad<T> grad_l;
+    performer::Options po;
+    po.causal = causal;
+    performer::Saved<T> saved_p;
+    performer::Grad<T> grad_p;
+    vq::Options vo;
+    vo.causal = causal;
+    vq::Saved<T> saved_v;
+    vq::Grad<T> grad_v;
+    const auto linear_step = [&] {
+      linear::forward_into<T>(out_l, q, k, v, lo, &saved_l);
+      linear::backward_into<T>(grad_l, q, k, v, dout, saved_l, lo);
+    };
+    const auto performer_step = [&] {
+      performer::forward_into<T>(out_p, q, k, v, features, po, &saved_p);
+      performer::backward_into<T>(grad_p, q, k, v, dout, features, saved_p, po);
+    };
+    const auto vq_step = [&] {
+      vq::forward_into<T>(out_v, q, k, v, codebook, vo, &saved_v);
+      vq::backward_into<T>(grad_v, q, k, v, codebook, dout, saved_v, vo);
+    };
+    linear_step();
+    performer_step();
+    vq_step();
+    EXPECT_EQ(allocations_of(linear_step), 0) << "linear, causal = " << causal;
+    EXPECT_EQ(allocations_of(performer_step), 0) << "performer, causal = " << causal;
+    EXPECT_EQ(allocations_of(vq_step), 0) << "vq, causal = " << causal;
+    // A forward without a record (this thread's scratch) allocates nothing either.
+    Matrix<T> out_none;
+    linear::forward_into<T>(out_none, q, k, v, lo, nullptr);
+    EXPECT_EQ(allocations_of([&] { linear::forward_into<T>(out_none, q, k, v, lo, nullptr); }), 0);
+    EXPECT_EQ(out_none, out_l);
+
+    linear::Saved<T> rl;
+    EXPECT_EQ(out_l, linear::forward<T>(q, k, v, lo, &rl));
+    const linear::Grad<T> gl = linear::backward<T>(q, k, v, dout, rl, lo);
+    EXPECT_EQ(grad_l.q, gl.q);
+    EXPECT_EQ(grad_l.k, gl.k);
+    EXPECT_EQ(grad_l.v, gl.v);
+    performer::Saved<T> rp;
+    EXPECT_EQ(out_p, performer::forward<T>(q, k, v, features, po, &rp));
+    const performer::Grad<T> gp = performer::backward<T>(q, k, v, dout, features, rp, po);
+    EXPECT_EQ(grad_p.q, gp.q);
+    EXPECT_EQ(grad_p.k, gp.k);
+    EXPECT_EQ(grad_p.v, gp.v);
+    vq::Saved<T> rv;
+    EXPECT_EQ(out_v, vq::forward<T>(q, k, v, codebook, vo, &rv));
+    const vq::Grad<T> gv = vq::backward<T>(q, k, v, codebook, dout, rv, vo);
+    EXPECT_EQ(grad_v.q, gv.q);
+    EXPECT_EQ(grad_v.k, gv.k);
+    EXPECT_EQ(grad_v.v, gv.v);
+    EXPECT_EQ(grad_v.codebook, gv.codebook);
+  }
+}
+
 /// OVQ from a constant start state: 1000 tokens in blocks of 64 with up to 256 centroids (the
 /// assignment and attention GEMMs pack more than 128 KiB in double).
 TYPED_TEST(SteadyStateTyped, OvqStepAllocatesNothing) {
@@ -296,8 +372,12 @@ TEST(SteadyState, LayerStepAllocatesNothing) {
     layer::MixerKind mixer;
     bool causal;
   };
-  for (const Case c : {Case{layer::MixerKind::gma, false}, Case{layer::MixerKind::gma, true},
-                       Case{layer::MixerKind::ovq, true}, Case{layer::MixerKind::softmax, true}}) {
+  for (const Case c :
+       {Case{layer::MixerKind::gma, false}, Case{layer::MixerKind::gma, true},
+        Case{layer::MixerKind::ovq, true}, Case{layer::MixerKind::softmax, true},
+        Case{layer::MixerKind::linear, false}, Case{layer::MixerKind::linear, true},
+        Case{layer::MixerKind::performer, false}, Case{layer::MixerKind::performer, true},
+        Case{layer::MixerKind::vq, false}, Case{layer::MixerKind::vq, true}}) {
     layer::Config cfg;
     cfg.model_dim = 128;
     cfg.heads = 4;
@@ -318,7 +398,8 @@ TEST(SteadyState, LayerStepAllocatesNothing) {
       mha.backward_into(g, x, dy, cache);
     };
     step();
-    EXPECT_EQ(allocations_of(step), 0) << "mixer " << static_cast<int>(c.mixer);
+    EXPECT_EQ(allocations_of(step), 0)
+        << "mixer " << layer::mixer_name(c.mixer) << ", causal = " << c.causal;
     layer::Cache<float> ref_cache;
     EXPECT_EQ(y, mha.forward(x, &ref_cache));
     const layer::Gradients<float> ref = mha.backward(x, dy, ref_cache);

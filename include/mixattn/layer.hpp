@@ -9,7 +9,10 @@
 //   - GMA (SPEC §1), bidirectional or causal, with its own routing mixture per head;
 //   - OVQ (SPEC §2), always causal, with its own scale factor beta per head; every forward
 //     processes X as a whole sequence from an empty State;
-//   - softmax attention (SPEC §3, the tiled form), bidirectional or causal.
+//   - softmax attention (SPEC §3, the tiled form), bidirectional or causal;
+//   - the papers' baselines, bidirectional or causal: linear attention (SPEC §4), Performer /
+//     FAVOR+ (SPEC §5) with its own constant random features per head, and static-codebook VQ
+//     attention (SPEC §6) with its own learned codebook per head.
 //
 // Causal layers also decode: begin_decoding() makes one sequence's DecodeState (a gma::State,
 // ovq::State or softmax KvCache per head) and decode(x, state) takes the next token(s), giving
@@ -35,11 +38,14 @@
 #include "mixattn/detail/layer_io.hpp"
 #include "mixattn/detail/parallel_gemm.hpp"
 #include "mixattn/gma.hpp"
+#include "mixattn/linear.hpp"
 #include "mixattn/named_block.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/packed.hpp"
 #include "mixattn/parallel.hpp"
+#include "mixattn/performer.hpp"
 #include "mixattn/reference.hpp"
+#include "mixattn/vq.hpp"
 
 #include <array>
 #include <cstdint>
@@ -167,10 +173,33 @@ void load_parameters(const std::string& path, const std::vector<NamedBlock<T>>& 
 
 /// Which sequence mixer every head runs.
 enum class MixerKind {
-  gma,      ///< Gaussian Mixture Attention (SPEC §1), bidirectional or causal
-  ovq,      ///< Online vector-quantized attention (SPEC §2), always causal
-  softmax,  ///< exact softmax attention, tiled (SPEC §3), bidirectional or causal
+  gma,        ///< Gaussian Mixture Attention (SPEC §1), bidirectional or causal
+  ovq,        ///< Online vector-quantized attention (SPEC §2), always causal
+  softmax,    ///< exact softmax attention, tiled (SPEC §3), bidirectional or causal
+  linear,     ///< linear attention, elu + 1 features (SPEC §4), bidirectional or causal
+  performer,  ///< Performer / FAVOR+ random features (SPEC §5), bidirectional or causal
+  vq,         ///< static learned-codebook VQ attention (SPEC §6), bidirectional or causal
 };
+
+/// The mixer's name as written in MixerKind ("gma", "ovq", "softmax", "linear", "performer",
+/// "vq"), for messages.
+inline const char* mixer_name(MixerKind kind) {
+  switch (kind) {
+    case MixerKind::gma:
+      return "gma";
+    case MixerKind::ovq:
+      return "ovq";
+    case MixerKind::softmax:
+      return "softmax";
+    case MixerKind::linear:
+      return "linear";
+    case MixerKind::performer:
+      return "performer";
+    case MixerKind::vq:
+      return "vq";
+  }
+  return "unknown";
+}
 
 /// Shape and behaviour of a MultiHeadAttention layer.
 struct Config {
@@ -179,16 +208,32 @@ struct Config {
   Index key_dim = 0;    ///< r: routing/key dimension per head
   Index value_dim = 0;  ///< d_v: value dimension per head
   MixerKind mixer = MixerKind::gma;
-  /// Token i sees only j <= i. Decides for GMA and softmax (the `causal` fields of `gma` and
-  /// `softmax` below are overridden by it); OVQ is causal by construction and requires true.
+  /// Token i sees only j <= i. Decides for GMA, softmax, linear, Performer and VQ (the `causal`
+  /// fields of their options below are overridden by it); OVQ is causal by construction and
+  /// requires true.
   bool causal = false;
   Index components = 16;       ///< K, mixture components per head (GMA)
   double gma_mean_scale = 1;   ///< initial component means ~ N(0, 1)·gma_mean_scale (SPEC 1.1)
   gma::Options gma;            ///< eps, chunk, check_finite of every GMA head
   ovq::Options ovq;            ///< block, dictionary size, growth, … of every OVQ head
   reference::Options softmax;  ///< scale (0: 1/sqrt(r)) and check_finite of softmax heads
+  linear::Options linear;      ///< eps, chunk, check_finite of linear-attention heads
+  performer::Options performer;  ///< eps, chunk, scale (0: r^(-1/4)) of Performer heads
+  /// m, random features per Performer head. Head h's directions are
+  /// performer::Features::random(features, r, seed + 1 + h, feature_draw), drawn once when the
+  /// layer is made and never redrawn by it (features(h).redraw(s) does, between steps); they are
+  /// a constant input, not a parameter: no gradient, not in parameters() or the parameter file.
+  Index features = 64;
+  performer::Draw feature_draw = performer::Draw::orthogonal;  ///< how the directions are drawn
+  vq::Options vq;  ///< eps, chunk, scale (0: 1/sqrt(r)) of VQ heads
+  /// S, codes per VQ head. Head h's codebook "head<h>.codebook" (S x r) is a learned parameter,
+  /// initialised ~ N(0, 1) * codebook_scale from an mt19937_64 seeded with seed + 1 + h (keys
+  /// x W_K of unit-variance x are ~ N(0, 1) entrywise at initialisation, so the codes start
+  /// where the keys are).
+  Index codes = 64;
+  double codebook_scale = 1;
   int threads = 1;             ///< threads over heads (0: all cores)
-  std::uint64_t seed = 0;      ///< initialisation seed (weights, mixture means)
+  std::uint64_t seed = 0;      ///< initialisation seed (weights, mixtures, codebooks, features)
   bool check_finite = true;    ///< reject NaN/Inf in X and dY with std::domain_error
 };
 
@@ -203,7 +248,10 @@ struct Cache {
   std::vector<gma::Saved<T>> gma_saved;
   std::vector<ovq::Saved<T>> ovq_saved;
   std::vector<reference::Saved<T>> softmax_saved;
-  Index tokens = -1;                      ///< N of the forward that filled it; -1 when empty
+  std::vector<linear::Saved<T>> linear_saved;
+  std::vector<performer::Saved<T>> performer_saved;
+  std::vector<vq::Saved<T>> vq_saved;
+  Index tokens = -1;  ///< N of the forward that filled it; -1 when empty
   std::uint64_t fingerprint[2] = {0, 0};  ///< of x and of every parameter, checked by backward
   Offsets offsets;  ///< the batch's sequence offsets ({0, N} for one sequence)
   // Working memory reused by forward_into: one output per (sequence, head), OVQ's end states.
@@ -225,10 +273,14 @@ struct Gradients {
   std::vector<gma::Grad<T>> gma_grads;
   std::vector<ovq::Grad<T>> ovq_grads;
   std::vector<reference::Grad<T>> softmax_grads;
+  std::vector<linear::Grad<T>> linear_grads;
+  std::vector<performer::Grad<T>> performer_grads;
+  std::vector<vq::Grad<T>> vq_grads;
   std::vector<Index> order;
   ::mixattn::detail::GemmTasks<T> gemm;
   /// Where each parameter's gradient is in params, found by name when the blocks are set up:
-  /// w_q, w_k, w_v, w_o, then per head its blocks (GMA mean, var_raw, prior_logit; OVQ beta).
+  /// w_q, w_k, w_v, w_o, then per head its blocks (GMA mean, var_raw, prior_logit; OVQ beta;
+  /// VQ codebook).
   std::size_t slot_w[4] = {0, 0, 0, 0};
   std::vector<std::array<std::size_t, 3>> slot_head;
   /// The gradient named `name` (a name of parameters()); throws std::invalid_argument when there
@@ -271,9 +323,11 @@ struct DecodeState {
 /// Multi-head attention layer (see the top of this file). Parameters, in parameters() order:
 ///   w_q (d_model x H·r), w_k (d_model x H·r), w_v (d_model x H·d_v), w_o (H·d_v x d_model),
 ///   then per head h: GMA "head<h>.mean" (K x r), "head<h>.var_raw" (K x r),
-///   "head<h>.prior_logit" (K x 1); OVQ "head<h>.beta" (1 x 1); softmax nothing.
+///   "head<h>.prior_logit" (K x 1); OVQ "head<h>.beta" (1 x 1); VQ "head<h>.codebook" (S x r);
+///   softmax, linear and Performer nothing.
 /// Initialisation: projection weights ~ N(0, 1/fan_in), seeded by Config::seed; mixtures by
-/// gma::Mixture::random(K, r, seed + 1 + h, gma_mean_scale); beta = 1.
+/// gma::Mixture::random(K, r, seed + 1 + h, gma_mean_scale); beta = 1; codebooks and Performer
+/// directions from seed + 1 + h as Config::codes and Config::features say.
 template <class T>
 class MultiHeadAttention {
   static_assert(::mixattn::detail::refuse_arguments<T>(), "see the message above");
@@ -293,6 +347,13 @@ class MultiHeadAttention {
                                                     cfg_.seed + 1 + static_cast<std::uint64_t>(i),
                                                     static_cast<T>(cfg_.gma_mean_scale)));
     if (cfg_.mixer == MixerKind::ovq) beta_ = Vector<T>::Ones(h);
+    for (Index i = 0; i < h && cfg_.mixer == MixerKind::performer; ++i)
+      features_.push_back(performer::Features<T>::random(
+          cfg_.features, r, cfg_.seed + 1 + static_cast<std::uint64_t>(i), cfg_.feature_draw));
+    for (Index i = 0; i < h && cfg_.mixer == MixerKind::vq; ++i) {
+      std::mt19937_64 code_rng(cfg_.seed + 1 + static_cast<std::uint64_t>(i));
+      codebooks_.push_back(gaussian(cfg_.codes, r, cfg_.codebook_scale, code_rng));
+    }
   }
 
   const Config& config() const { return cfg_; }
@@ -319,6 +380,22 @@ class MultiHeadAttention {
   /// Head h's scale factor beta (OVQ layers only).
   T& beta(Index h) { return beta_[checked_head(h, "beta")]; }
   T beta(Index h) const { return beta_[checked_head(h, "beta")]; }
+  /// Head h's random feature directions (Performer layers only; m x r, a constant input).
+  performer::Features<T>& features(Index h) {
+    return features_[kind_head(MixerKind::performer, h,
+                               "mixattn::layer::MultiHeadAttention::features")];
+  }
+  const performer::Features<T>& features(Index h) const {
+    return features_[kind_head(MixerKind::performer, h,
+                               "mixattn::layer::MultiHeadAttention::features")];
+  }
+  /// Head h's codebook (VQ layers only; S x r, the parameter "head<h>.codebook").
+  Matrix<T>& codebook(Index h) {
+    return codebooks_[kind_head(MixerKind::vq, h, "mixattn::layer::MultiHeadAttention::codebook")];
+  }
+  const Matrix<T>& codebook(Index h) const {
+    return codebooks_[kind_head(MixerKind::vq, h, "mixattn::layer::MultiHeadAttention::codebook")];
+  }
 
   /// Named writable views of every parameter (order and shapes documented on the class).
   std::vector<NamedBlock<T>> parameters() {
@@ -344,6 +421,9 @@ class MultiHeadAttention {
         out.emplace_back(prefix + "prior_logit", m.prior_logit.data(), m.prior_logit.size(), 1);
       } else if (cfg_.mixer == MixerKind::ovq) {
         out.emplace_back(prefix + "beta", beta_.data() + h, 1, 1);
+      } else if (cfg_.mixer == MixerKind::vq) {
+        const Matrix<T>& c = codebooks_[static_cast<std::size_t>(h)];
+        out.emplace_back(prefix + "codebook", c.data(), c.rows(), c.cols());
       }
     }
     return out;
@@ -376,6 +456,9 @@ class MultiHeadAttention {
                                "decoding needs a causal layer: set config.causal = true");
     ::mixattn::detail::require(reserve_tokens >= 0, fn, "reserve_tokens is ", reserve_tokens,
                                ", must be >= 0");
+    ::mixattn::detail::require(decodes(), fn, "config.mixer is ", mixer_name(cfg_.mixer),
+                               ", which keeps no streaming state (SPEC 4.4, 5.2, 6.4); decoding "
+                               "is provided for gma, ovq and softmax");
     const Index heads = cfg_.heads, r = cfg_.key_dim, d_v = cfg_.value_dim;
     DecodeState<T> st;
     st.layer = this;
@@ -390,6 +473,10 @@ class MultiHeadAttention {
           break;
         case MixerKind::softmax:
           st.softmax.emplace_back(r, d_v, reserve_tokens);
+          break;
+        case MixerKind::linear:  // refused above
+        case MixerKind::performer:
+        case MixerKind::vq:
           break;
       }
     }
@@ -410,7 +497,7 @@ class MultiHeadAttention {
     const std::size_t have = cfg_.mixer == MixerKind::gma   ? state.gma.size()
                              : cfg_.mixer == MixerKind::ovq ? state.ovq.size()
                                                             : state.softmax.size();
-    ::mixattn::detail::require(state.layer == this && have == hs, fn,
+    ::mixattn::detail::require(decodes() && state.layer == this && have == hs, fn,
                                "state was not made by this layer's begin_decoding()");
     if (cfg_.mixer == MixerKind::gma) check_prepared(fn, state);
     const Index n = x.rows(), r = cfg_.key_dim, d_v = cfg_.value_dim;
@@ -433,6 +520,10 @@ class MultiHeadAttention {
           break;
         case MixerKind::softmax:
           out = reference::decode<T>(state.softmax[i], qh, kh, vh, sopt);
+          break;
+        case MixerKind::linear:  // begin_decoding refuses these layers
+        case MixerKind::performer:
+        case MixerKind::vq:
           break;
       }
     });
@@ -573,6 +664,9 @@ class MultiHeadAttention {
     c.gma_saved.resize(keep && cfg_.mixer == MixerKind::gma ? is : 0);
     c.ovq_saved.resize(keep && cfg_.mixer == MixerKind::ovq ? is : 0);
     c.softmax_saved.resize(keep && cfg_.mixer == MixerKind::softmax ? is : 0);
+    c.linear_saved.resize(keep && cfg_.mixer == MixerKind::linear ? is : 0);
+    c.performer_saved.resize(keep && cfg_.mixer == MixerKind::performer ? is : 0);
+    c.vq_saved.resize(keep && cfg_.mixer == MixerKind::vq ? is : 0);
     c.head_out.resize(is);
     c.ovq_state.resize(cfg_.mixer == MixerKind::ovq ? is : 0);
     ::mixattn::detail::parallel_largest_first(
@@ -621,6 +715,18 @@ class MultiHeadAttention {
         reference::flash_forward_into<T>(out, qh, kh, vh, softmax_options(),
                                          keep ? &c.softmax_saved[i] : nullptr);
         break;
+      case MixerKind::linear:
+        linear::forward_into<T>(out, qh, kh, vh, linear_options(),
+                                keep ? &c.linear_saved[i] : nullptr);
+        break;
+      case MixerKind::performer:
+        performer::forward_into<T>(out, qh, kh, vh, features_[hi], performer_options(),
+                                   keep ? &c.performer_saved[i] : nullptr);
+        break;
+      case MixerKind::vq:
+        vq::forward_into<T>(out, qh, kh, vh, codebooks_[hi], vq_options(),
+                            keep ? &c.vq_saved[i] : nullptr);
+        break;
     }
     c.mixed.block(t0, h * d_v, n, d_v) = out;
   }
@@ -641,9 +747,7 @@ class MultiHeadAttention {
           " but x has ", x.rows(), " rows (call forward(x, &cache) first)");
     const std::size_t expected_saved =
         static_cast<std::size_t>(cfg_.heads) * (cache.offsets.size() - 1);
-    const std::size_t saved = cfg_.mixer == MixerKind::gma   ? cache.gma_saved.size()
-                              : cfg_.mixer == MixerKind::ovq ? cache.ovq_saved.size()
-                                                             : cache.softmax_saved.size();
+    const std::size_t saved = saved_records(cache);
     ::mixattn::detail::require(saved == expected_saved, fn, "cache holds ", saved,
                                " head records of this mixer but the layer has ", cfg_.heads,
                                " heads (was it filled by another layer?)");
@@ -675,6 +779,8 @@ class MultiHeadAttention {
                 g.index_of(prefix + "prior_logit")};
       } else if (cfg_.mixer == MixerKind::ovq) {
         slot[0] = g.index_of(prefix + "beta");
+      } else if (cfg_.mixer == MixerKind::vq) {
+        slot[0] = g.index_of(prefix + "codebook");
       }
     }
   }
@@ -683,6 +789,7 @@ class MultiHeadAttention {
   bool gradients_fit(const Gradients<T>& g) const {
     const std::size_t per_head = cfg_.mixer == MixerKind::gma   ? 3
                                  : cfg_.mixer == MixerKind::ovq ? 1
+                                 : cfg_.mixer == MixerKind::vq  ? 1
                                                                 : 0;
     const std::size_t hs = static_cast<std::size_t>(cfg_.heads);
     if (g.params.size() != 4 + per_head * hs || g.names.size() != g.params.size() ||
@@ -702,6 +809,8 @@ class MultiHeadAttention {
         return false;
     for (std::size_t h = 0; h < hs && cfg_.mixer == MixerKind::ovq; ++h)
       if (!fits(g.slot_head[h][0], 1, 1)) return false;
+    for (std::size_t h = 0; h < hs && cfg_.mixer == MixerKind::vq; ++h)
+      if (!fits(g.slot_head[h][0], codebooks_[h].rows(), codebooks_[h].cols())) return false;
     return true;
   }
 
@@ -731,6 +840,9 @@ class MultiHeadAttention {
     g.gma_grads.resize(cfg_.mixer == MixerKind::gma ? is : 0);
     g.ovq_grads.resize(cfg_.mixer == MixerKind::ovq ? is : 0);
     g.softmax_grads.resize(cfg_.mixer == MixerKind::softmax ? is : 0);
+    g.linear_grads.resize(cfg_.mixer == MixerKind::linear ? is : 0);
+    g.performer_grads.resize(cfg_.mixer == MixerKind::performer ? is : 0);
+    g.vq_grads.resize(cfg_.mixer == MixerKind::vq ? is : 0);
     ::mixattn::detail::parallel_largest_first(
         items, cfg_.threads, [&](Index i) { return sequence_length(cache.offsets, i); },
         [&](Index i) { head_backward(g, cache, i); }, g.order);
@@ -785,6 +897,25 @@ class MultiHeadAttention {
         gq = &gh.q, gk = &gh.k, gv = &gh.v;
         break;
       }
+      case MixerKind::linear: {
+        linear::Grad<T>& gh = g.linear_grads[i];
+        linear::backward_into<T>(gh, qh, kh, vh, doh, cache.linear_saved[i], linear_options());
+        gq = &gh.q, gk = &gh.k, gv = &gh.v;
+        break;
+      }
+      case MixerKind::performer: {
+        performer::Grad<T>& gh = g.performer_grads[i];
+        performer::backward_into<T>(gh, qh, kh, vh, doh, features_[hi], cache.performer_saved[i],
+                                    performer_options());
+        gq = &gh.q, gk = &gh.k, gv = &gh.v;
+        break;
+      }
+      case MixerKind::vq: {  // dk is the straight-through gradient (SPEC 6.3)
+        vq::Grad<T>& gh = g.vq_grads[i];
+        vq::backward_into<T>(gh, qh, kh, vh, codebooks_[hi], doh, cache.vq_saved[i], vq_options());
+        gq = &gh.q, gk = &gh.k, gv = &gh.v;
+        break;
+      }
     }
     g.dq.block(t0, h * r, n, r) = *gq;
     g.dk.block(t0, h * r, n, r) = *gk;
@@ -813,6 +944,11 @@ class MultiHeadAttention {
         } else if (cfg_.mixer == MixerKind::ovq) {
           T& dbeta = g.params[slot[0]](0, 0);
           dbeta = first ? g.ovq_grads[i].beta : dbeta + g.ovq_grads[i].beta;
+        } else if (cfg_.mixer == MixerKind::vq) {
+          if (first)
+            g.params[slot[0]] = g.vq_grads[i].codebook;
+          else
+            g.params[slot[0]] += g.vq_grads[i].codebook;
         }
       }
   }
@@ -831,6 +967,71 @@ class MultiHeadAttention {
             "OVQ attention is causal: set config.causal = true");
     require(std::isfinite(cfg_.gma_mean_scale), fn, "config.gma_mean_scale must be finite, got ",
             cfg_.gma_mean_scale);
+    // The baselines' own options are checked here too, naming the field, before any call.
+    const auto check_eps = [&](const char* field, double eps) {
+      require(eps > 0 && std::isfinite(eps) && std::isfinite(static_cast<T>(eps)) &&
+                  static_cast<T>(eps) > 0,
+              fn, "config.", field, ".eps must be > 0 and finite in the scalar type, got ", eps);
+    };
+    const auto check_scale = [&](const char* field, double scale) {
+      require(scale >= 0 && std::isfinite(scale) && std::isfinite(static_cast<T>(scale)), fn,
+              "config.", field, ".scale must be >= 0 and finite (0: the default), got ", scale);
+    };
+    const auto check_chunk = [&](const char* field, Index chunk) {
+      require(chunk >= 0, fn, "config.", field, ".chunk must be >= 0 (0: the default), got ",
+              chunk);
+    };
+    if (cfg_.mixer == MixerKind::linear) {
+      check_eps("linear", cfg_.linear.eps);
+      check_chunk("linear", cfg_.linear.chunk);
+    } else if (cfg_.mixer == MixerKind::performer) {
+      check_eps("performer", cfg_.performer.eps);
+      check_chunk("performer", cfg_.performer.chunk);
+      check_scale("performer", cfg_.performer.scale);
+      require(cfg_.features >= 1, fn, "config.features must be >= 1 for Performer, got ",
+              cfg_.features);
+    } else if (cfg_.mixer == MixerKind::vq) {
+      check_eps("vq", cfg_.vq.eps);
+      check_chunk("vq", cfg_.vq.chunk);
+      check_scale("vq", cfg_.vq.scale);
+      require(cfg_.codes >= 1, fn, "config.codes must be >= 1 for VQ, got ", cfg_.codes);
+      require(cfg_.codebook_scale > 0 && std::isfinite(cfg_.codebook_scale), fn,
+              "config.codebook_scale must be > 0 and finite, got ", cfg_.codebook_scale);
+    }
+  }
+
+  /// Whether the mixer keeps a streaming state (begin_decoding / decode).
+  bool decodes() const {
+    return cfg_.mixer == MixerKind::gma || cfg_.mixer == MixerKind::ovq ||
+           cfg_.mixer == MixerKind::softmax;
+  }
+
+  /// How many per-(sequence, head) records of this layer's mixer the cache holds.
+  std::size_t saved_records(const Cache<T>& cache) const {
+    switch (cfg_.mixer) {
+      case MixerKind::gma:
+        return cache.gma_saved.size();
+      case MixerKind::ovq:
+        return cache.ovq_saved.size();
+      case MixerKind::softmax:
+        return cache.softmax_saved.size();
+      case MixerKind::linear:
+        return cache.linear_saved.size();
+      case MixerKind::performer:
+        return cache.performer_saved.size();
+      case MixerKind::vq:
+        return cache.vq_saved.size();
+    }
+    return 0;
+  }
+
+  /// Index of head h of a layer of mixer `kind` (features, codebook accessors).
+  std::size_t kind_head(MixerKind kind, Index h, const char* fn) const {
+    ::mixattn::detail::require(cfg_.mixer == kind && h >= 0 && h < cfg_.heads, fn,
+                               "exists for heads 0..H-1 of a ", mixer_name(kind),
+                               " layer; asked for head ", h, " of a ", mixer_name(cfg_.mixer),
+                               " layer of ", cfg_.heads, " heads");
+    return static_cast<std::size_t>(h);
   }
 
   /// With checks on, projections of finite x that overflowed T are reported (naming them), not
@@ -874,6 +1075,9 @@ class MultiHeadAttention {
         f.add(m.prior_logit.data(), m.prior_logit.size(), 1, 1);
       } else if (cfg_.mixer == MixerKind::ovq) {
         f.add(beta_.data() + h, 1, 1, 1);
+      } else if (cfg_.mixer == MixerKind::vq) {
+        const Matrix<T>& c = codebooks_[static_cast<std::size_t>(h)];
+        f.add(c.data(), c.rows(), c.cols(), c.cols());
       }
     }
     return f.value();
@@ -886,6 +1090,21 @@ class MultiHeadAttention {
   }
   reference::Options softmax_options() const {
     reference::Options o = cfg_.softmax;
+    o.causal = cfg_.causal;
+    return o;
+  }
+  linear::Options linear_options() const {
+    linear::Options o = cfg_.linear;
+    o.causal = cfg_.causal;
+    return o;
+  }
+  performer::Options performer_options() const {
+    performer::Options o = cfg_.performer;
+    o.causal = cfg_.causal;
+    return o;
+  }
+  vq::Options vq_options() const {
+    vq::Options o = cfg_.vq;
     o.causal = cfg_.causal;
     return o;
   }
@@ -914,6 +1133,8 @@ class MultiHeadAttention {
   Matrix<T> w_q_, w_k_, w_v_, w_o_;
   std::vector<gma::Mixture<T>> mixtures_;  // GMA: one per head
   Vector<T> beta_;                         // OVQ: one per head
+  std::vector<performer::Features<T>> features_;  // Performer: one per head (constant)
+  std::vector<Matrix<T>> codebooks_;              // VQ: one per head
 };
 
 }  // namespace layer

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/gemm.hpp"
 #include "mixattn/detail/gma_scan.hpp"
 #include "mixattn/gma.hpp"
 
@@ -20,8 +21,34 @@
 #include <algorithm>
 #include <cmath>
 #include <utility>
+#include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// Working memory of the `_into` forms of linear attention, Performer and VQ attention, kept in
+/// their Saved and Grad records (and per thread for a forward without a record), so that a call
+/// whose shapes repeat allocates nothing.
+template <class T>
+struct LinearScratch {
+  Matrix<wide_t<T>> S;            // the causal scan's state: KV (forward), G (backward)
+  Vector<wide_t<T>> z;            // and its z (forward), u (backward)
+  GmaScanScratch<T> scan;         // the causal scan's own buffers
+  Matrix<T> w;                    // VQ: the codebook as a plain matrix (the features' directions)
+  Matrix<T> score;                // VQ: M x S nearest-code scores
+  Vector<T> norms;                // VQ: |C_s|^2 / 2; Performer: s^2 |k_j|^2 / 2
+  Matrix<T> gh, kvz, dkvz;        // backward: [g | h] (N x (d_v + 1)), [KV | z], [dKV | dz]
+  Matrix<T> g;                    // causal backward: g (N x d_v)
+  Vector<T> h, inv_den, e;        // h, 1 / den, e_i = sum_l E_il (N)
+  Matrix<T> dphi_q, dphi_k;       // dPhi_Q (N x F), dPhi_K (M x F)
+  Matrix<T> v1, scaled, block;    // VQ key gradient: [V | 1], scaled queries, one chunk's triangle
+  std::vector<Matrix<T>> states;  // VQ key gradient: T_s per code (r x (d_v + 1))
+  std::vector<char> used;         // VQ key gradient: which codes some key maps to
+  GemmSpace<T> gemm;              // the packing buffers of every product (product_into)
+};
+
+}  // namespace detail
+
 namespace linear {
 
 struct Options {
@@ -48,12 +75,14 @@ struct Saved {
   Index chunk = 0;
   std::uint64_t fingerprint[3] = {0, 0, 0};  // of q, k, v (mixattn::detail::Fingerprint)
   bool valid = false;
+  detail::LinearScratch<T> scratch;  // forward_into's working memory, kept for reuse
 };
 
 /// Gradients of a scalar loss with respect to q (N x r), k (M x r) and v (M x d_v).
 template <class T>
 struct Grad {
   Matrix<T> q, k, v;
+  detail::LinearScratch<T> scratch;  // backward_into's working memory, kept for reuse
 };
 
 }  // namespace linear
@@ -318,6 +347,208 @@ template <class T, class Q, class K, class V, class G, detail::enable_if_refused
 Grad<T> backward(const Q&, const K&, const V&, const G&, const Saved<T>&, const Options& = {}) {
   detail::refuse_arguments<T, Q, K, V, G>();
   return {};
+}
+
+}  // namespace linear
+
+// ---------------------------------------------------------------------------------------------
+// The `_into` forms: the same arithmetic as the value-returning forms above, with every result
+// and working buffer in caller-owned records (LinearScratch), so that a training loop whose
+// shapes repeat allocates nothing. Products run Eigen's own kernels (product_into): where Eigen
+// uses its GEMM kernel (all but the smallest shapes) the results agree bit for bit.
+// Performer and VQ attention build theirs on these.
+// ---------------------------------------------------------------------------------------------
+
+namespace detail {
+
+/// dst = alpha a b (accumulate: dst += alpha a b) as Eigen's `dst.noalias() = alpha * a * b`
+/// evaluates it (dst: a.rows x b.cols, sized by the caller): Eigen's GEMM kernel with Eigen's
+/// blocking, but on the packing buffers of `space` (detail/gemm.hpp), which Eigen itself would
+/// allocate on every call above 128 KiB; below Eigen's GEMM threshold and for a single row or
+/// column, Eigen's own coefficient-based or matrix-vector product (they allocate nothing).
+template <class T>
+void product_into(MatrixRef<T> dst, const GemmOperand<T>& a, const GemmOperand<T>& b, T alpha,
+                  bool accumulate, GemmSpace<T>& space) {
+  const Index depth = a.cols;
+  const bool small = depth + dst.rows() + dst.cols() < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
+  if (!((small && depth > 0) || dst.rows() == 1 || dst.cols() == 1)) {
+    gemm<T>(dst, a, b, alpha, accumulate, space);
+    return;
+  }
+  using Stride = Eigen::OuterStride<>;
+  using Map = Eigen::Map<const Matrix<T>, 0, Stride>;
+  // A transposed operand is the row-major storage of its transpose (GemmOperand).
+  const Map am(a.data, a.row_major ? a.rows : a.cols, a.row_major ? a.cols : a.rows,
+               Stride(a.stride));
+  const Map bm(b.data, b.row_major ? b.rows : b.cols, b.row_major ? b.cols : b.rows,
+               Stride(b.stride));
+  const auto run = [&](const auto& x, const auto& y) {
+    if (accumulate)
+      dst.noalias() += alpha * x * y;
+    else
+      dst.noalias() = alpha * x * y;
+  };
+  if (a.row_major && b.row_major)
+    run(am, bm);
+  else if (a.row_major)
+    run(am, bm.transpose());
+  else if (b.row_major)
+    run(am.transpose(), bm);
+  else
+    run(am.transpose(), bm.transpose());
+}
+
+/// linear_attend with the products' buffers and the causal scan's state in `s`.
+template <class T>
+void linear_attend_into(const Matrix<T>& phi_q, const Matrix<T>& phi_k, const ConstMatrixRef<T>& v,
+                        const linear::Options& opt, Matrix<T>& out, Vector<T>& den, Matrix<T>& kv,
+                        Vector<T>& ksum, LinearScratch<T>& s) {
+  den.resize(phi_q.rows());
+  if (!opt.causal) {  // KV = Phi_K^T V, z = Phi_K^T 1; numerators by GEMM, denominators by GEMV
+    const Index r = phi_q.cols(), d_v = v.cols();
+    kv.resize(r, d_v);
+    product_into<T>(kv, transposed<T>(phi_k), plain<T>(v), T(1), false, s.gemm);
+    ksum.setZero(r);
+    if (phi_k.rows() > 0) ksum = phi_k.colwise().sum().transpose();  // (no columns of empty data)
+    product_into<T>(out, plain<T>(phi_q), plain<T>(kv), T(1), false, s.gemm);
+    den.noalias() = phi_q * ksum;
+    den.array() += static_cast<T>(opt.eps);
+    out.array().colwise() /= den.array();
+    return;
+  }
+  s.S.setZero(phi_q.cols(), v.cols());
+  s.z.setZero(phi_q.cols());
+  gma_causal_forward<T>(phi_q, phi_k, v, static_cast<T>(opt.eps), linear_chunk(opt), out, den, s.S,
+                        s.z, s.scan);
+}
+
+/// linear_forward_features into `out` and the record `rec`, whose phi_q and phi_k already hold
+/// the features; with keep = false only the read-out is kept valid (a thread's scratch record).
+template <class T>
+void linear_forward_record(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+                           const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                           const linear::Options& opt, linear::Saved<T>& rec, bool keep) {
+  out.resize(q.rows(), v.cols());
+  linear_attend_into<T>(rec.phi_q, rec.phi_k, v, opt, out, rec.den, rec.kv, rec.ksum, rec.scratch);
+  if (opt.check_finite) require_finite_result(out, fn, "the output", "q, k or v is");
+  if (!keep) return;
+  rec.out = out;
+  rec.causal = opt.causal;
+  rec.eps = opt.eps;
+  rec.chunk = linear_chunk(opt);
+  linear_fingerprints<T>(q, k, v, rec.fingerprint);
+  rec.valid = true;
+}
+
+/// This thread's record for a forward_into without `saved` (kept for the thread's lifetime).
+template <class Saved>
+Saved& linear_thread_record() {
+  thread_local Saved rec;
+  return rec;
+}
+
+/// The backward to the features (SPEC 4.3), as linear_backward_features: dPhi_Q and dPhi_K into
+/// s.dphi_q and s.dphi_k and dV into dv_out, then feature_backward() (which writes dQ, dK from
+/// them), then the overflow checks of dq, dk and dv_out.
+template <class T, class FeatureBackward>
+void linear_backward_features_into(const char* fn, Index r, Index M, const ConstMatrixRef<T>& v,
+                                   const ConstMatrixRef<T>& grad_out, const linear::Saved<T>& saved,
+                                   const linear::Options& opt, Matrix<T>& dq, Matrix<T>& dk,
+                                   Matrix<T>& dv_out, LinearScratch<T>& s,
+                                   FeatureBackward&& feature_backward) {
+  const Index N = saved.phi_q.rows(), F = saved.phi_q.cols(), d_v = v.cols();
+  if (N == 0) {  // no query reads anything (and an empty matrix has no columns)
+    dq.resize(0, r);
+    dk.setZero(M, r);
+    dv_out.setZero(M, d_v);
+    return;
+  }
+  dv_out.resize(M, d_v);
+  s.inv_den = saved.den.cwiseInverse();
+  if (opt.causal) {  // linear_backward_causal
+    s.g = grad_out;
+    s.g.array().colwise() *= s.inv_den.array();
+    s.h = -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * s.inv_den.array()).matrix();
+    s.dphi_q.resize(N, F);
+    s.dphi_k.resize(N, F);
+    s.S.setZero(F, d_v);
+    s.z.setZero(F);
+    gma_causal_backward<T>(saved.phi_q, saved.phi_k, v, s.g, s.h, saved.chunk, s.dphi_q, s.dphi_k,
+                           dv_out, nullptr, nullptr, s.S, s.z, s.scan);
+  } else {  // linear_backward_bidirectional
+    s.gh.resize(N, d_v + 1);
+    s.gh.leftCols(d_v) = grad_out;
+    s.gh.leftCols(d_v).array().colwise() *= s.inv_den.array();
+    s.gh.col(d_v) =
+        -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * s.inv_den.array()).matrix();
+    s.kvz.resize(F, d_v + 1);
+    s.kvz.leftCols(d_v) = saved.kv;
+    s.kvz.col(d_v) = saved.ksum;
+    s.dphi_q.resize(N, F);
+    product_into<T>(s.dphi_q, plain<T>(s.gh), transposed<T>(s.kvz), T(1), false, s.gemm);
+    s.dkvz.resize(F, d_v + 1);
+    product_into<T>(s.dkvz, transposed<T>(saved.phi_q), plain<T>(s.gh), T(1), false, s.gemm);
+    s.dphi_k.resize(M, F);
+    const ConstMatrixRef<T> dkv = s.dkvz.leftCols(d_v);
+    product_into<T>(s.dphi_k, plain<T>(v), transposed<T>(dkv), T(1), false, s.gemm);
+    s.dphi_k.rowwise() += s.dkvz.col(d_v).transpose();
+    product_into<T>(dv_out, plain<T>(saved.phi_k), plain<T>(dkv), T(1), false, s.gemm);
+  }
+  feature_backward();
+  if (opt.check_finite) {  // overflow: q, k, v or grad_out near T's range, or a tiny eps
+    const char* culprit = "q, k, v or grad_out is";
+    require_finite_result(dq, fn, "the gradient of q", culprit);
+    require_finite_result(dk, fn, "the gradient of k", culprit);
+    require_finite_result(dv_out, fn, "the gradient of v", culprit);
+  }
+}
+
+}  // namespace detail
+
+namespace linear {
+
+/// forward into a caller-owned `out` (resized to N x d_v) and record: the result of
+/// forward(q, k, v, opt, saved). With a reused `out` and `saved` (or none: this
+/// thread's scratch record), a call whose shapes repeat performs no heap allocation.
+template <class T, detail::enable_if_supported<T> = 0>
+void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const Options& opt, Saved<T>* saved) {
+  static constexpr const char* fn = "mixattn::linear::forward_into";
+  detail::linear_check_inputs<T>(fn, q, k, v, opt);
+  Saved<T>& rec = saved ? *saved : detail::linear_thread_record<Saved<T>>();
+  rec.valid = false;  // until this call has filled it
+  detail::linear_features<T>(q, rec.phi_q);
+  detail::linear_features<T>(k, rec.phi_k);
+  detail::linear_forward_record<T>(fn, out, q, k, v, opt, rec, saved != nullptr);
+}
+
+/// backward into caller-owned gradients (resized; scratch kept in `grad`): the result of
+/// backward(q, k, v, grad_out, saved, opt), allocating nothing when shapes repeat.
+template <class T, detail::enable_if_supported<T> = 0>
+void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                   const Saved<T>& saved, const Options& opt) {
+  static constexpr const char* fn = "mixattn::linear::backward_into";
+  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved, opt, q.cols());
+  detail::LinearScratch<T>& s = grad.scratch;
+  detail::linear_backward_features_into<T>(
+      fn, q.cols(), k.rows(), v, grad_out, saved, opt, grad.q, grad.k, grad.v, s, [&] {
+        grad.q = s.dphi_q;
+        grad.k = s.dphi_k;
+        detail::linear_feature_backward<T>(saved.phi_q, grad.q);
+        detail::linear_feature_backward<T>(saved.phi_k, grad.k);
+      });
+}
+
+// Compile-time refusals of the `_into` forms, as above.
+template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
+void forward_into(Matrix<T>&, const Q&, const K&, const V&, const Options&, Saved<T>*) {
+  detail::refuse_arguments<T, Q, K, V>();
+}
+template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
+void backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
+                   const Options&) {
+  detail::refuse_arguments<T, Q, K, V, G>();
 }
 
 }  // namespace linear

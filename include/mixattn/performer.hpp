@@ -273,6 +273,123 @@ Grad<T> backward(const Q&, const K&, const V&, const G&, const Features<T>&, con
 
 }  // namespace performer
 
+namespace detail {
+
+/// performer_features with the product's buffers and the keys' squared norms in `scratch`.
+template <class T>
+void performer_features_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s, bool per_row,
+                             Matrix<T>& phi, Eigen::Matrix<Index, Eigen::Dynamic, 1>* at,
+                             Index* row, Index* col, LinearScratch<T>& scratch) {
+  const Index n = x.rows(), m = w.rows();
+  phi.resize(n, m);
+  if (n == 0) return;
+  product_into<T>(phi, plain<T>(x), transposed<T>(w), T(1), false, scratch.gemm);
+  phi *= s;
+  if (per_row) {
+    at->resize(n);
+    for (Index i = 0; i < n; ++i) {
+      Index l = 0;
+      const T c = phi.row(i).maxCoeff(&l);
+      (*at)[i] = l;
+      phi.row(i).array() -= c;
+    }
+  } else {
+    scratch.norms = (s * s / T(2)) * x.rowwise().squaredNorm();
+    phi.array().colwise() -= scratch.norms.array();
+    const T c = phi.maxCoeff(row, col);
+    phi.array() -= c;
+  }
+  phi = phi.array().exp() * static_cast<T>(1.0 / std::sqrt(static_cast<double>(m)));
+}
+
+/// performer_feature_backward into dx (n x r) with e_i in `e` and the product's buffers in
+/// `space`; dphi becomes E = dphi o phi.
+template <class T>
+void performer_feature_backward_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s,
+                                     const Matrix<T>& phi, Matrix<T>& dphi, Matrix<T>& dx,
+                                     Vector<T>& e,
+                                     const Eigen::Matrix<Index, Eigen::Dynamic, 1>* at, Index row,
+                                     Index col, GemmSpace<T>& space) {
+  const Index n = x.rows();
+  dx.resize(n, w.cols());
+  if (n == 0) return;
+  dphi.array() *= phi.array();
+  e = dphi.rowwise().sum();
+  product_into<T>(dx, plain<T>(dphi), plain<T>(w), s, false, space);
+  if (at != nullptr) {
+    for (Index i = 0; i < n; ++i) dx.row(i) -= (s * e[i]) * w.row((*at)[i]);
+  } else {
+    dx.array() -= (s * s) * (x.array().colwise() * e.array());
+    dx.row(row) -= e.sum() * (s * w.row(col) - (s * s) * x.row(row));
+  }
+}
+
+}  // namespace detail
+
+namespace performer {
+
+/// forward into a caller-owned `out` (resized to N x d_v) and record: the result of
+/// forward(q, k, v, features, opt, saved); with a reused `out` and `saved` (or
+/// none), a call whose shapes repeat performs no heap allocation.
+template <class T, detail::enable_if_supported<T> = 0>
+void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const Features<T>& features, const Options& opt,
+                  Saved<T>* saved) {
+  static constexpr const char* fn = "mixattn::performer::forward_into";
+  detail::performer_check<T>(fn, q, k, v, features, opt);
+  const T s = detail::performer_scale<T>(opt, q.cols());
+  Saved<T>& rec = saved ? *saved : detail::linear_thread_record<Saved<T>>();
+  rec.attn.valid = false;  // until this call has filled it
+  detail::performer_features_into<T>(q, features.w, s, true, rec.attn.phi_q, &rec.q_at, nullptr,
+                                     nullptr, rec.attn.scratch);
+  detail::performer_features_into<T>(k, features.w, s, false, rec.attn.phi_k, nullptr, &rec.k_row,
+                                     &rec.k_col, rec.attn.scratch);
+  detail::linear_forward_record<T>(fn, out, q, k, v, opt, rec.attn, saved != nullptr);
+  rec.scale = opt.scale;
+  if (saved) rec.w_fingerprint = detail::fingerprint(features.w);
+}
+
+/// backward into caller-owned gradients (resized; scratch kept in `grad`): the result of
+/// backward(q, k, v, grad_out, features, saved, opt), allocating nothing when
+/// shapes repeat.
+template <class T, detail::enable_if_supported<T> = 0>
+void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                   const Features<T>& features, const Saved<T>& saved, const Options& opt) {
+  static constexpr const char* fn = "mixattn::performer::backward_into";
+  detail::performer_check<T>(fn, q, k, v, features, opt);
+  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, features.count());
+  detail::require(saved.scale == opt.scale && saved.q_at.size() == q.rows(), fn,
+                  "saved was made with scale = ", saved.scale,
+                  " but options give scale = ", opt.scale);
+  if (detail::fingerprint(features.w) != saved.w_fingerprint)
+    detail::raise_other_data(fn, "saved", "features.w");
+  const T s = detail::performer_scale<T>(opt, q.cols());
+  detail::LinearScratch<T>& x = grad.scratch;
+  detail::linear_backward_features_into<T>(
+      fn, q.cols(), k.rows(), v, grad_out, saved.attn, opt, grad.q, grad.k, grad.v, x, [&] {
+        detail::performer_feature_backward_into<T>(q, features.w, s, saved.attn.phi_q, x.dphi_q,
+                                                   grad.q, x.e, &saved.q_at, 0, 0, x.gemm);
+        detail::performer_feature_backward_into<T>(k, features.w, s, saved.attn.phi_k, x.dphi_k,
+                                                   grad.k, x.e, nullptr, saved.k_row, saved.k_col,
+                                                   x.gemm);
+      });
+}
+
+// Compile-time refusals of the `_into` forms, as above.
+template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
+void forward_into(Matrix<T>&, const Q&, const K&, const V&, const Features<T>&, const Options&,
+                  Saved<T>*) {
+  detail::refuse_arguments<T, Q, K, V>();
+}
+template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
+void backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Features<T>&,
+                   const Saved<T>&, const Options&) {
+  detail::refuse_arguments<T, Q, K, V, G>();
+}
+
+}  // namespace performer
+
 #ifdef MIXATTN_TEMPLATE_INSTANCE
 // core.hpp: compiling the operators once.
 namespace performer {

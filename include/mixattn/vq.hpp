@@ -54,6 +54,7 @@ struct Saved {
 template <class T>
 struct Grad {
   Matrix<T> q, k, v, codebook;
+  detail::LinearScratch<T> scratch;  // backward_into's working memory, kept for reuse
 };
 
 }  // namespace vq
@@ -253,6 +254,168 @@ Grad<T> backward(const Q&, const K&, const V&, const C&, const G&, const Saved<T
                  const Options& = {}) {
   detail::refuse_arguments<T, Q, K, V, C, G>();
   return {};
+}
+
+}  // namespace vq
+
+namespace detail {
+
+/// vq_codes into z (M) with the scores and the halved code norms in `s`.
+template <class T>
+void vq_codes_into(const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& codebook, CodeVector& z,
+                   LinearScratch<T>& s) {
+  z.resize(k.rows());
+  if (k.rows() == 0) return;
+  s.score.resize(k.rows(), codebook.rows());
+  product_into<T>(s.score, plain<T>(k), transposed<T>(codebook), T(1), false, s.gemm);
+  s.norms = codebook.rowwise().squaredNorm() / T(2);
+  s.score.rowwise() -= s.norms.transpose();
+  for (Index j = 0; j < k.rows(); ++j) {
+    Index c_best = 0;
+    T best = s.score(j, 0);
+    for (Index c = 1; c < s.score.cols(); ++c)
+      if (s.score(j, c) > best) {
+        best = s.score(j, c);
+        c_best = c;
+      }
+    z[j] = c_best;
+  }
+}
+
+/// vq_key_gradient into dk (M x r) with its states and buffers in `x`. The scaled queries and
+/// the chunk's triangle are views of buffers sized once for the largest chunk, so the partial
+/// chunk does not resize them.
+template <class T>
+void vq_key_gradient_into(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& v,
+                          const Matrix<T>& gh, const Matrix<T>& phi_q, const CodeVector& codes,
+                          T tau, bool causal, Index chunk, Matrix<T>& dk, LinearScratch<T>& x) {
+  const Index N = q.rows(), M = v.rows(), r = q.cols(), d_v = v.cols(), S = phi_q.cols();
+  const Index rows = causal ? std::min(chunk, N) : N;
+  dk.setZero(M, r);
+  x.v1.resize(M, d_v + 1);
+  x.v1.leftCols(d_v) = v;
+  x.v1.col(d_v).setOnes();
+  x.scaled.resize(rows, r);
+  if (causal) x.block.resize(rows, rows);
+  x.used.assign(static_cast<std::size_t>(S), 0);
+  for (Index j = 0; j < M; ++j) x.used[static_cast<std::size_t>(codes[j])] = 1;
+  x.states.resize(static_cast<std::size_t>(S));
+  for (Index s = 0; s < S; ++s)
+    if (x.used[static_cast<std::size_t>(s)])
+      x.states[static_cast<std::size_t>(s)].setZero(r, d_v + 1);
+  const auto absorb = [&](Index i0, Index c) {  // queries [i0, i0 + c) into every used T_s
+    Eigen::Map<Matrix<T>> scaled(x.scaled.data(), c, r);
+    for (Index s = 0; s < S; ++s) {
+      if (!x.used[static_cast<std::size_t>(s)]) continue;
+      scaled = q.middleRows(i0, c).array().colwise() * phi_q.col(s).segment(i0, c).array();
+      product_into<T>(x.states[static_cast<std::size_t>(s)], transposed<T>(scaled),
+                      plain<T>(gh.middleRows(i0, c)), T(1), true, x.gemm);
+    }
+  };
+  const auto read = [&](Index j0, Index c) {  // keys [j0, j0 + c) from the states
+    for (Index j = j0; j < j0 + c; ++j)
+      dk.row(j).noalias() += x.v1.row(j) * x.states[static_cast<std::size_t>(codes[j])].transpose();
+  };
+  if (!causal) {
+    absorb(0, N);
+    read(0, M);
+  } else {
+    for (Index c0 = ((N - 1) / chunk) * chunk; N > 0 && c0 >= 0; c0 -= chunk) {
+      const Index c = std::min(chunk, N - c0);
+      read(c0, c);
+      Eigen::Map<Matrix<T>> b(x.block.data(), c, c);
+      b.noalias() = gh.middleRows(c0, c).leftCols(d_v) * v.middleRows(c0, c).transpose();
+      b.colwise() += gh.col(d_v).segment(c0, c);
+      for (Index i = 0; i < c; ++i)
+        for (Index j = 0; j < c; ++j) b(i, j) *= j <= i ? phi_q(c0 + i, codes[c0 + j]) : T(0);
+      dk.middleRows(c0, c).noalias() += b.transpose() * q.middleRows(c0, c);
+      absorb(c0, c);
+    }
+  }
+  dk *= tau;
+}
+
+}  // namespace detail
+
+namespace vq {
+
+/// forward into a caller-owned `out` (resized to N x d_v) and record: the result of
+/// forward(q, k, v, codebook, opt, saved); with a reused `out` and `saved` (or
+/// none), a call whose shapes repeat performs no heap allocation.
+template <class T, detail::enable_if_supported<T> = 0>
+void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook, const Options& opt,
+                  Saved<T>* saved) {
+  static constexpr const char* fn = "mixattn::vq::forward_into";
+  detail::vq_check<T>(fn, q, k, v, codebook, opt);
+  const T tau = detail::vq_scale<T>(opt, q.cols());
+  Saved<T>& rec = saved ? *saved : detail::linear_thread_record<Saved<T>>();
+  linear::Saved<T>& a = rec.attn;
+  a.valid = false;  // until this call has filled it
+  a.scratch.w = codebook;
+  detail::vq_codes_into<T>(k, codebook, rec.codes, a.scratch);
+  detail::performer_features_into<T>(q, a.scratch.w, tau, true, a.phi_q, &rec.q_at, nullptr,
+                                     nullptr, a.scratch);
+  a.phi_k.setZero(k.rows(), codebook.rows());
+  for (Index j = 0; j < k.rows(); ++j) a.phi_k(j, rec.codes[j]) = T(1);
+  detail::linear_forward_record<T>(fn, out, q, k, v, opt, a, saved != nullptr);
+  rec.scale = opt.scale;
+  if (saved) rec.codebook_fingerprint = detail::fingerprint(codebook);
+}
+
+/// backward into caller-owned gradients (resized; scratch kept in `grad`): the result of
+/// backward(q, k, v, codebook, grad_out, saved, opt), allocating nothing when
+/// shapes (and the set of codes the keys use) repeat.
+template <class T, detail::enable_if_supported<T> = 0>
+void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
+                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+  static constexpr const char* fn = "mixattn::vq::backward_into";
+  detail::vq_check<T>(fn, q, k, v, codebook, opt);
+  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, codebook.rows());
+  detail::require(
+      saved.scale == opt.scale && saved.q_at.size() == q.rows() && saved.codes.size() == k.rows(),
+      fn, "saved was made with scale = ", saved.scale, " but options give scale = ", opt.scale);
+  if (detail::fingerprint(codebook) != saved.codebook_fingerprint)
+    detail::raise_other_data(fn, "saved", "codebook");
+  const T tau = detail::vq_scale<T>(opt, q.cols());
+  detail::LinearScratch<T>& x = grad.scratch;
+  x.w = codebook;
+  grad.codebook.setZero(codebook.rows(), codebook.cols());
+  const linear::Saved<T>& a = saved.attn;
+  const Index d_v = v.cols();
+  detail::linear_backward_features_into<T>(
+      fn, q.cols(), k.rows(), v, grad_out, a, opt, grad.q, grad.k, grad.v, x, [&] {
+        Matrix<T>& e = x.dphi_q;  // dPhi_Q, then E = dPhi_Q o Phi_Q
+        detail::performer_feature_backward_into<T>(q, x.w, tau, a.phi_q, e, grad.q, x.e,
+                                                   &saved.q_at, 0, 0, x.gemm);
+        // dC through the query exponents tau (C_s - C_{s*_i}) . q_i
+        detail::product_into<T>(grad.codebook, detail::transposed<T>(e), detail::plain<T>(q), tau,
+                                false, x.gemm);
+        for (Index i = 0; i < q.rows(); ++i)
+          grad.codebook.row(saved.q_at[i]) -= (tau * x.e[i]) * q.row(i);
+        x.gh.resize(q.rows(), d_v + 1);  // [g | h] of SPEC 4.3
+        x.gh.leftCols(d_v) = grad_out;
+        x.gh.col(d_v) = -grad_out.cwiseProduct(a.out).rowwise().sum();
+        x.gh.array().colwise() /= a.den.array();
+        detail::vq_key_gradient_into<T>(q, v, x.gh, a.phi_q, saved.codes, tau, opt.causal, a.chunk,
+                                        grad.k, x);
+      });
+  if (opt.check_finite)
+    detail::require_finite_result(grad.codebook, fn, "the gradient of the codebook",
+                                  "q, k, v or grad_out is");
+}
+
+// Compile-time refusals of the `_into` forms, as above.
+template <class T, class Q, class K, class V, class C, detail::enable_if_refused<T, Q, K, V, C> = 0>
+void forward_into(Matrix<T>&, const Q&, const K&, const V&, const C&, const Options&, Saved<T>*) {
+  detail::refuse_arguments<T, Q, K, V, C>();
+}
+template <class T, class Q, class K, class V, class C, class G,
+          detail::enable_if_refused<T, Q, K, V, C, G> = 0>
+void backward_into(Grad<T>&, const Q&, const K&, const V&, const C&, const G&, const Saved<T>&,
+                   const Options&) {
+  detail::refuse_arguments<T, Q, K, V, C, G>();
 }
 
 }  // namespace vq

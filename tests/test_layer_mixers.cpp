@@ -1,0 +1,515 @@
+// MultiHeadAttention (layer.hpp) with the papers' baselines as mixers: linear attention (SPEC 4),
+// Performer (SPEC 5) and static-codebook VQ attention (SPEC 6). The layer against a composition
+// assembled by hand from Eigen products and the operators' own public forwards, gradients
+// against central differences for X and every parameter block (VQ's straight-through key
+// gradient against a twin with the codes held), packed batches against separate calls, the
+// parameter file, the per-head constants and parameters, and the errors.
+#include <mixattn/layer.hpp>
+
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+using mixattn::Index;
+using mixattn::Matrix;
+namespace layer = mixattn::layer;
+namespace linear = mixattn::linear;
+namespace performer = mixattn::performer;
+namespace vq = mixattn::vq;
+using mixattn::testing::all_close;
+using mixattn::testing::numeric_gradient;
+using mixattn::testing::random_matrix;
+
+struct Case {
+  const char* name;
+  layer::MixerKind mixer;
+  bool causal;
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
+const Case kCases[] = {
+    {"linear_bidirectional", layer::MixerKind::linear, false},
+    {"linear_causal", layer::MixerKind::linear, true},
+    {"performer_bidirectional", layer::MixerKind::performer, false},
+    {"performer_causal", layer::MixerKind::performer, true},
+    {"vq_bidirectional", layer::MixerKind::vq, false},
+    {"vq_causal", layer::MixerKind::vq, true},
+};
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return info.param.name;
+}
+
+// Small shapes: d_model 5, 2 heads of r = 3, d_v = 2; Performer m = 5 features, VQ S = 4 codes;
+// chunk 3 so that causal sequences of 7+ tokens cross chunk boundaries of the shared scan. The
+// options' own `causal` fields are set to the opposite of Config::causal: the layer must
+// override them (the composition below uses the case's flag).
+layer::Config small_config(const Case& c, std::uint64_t seed) {
+  layer::Config cfg;
+  cfg.model_dim = 5;
+  cfg.heads = 2;
+  cfg.key_dim = 3;
+  cfg.value_dim = 2;
+  cfg.mixer = c.mixer;
+  cfg.causal = c.causal;
+  cfg.features = 5;
+  cfg.codes = 4;
+  cfg.linear.chunk = cfg.performer.chunk = cfg.vq.chunk = 3;
+  cfg.linear.causal = cfg.performer.causal = cfg.vq.causal = !c.causal;
+  cfg.seed = seed;
+  return cfg;
+}
+
+std::string path_in_tmp(const std::string& name) {
+  return ::testing::TempDir() + "mixattn_test_layer_mixers_" + name;
+}
+
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("(wrong exception type) ") + e.what();
+  }
+  return "(no exception)";
+}
+
+/// The smallest gap, over every head's keys x W_K, between the squared distances to the nearest
+/// and the second-nearest code (in double): how far the quantisation is from a tie.
+template <class T>
+double smallest_code_gap(const layer::MultiHeadAttention<T>& mha, const Matrix<T>& x) {
+  const layer::Config& cfg = mha.config();
+  const Matrix<double> k = (x * mha.w_k()).template cast<double>();
+  double gap = std::numeric_limits<double>::infinity();
+  for (Index h = 0; h < cfg.heads; ++h) {
+    const Matrix<double> c = mha.codebook(h).template cast<double>();
+    for (Index j = 0; j < k.rows(); ++j) {
+      double d0 = std::numeric_limits<double>::infinity(), d1 = d0;
+      for (Index s = 0; s < c.rows(); ++s) {
+        const double d = (k.row(j).segment(h * cfg.key_dim, cfg.key_dim) - c.row(s)).squaredNorm();
+        if (d < d0) {
+          d1 = d0;
+          d0 = d;
+        } else if (d < d1) {
+          d1 = d;
+        }
+      }
+      gap = std::min(gap, d1 - d0);
+    }
+  }
+  return gap;
+}
+
+/// The layer assembled by hand: projections by Eigen, each head through the operator's public
+/// value-returning forward on its column block (options with the case's causal flag), the
+/// output projection by Eigen.
+template <class T>
+Matrix<T> composition(const layer::MultiHeadAttention<T>& mha, const Case& c, const Matrix<T>& x) {
+  const layer::Config& cfg = mha.config();
+  const Index r = cfg.key_dim, dv = cfg.value_dim;
+  const Matrix<T> q = x * mha.w_q(), k = x * mha.w_k(), v = x * mha.w_v();
+  Matrix<T> mixed(x.rows(), cfg.heads * dv);
+  for (Index h = 0; h < cfg.heads; ++h) {
+    const Matrix<T> qh = q.middleCols(h * r, r), kh = k.middleCols(h * r, r),
+                    vh = v.middleCols(h * dv, dv);
+    Matrix<T> oh;
+    if (c.mixer == layer::MixerKind::linear) {
+      linear::Options o = cfg.linear;
+      o.causal = c.causal;
+      oh = linear::forward<T>(qh, kh, vh, o);
+    } else if (c.mixer == layer::MixerKind::performer) {
+      performer::Options o = cfg.performer;
+      o.causal = c.causal;
+      oh = performer::forward<T>(qh, kh, vh, mha.features(h), o);
+    } else {
+      vq::Options o = cfg.vq;
+      o.causal = c.causal;
+      oh = vq::forward<T>(qh, kh, vh, mha.codebook(h), o);
+    }
+    mixed.middleCols(h * dv, dv) = oh;
+  }
+  return mixed * mha.w_o();
+}
+
+/// Tolerances of the layer against the hand composition. The two differ only in how the
+/// projections are rounded (the layer's GEMM tasks against Eigen's small-product kernel: a few
+/// ulps per entry of q, k, v); the heads then run the same operator code. The features are
+/// exponentials of O(1) arguments and the outputs ratios of positive sums, which carry those
+/// relative errors through with O(1) amplification, and W_O sums d_v H = 4 terms.
+template <class T>
+struct CompositionTol;
+// float: a few ulps (6e-8) times an amplification of at most ~10: ~1e-6; 2e-5 / 2e-6 leaves a
+// margin of ~10 and still catches any wrong term (an O(1) error).
+template <>
+struct CompositionTol<float> {
+  static constexpr double rtol = 2e-5, atol = 2e-6;
+};
+// double: the same argument at 1.1e-16: ~1e-15; 1e-12 as the other mixers' composition test.
+template <>
+struct CompositionTol<double> {
+  static constexpr double rtol = 1e-12, atol = 1e-12;
+};
+
+template <class T>
+void check_composition(const Case& c) {
+  const layer::Config cfg = small_config(c, 3);
+  const layer::MultiHeadAttention<T> mha(cfg);
+  const Matrix<T> x = random_matrix<T>(9, 5, 42);
+  // VQ: keys well away from a tie, so a few ulps in k cannot change a code.
+  if (c.mixer == layer::MixerKind::vq) {
+    ASSERT_GT(smallest_code_gap(mha, x), 1e-3) << c.name;
+  }
+  EXPECT_TRUE(all_close(mha.forward(x), composition(mha, c, x), CompositionTol<T>::rtol,
+                        CompositionTol<T>::atol))
+      << c.name;
+}
+
+class MixerCase : public ::testing::TestWithParam<Case> {};
+INSTANTIATE_TEST_SUITE_P(Baselines, MixerCase, ::testing::ValuesIn(kCases), case_name);
+
+TEST_P(MixerCase, ForwardIsTheCompositionFloat) {
+  check_composition<float>(GetParam());
+}
+TEST_P(MixerCase, ForwardIsTheCompositionDouble) {
+  check_composition<double>(GetParam());
+}
+
+/// Straight-through twin of a VQ layer (SPEC 6.3) in double: head h reads the keys
+/// k^ = x W_K,h + D_h with the offsets D_h = C_z - x W_K,h of the base point held constant, and
+/// attends with w_ij = exp(tau q_i . k^_j - m_i) / sqrt(S), m_i = max_s tau q_i . C_s,
+/// O_i = sum_j w_ij v_j / (sum_j w_ij + eps) over j <= i when causal: the O(N^2) formula. At the
+/// base point it equals the layer; its derivatives in x and w_k are the layer's
+/// straight-through gradients (the codes' own derivative is zero between ties).
+Matrix<double> vq_twin(const layer::MultiHeadAttention<double>& mha, const Matrix<double>& x,
+                       const std::vector<Matrix<double>>& offsets) {
+  const layer::Config& cfg = mha.config();
+  const Index n = x.rows(), r = cfg.key_dim, dv = cfg.value_dim, S = cfg.codes;
+  const double tau = 1 / std::sqrt(static_cast<double>(r));
+  const Matrix<double> q = x * mha.w_q(), k = x * mha.w_k(), v = x * mha.w_v();
+  Matrix<double> mixed(n, cfg.heads * dv);
+  for (Index h = 0; h < cfg.heads; ++h) {
+    const Matrix<double> qh = q.middleCols(h * r, r), vh = v.middleCols(h * dv, dv);
+    const Matrix<double> kq = k.middleCols(h * r, r) + offsets[static_cast<std::size_t>(h)];
+    const Matrix<double>& cb = mha.codebook(h);
+    for (Index i = 0; i < n; ++i) {
+      const double m = (tau * (cb * qh.row(i).transpose())).maxCoeff();
+      Eigen::RowVectorXd num = Eigen::RowVectorXd::Zero(dv);
+      double den = cfg.vq.eps;
+      for (Index j = 0; j < (cfg.causal ? i + 1 : n); ++j) {
+        const double w = std::exp(tau * qh.row(i).dot(kq.row(j)) - m) / std::sqrt(double(S));
+        num += w * vh.row(j);
+        den += w;
+      }
+      mixed.block(i, h * dv, 1, dv) = num / den;
+    }
+  }
+  return mixed * mha.w_o();
+}
+
+/// The offsets D_h = C_z - x W_K,h of vq_twin at x.
+std::vector<Matrix<double>> vq_offsets(const layer::MultiHeadAttention<double>& mha,
+                                       const Matrix<double>& x) {
+  const Index r = mha.config().key_dim;
+  const Matrix<double> k = x * mha.w_k();
+  std::vector<Matrix<double>> out;
+  for (Index h = 0; h < mha.config().heads; ++h) {
+    const Matrix<double> kh = k.middleCols(h * r, r);
+    const auto z = vq::assign<double>(kh, mha.codebook(h));
+    Matrix<double> d(kh.rows(), r);
+    for (Index j = 0; j < kh.rows(); ++j) d.row(j) = mha.codebook(h).row(z[j]) - kh.row(j);
+    out.push_back(d);
+  }
+  return out;
+}
+
+// Loss = sum Y o R for a fixed random R, so dL/dY = R. Central differences with h = 1e-6 in
+// double are accurate to ~1e-9 relative on these O(1) quantities (truncation h^2 f''' ~ 1e-12,
+// rounding 1e-16 / h ~ 1e-10); rtol 1e-5 / atol 1e-7 leaves room for that and catches any real
+// error (a wrong or missing term is off by O(1)), as in test_layer.cpp.
+// Linear and Performer: every block against the layer's own loss (Performer's stabilisers are
+// maxima whose argmax does not move within h here: no ties in the draws). VQ: w_q, w_v, w_o
+// and the codebooks against the layer's loss (every key >= 1e-3 in squared distance from a
+// tie, so no code changes within h and the forward is smooth there); the forward is constant
+// in w_k between ties (its central difference is exactly 0), and the straight-through
+// gradients of x and w_k are checked against the twin with the codes held (vq_twin).
+TEST_P(MixerCase, GradientsMatchCentralDifferences) {
+  const Case c = GetParam();
+  const std::uint64_t seed = 11;
+  layer::MultiHeadAttention<double> mha(small_config(c, seed));
+  Matrix<double> x = random_matrix<double>(7, 5, seed + 100);
+  const Matrix<double> r = random_matrix<double>(7, 5, seed + 200);
+  const bool is_vq = c.mixer == layer::MixerKind::vq;
+  if (is_vq) {
+    ASSERT_GT(smallest_code_gap(mha, x), 1e-3) << c.name << ", seed " << seed;
+  }
+  const auto loss = [&]() { return mha.forward(x).cwiseProduct(r).sum(); };
+
+  layer::Cache<double> cache;
+  mha.forward(x, &cache);
+  const layer::Gradients<double> g = mha.backward(x, r, cache);
+
+  std::vector<layer::NamedBlock<double>> params = mha.parameters();
+  ASSERT_EQ(params.size(), g.params.size());
+  ASSERT_EQ(params.size(), is_vq ? 6u : 4u);
+  if (!is_vq) {
+    EXPECT_TRUE(all_close(g.x, numeric_gradient(x, loss), 1e-5, 1e-7))
+        << c.name << " x, seed " << seed;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      Eigen::Map<Matrix<double>> p = params[i].map();
+      EXPECT_TRUE(all_close(g.param(params[i].name), numeric_gradient(p, loss), 1e-5, 1e-7))
+          << c.name << " " << params[i].name << ", seed " << seed;
+    }
+    return;
+  }
+  const std::vector<Matrix<double>> offsets = vq_offsets(mha, x);
+  const auto twin_loss = [&]() { return vq_twin(mha, x, offsets).cwiseProduct(r).sum(); };
+  // The twin is the layer at the base point (1e-12: the same sums in another order).
+  EXPECT_TRUE(all_close(vq_twin(mha, x, offsets), mha.forward(x), 1e-12, 1e-12)) << c.name;
+  EXPECT_TRUE(all_close(g.x, numeric_gradient(x, twin_loss), 1e-5, 1e-7))
+      << c.name << " x (straight-through), seed " << seed;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const std::string& name = params[i].name;
+    Eigen::Map<Matrix<double>> p = params[i].map();
+    if (name == "w_k") {
+      EXPECT_TRUE(numeric_gradient(p, loss).isZero(0.0))
+          << c.name << ": forward not constant in w_k";
+      EXPECT_TRUE(all_close(g.param(name), numeric_gradient(p, twin_loss), 1e-5, 1e-7))
+          << c.name << " w_k (straight-through), seed " << seed;
+      EXPECT_FALSE(g.param(name).isZero(0.0)) << c.name;  // the straight-through path is used
+    } else {
+      EXPECT_TRUE(all_close(g.param(name), numeric_gradient(p, loss), 1e-5, 1e-7))
+          << c.name << " " << name << ", seed " << seed;
+    }
+  }
+}
+
+// A packed batch (sequences of 1, 7 and 40 tokens) equals the layer on each sequence alone:
+// outputs and input gradients row for row, parameter gradients as the per-sequence sum.
+// Double; 1e-12 relative: only the projections' GEMM blocking and the order of the sums over
+// sequences differ (as the other mixers' test in test_packed_batched.cpp).
+TEST_P(MixerCase, PackedBatchEqualsSeparateCalls) {
+  const Case c = GetParam();
+  const layer::MultiHeadAttention<double> mha(small_config(c, 17));
+  const mixattn::Offsets off = {0, 1, 8, 48};
+  const Matrix<double> x = random_matrix<double>(off.back(), 5, 41);
+  const Matrix<double> dy = random_matrix<double>(off.back(), 5, 42);
+  Matrix<double> y;
+  layer::Cache<double> cache;
+  layer::Gradients<double> g;
+  mha.forward_packed_into(y, x, off, cache);
+  mha.backward_into(g, x, dy, cache);
+  std::vector<Matrix<double>> sum;
+  for (std::size_t b = 0; b + 1 < off.size(); ++b) {
+    const Index t0 = off[b], n = off[b + 1] - t0;
+    layer::Cache<double> cb;
+    const Matrix<double> yb = mha.forward(x.middleRows(t0, n), &cb);
+    const layer::Gradients<double> gb = mha.backward(x.middleRows(t0, n), dy.middleRows(t0, n), cb);
+    EXPECT_TRUE(all_close(Matrix<double>(y.middleRows(t0, n)), yb, 1e-12, 1e-12))
+        << c.name << " sequence " << b;
+    EXPECT_TRUE(all_close(Matrix<double>(g.x.middleRows(t0, n)), gb.x, 1e-12, 1e-12))
+        << c.name << " sequence " << b;
+    if (b == 0) {
+      sum = gb.params;
+    } else {
+      for (std::size_t p = 0; p < sum.size(); ++p) sum[p] += gb.params[p];
+    }
+  }
+  ASSERT_EQ(g.params.size(), sum.size());
+  for (std::size_t p = 0; p < sum.size(); ++p)
+    EXPECT_TRUE(all_close(g.params[p], sum[p], 1e-11, 1e-12)) << c.name << " " << g.names[p];
+  // The reused cache and gradients give the same again for a single sequence afterwards.
+  mha.forward_into(y, x.middleRows(1, 7), cache);
+  EXPECT_TRUE(y == mha.forward(x.middleRows(1, 7))) << c.name;
+}
+
+// Heads are independent, so several threads change nothing, bit for bit; every gradient is
+// found by its parameter's name.
+TEST_P(MixerCase, ThreadsGiveIdenticalResults) {
+  const Case c = GetParam();
+  layer::Config cfg = small_config(c, 9);
+  cfg.heads = 5;
+  const layer::MultiHeadAttention<double> one(cfg);
+  cfg.threads = 3;
+  const layer::MultiHeadAttention<double> three(cfg);
+  const Index n = 2 * mixattn::detail::gemm_task_rows + 13;
+  const Matrix<double> x = random_matrix<double>(n, 5, 8), dy = random_matrix<double>(n, 5, 9);
+  layer::Cache<double> c1, c3;
+  EXPECT_TRUE(one.forward(x, &c1) == three.forward(x, &c3)) << c.name;
+  const layer::Gradients<double> g1 = one.backward(x, dy, c1), g3 = three.backward(x, dy, c3);
+  EXPECT_TRUE(g1.x == g3.x) << c.name;
+  ASSERT_EQ(g1.params.size(), g3.params.size());
+  for (std::size_t i = 0; i < g1.params.size(); ++i)
+    EXPECT_TRUE(g1.params[i] == g3.params[i]) << c.name << " " << g1.names[i];
+  const std::vector<layer::ConstNamedBlock<double>> params = one.const_parameters();
+  for (std::size_t i = 0; i < params.size(); ++i)
+    EXPECT_EQ(&g1.param(params[i].name), &g1.params[i]) << params[i].name;
+}
+
+// Causal linear and VQ layers: output row i depends on X rows <= i only, bit for bit. (Causal
+// Performer is left out on purpose: its key stabiliser is one maximum over the whole call, so
+// later keys reach earlier rows through the guard eps and the features' rounding, SPEC 5.2.)
+TEST(LayerMixers, CausalOutputsIgnoreTheFuture) {
+  for (const Case& c : {kCases[1], kCases[5]}) {
+    const layer::MultiHeadAttention<double> mha(small_config(c, 21));
+    Matrix<double> x = random_matrix<double>(8, 5, 22);
+    const Matrix<double> before = mha.forward(x);
+    x.row(5) += random_matrix<double>(1, 5, 23);
+    const Matrix<double> after = mha.forward(x);
+    EXPECT_TRUE(before.topRows(5) == after.topRows(5)) << c.name;
+    EXPECT_FALSE(before.row(5) == after.row(5)) << c.name;
+  }
+}
+
+// Save and load: a layer of the same configuration whose parameters were overwritten gets the
+// saved ones back and gives the same output. Performer's directions are not in the file (not
+// parameters): they come from Config::seed, so a layer of another seed loads the same
+// parameters but keeps its own directions.
+TEST_P(MixerCase, SaveLoadRoundTrip) {
+  const Case c = GetParam();
+  const std::string path = path_in_tmp(std::string("roundtrip_") + c.name);
+  const layer::MultiHeadAttention<double> a(small_config(c, 1));
+  a.save(path);
+  layer::MultiHeadAttention<double> b(small_config(c, 1));
+  std::vector<layer::NamedBlock<double>> pb = b.parameters();
+  for (std::size_t i = 0; i < pb.size(); ++i)
+    pb[i].map() = random_matrix<double>(pb[i].rows, pb[i].cols, 50 + i);
+  const Matrix<double> x = random_matrix<double>(6, 5, 3);
+  ASSERT_FALSE(a.forward(x) == b.forward(x));
+  b.load(path);
+  const std::vector<layer::ConstNamedBlock<double>> pa = a.const_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_EQ(pa[i].name, pb[i].name);
+    EXPECT_TRUE(pa[i].map() == pb[i].map()) << pa[i].name;
+  }
+  EXPECT_TRUE(a.forward(x) == b.forward(x)) << c.name;
+  layer::MultiHeadAttention<double> other(small_config(c, 2));
+  other.load(path);
+  if (c.mixer == layer::MixerKind::performer) {
+    EXPECT_FALSE(other.features(0).w == a.features(0).w);
+    EXPECT_FALSE(other.forward(x) == a.forward(x)) << c.name;
+  } else {
+    EXPECT_TRUE(other.forward(x) == a.forward(x)) << c.name;
+  }
+  std::remove(path.c_str());
+}
+
+// ---- Not per case ----
+
+// parameters(): VQ adds one codebook per head (S x r), named like the GMA blocks and aliasing
+// codebook(h); linear and Performer add nothing. The constants and the initial codebooks come
+// from the seed as Config documents.
+TEST(LayerMixers, ParametersFeaturesAndCodebooks) {
+  const layer::Config vcfg = small_config(kCases[4], 4);
+  layer::MultiHeadAttention<float> vql(vcfg);
+  const std::vector<layer::NamedBlock<float>> p = vql.parameters();
+  const std::vector<std::string> names{"w_q",           "w_k", "w_v", "w_o", "head0.codebook",
+                                       "head1.codebook"};
+  ASSERT_EQ(p.size(), names.size());
+  for (std::size_t i = 0; i < p.size(); ++i) EXPECT_EQ(p[i].name, names[i]);
+  EXPECT_EQ(p[5].rows, 4);
+  EXPECT_EQ(p[5].cols, 3);
+  EXPECT_EQ(vql.parameter_count(), 30 + 30 + 20 + 20 + 2 * 12);
+  p[5].map()(3, 2) = 4.5f;
+  EXPECT_EQ(vql.codebook(1)(3, 2), 4.5f);
+  // Codebook h ~ N(0, 1) * codebook_scale from mt19937_64(seed + 1 + h): reproducible, distinct
+  // per head and per seed, and scaled.
+  layer::MultiHeadAttention<float> again(vcfg), other(small_config(kCases[4], 5));
+  EXPECT_TRUE(again.codebook(0) == layer::MultiHeadAttention<float>(vcfg).codebook(0));
+  EXPECT_FALSE(again.codebook(0) == again.codebook(1));
+  EXPECT_FALSE(again.codebook(0) == other.codebook(0));
+  layer::Config scaled = vcfg;
+  scaled.codebook_scale = 0.25;
+  // (scaling a draw by a power of two is exact, before and after rounding to float)
+  EXPECT_TRUE(layer::MultiHeadAttention<float>(scaled).codebook(1) == 0.25f * again.codebook(1));
+
+  const layer::Config pcfg = small_config(kCases[2], 4);
+  layer::MultiHeadAttention<double> perf(pcfg);
+  EXPECT_EQ(perf.parameters().size(), 4u);
+  for (Index h = 0; h < pcfg.heads; ++h)
+    EXPECT_TRUE(perf.features(h).w ==
+                performer::Features<double>::random(5, 3, 4 + 1 + h, pcfg.feature_draw).w)
+        << h;
+  // The directions are a constant input: a redraw changes the output, a backward given the
+  // forward's record after a redraw is refused.
+  const Matrix<double> x = random_matrix<double>(6, 5, 1);
+  layer::Cache<double> cache;
+  const Matrix<double> y = perf.forward(x, &cache);
+  perf.features(1).redraw(99);
+  EXPECT_FALSE(perf.forward(x) == y);
+  EXPECT_NE(error_of([&] { perf.backward(x, x, cache); }).find("features.w"), std::string::npos);
+  EXPECT_EQ(layer::MultiHeadAttention<double>(small_config(kCases[0], 4)).parameters().size(), 4u);
+}
+
+TEST(LayerMixers, InvalidCombinationsAreRejected) {
+  const auto bad_config = [](const Case& c, auto edit) {
+    layer::Config cfg = small_config(c, 1);
+    edit(cfg);
+    return error_of([&] { layer::MultiHeadAttention<double> l(cfg); });
+  };
+  const auto has = [](const std::string& msg, const char* fragment) {
+    return msg.find(fragment) != std::string::npos && msg.find("mixattn::layer") == 0;
+  };
+  const Case lin = kCases[1], perf = kCases[3], vqc = kCases[5];
+  EXPECT_PRED2(has, bad_config(perf, [](layer::Config& c) { c.features = 0; }),
+               "config.features must be >= 1 for Performer, got 0");
+  EXPECT_PRED2(has, bad_config(vqc, [](layer::Config& c) { c.codes = 0; }),
+               "config.codes must be >= 1 for VQ, got 0");
+  EXPECT_PRED2(has, bad_config(vqc, [](layer::Config& c) { c.codebook_scale = 0; }),
+               "config.codebook_scale must be > 0");
+  EXPECT_PRED2(has, bad_config(perf, [](layer::Config& c) { c.performer.scale = -1; }),
+               "config.performer.scale must be >= 0");
+  EXPECT_PRED2(
+      has,
+      bad_config(vqc,
+                 [](layer::Config& c) { c.vq.scale = std::numeric_limits<double>::quiet_NaN(); }),
+      "config.vq.scale");
+  EXPECT_PRED2(has, bad_config(lin, [](layer::Config& c) { c.linear.eps = 0; }),
+               "config.linear.eps must be > 0");
+  EXPECT_PRED2(has, bad_config(vqc, [](layer::Config& c) { c.vq.chunk = -1; }),
+               "config.vq.chunk must be >= 0");
+  // A field of another mixer is not checked (the GMA layer's defaults stay valid).
+  EXPECT_EQ(bad_config(lin, [](layer::Config& c) { c.codes = 0; }), "(no exception)");
+
+  // No streaming state: decoding is refused, naming the mixer.
+  for (const Case& c : {lin, perf, vqc}) {
+    const layer::MultiHeadAttention<double> mha(small_config(c, 2));
+    EXPECT_PRED2(has, error_of([&] { mha.begin_decoding(); }), "config.mixer is ") << c.name;
+    EXPECT_NE(error_of([&] { mha.begin_decoding(); }).find(layer::mixer_name(c.mixer)),
+              std::string::npos);
+    layer::DecodeState<double> st;
+    EXPECT_THROW(mha.decode(random_matrix<double>(1, 5, 1), st), std::invalid_argument) << c.name;
+    EXPECT_THROW(mha.query_responsibilities(random_matrix<double>(3, 5, 1), 0),
+                 std::invalid_argument);
+    EXPECT_THROW(mha.beta(0), std::invalid_argument);
+  }
+
+  // Accessors of another mixer's per-head state, or of a head out of range.
+  layer::MultiHeadAttention<double> v(small_config(vqc, 3)), p(small_config(perf, 3));
+  EXPECT_PRED2(has, error_of([&] { v.features(0); }), "exists for heads 0..H-1 of a performer");
+  EXPECT_PRED2(has, error_of([&] { p.codebook(0); }), "of a vq layer; asked for head 0");
+  EXPECT_PRED2(has, error_of([&] { v.codebook(2); }), "asked for head 2 of a vq layer of 2");
+  EXPECT_NO_THROW(v.codebook(1));
+
+  // A cache filled by a layer of another mixer, or before the codebook changed.
+  const Matrix<double> x = random_matrix<double>(6, 5, 4);
+  layer::Cache<double> cache;
+  p.forward(x, &cache);
+  EXPECT_PRED2(has, error_of([&] { v.backward(x, x, cache); }), "head records");
+  v.forward(x, &cache);
+  v.codebook(0)(0, 0) += 1;
+  EXPECT_PRED2(has, error_of([&] { v.backward(x, x, cache); }), "a parameter of the layer");
+}
+
+}  // namespace
