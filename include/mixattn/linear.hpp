@@ -123,69 +123,12 @@ void linear_check_inputs(const char* fn, const ConstMatrixRef<T>& q, const Const
   gma_check_qkv<T>(fn, q.cols(), q, k, v, g);
 }
 
-/// The read-out of SPEC 4.2 given feature matrices (phi_q: N x F, phi_k: M x F, non-negative;
-/// elu + 1 here, Performer's random features in performer.hpp): writes out (N x d_v, sized by
-/// the caller), den (N) and, bidirectionally, kv = Phi_K^T V and ksum = Phi_K^T 1.
-template <class T>
-void linear_attend(const Matrix<T>& phi_q, const Matrix<T>& phi_k, const ConstMatrixRef<T>& v,
-                   const linear::Options& opt, Matrix<T>& out, Vector<T>& den, Matrix<T>& kv,
-                   Vector<T>& ksum) {
-  using W = wide_t<T>;
-  const Index r = phi_q.cols(), d_v = v.cols();
-  const T eps = static_cast<T>(opt.eps);
-  den.resize(phi_q.rows());
-  if (opt.causal) {
-    Matrix<W> S = Matrix<W>::Zero(r, d_v);
-    Vector<W> z = Vector<W>::Zero(r);
-    GmaScanScratch<T> scan;
-    gma_causal_forward<T>(phi_q, phi_k, v, eps, linear_chunk(opt), out, den, S, z, scan);
-  } else {
-    // write KV = Phi_K^T V, z = Phi_K^T 1; read numerators by GEMM, denominators by GEMV
-    kv.resize(r, d_v);
-    kv.noalias() = phi_k.transpose() * v;
-    ksum.setZero(r);
-    if (phi_k.rows() > 0) ksum = phi_k.colwise().sum().transpose();  // (no columns of empty data)
-    out.noalias() = phi_q * kv;
-    den.noalias() = phi_q * ksum;
-    den.array() += eps;
-    out.array().colwise() /= den.array();
-  }
-}
-
 template <class T>
 void linear_fingerprints(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                          const ConstMatrixRef<T>& v, std::uint64_t* out) {
   out[0] = fingerprint(q);
   out[1] = fingerprint(k);
   out[2] = fingerprint(v);
-}
-
-/// Forward from feature matrices (SPEC 4.2 read-out, overflow check, the record for backward),
-/// shared by linear::forward and performer::forward. q, k, v: only fingerprinted.
-template <class T>
-Matrix<T> linear_forward_features(const char* fn, const ConstMatrixRef<T>& q,
-                                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                                  Matrix<T>&& phi_q, Matrix<T>&& phi_k, const linear::Options& opt,
-                                  linear::Saved<T>* saved) {
-  Matrix<T> kv, out(q.rows(), v.cols());
-  Vector<T> den, ksum;
-  linear_attend<T>(phi_q, phi_k, v, opt, out, den, kv, ksum);
-  // The output is a sub-convex combination of v's rows; only the sums can overflow.
-  if (opt.check_finite) require_finite_result(out, fn, "the output", "q, k or v is");
-  if (saved) {
-    saved->phi_q = std::move(phi_q);
-    saved->phi_k = std::move(phi_k);
-    saved->den = std::move(den);
-    saved->out = out;
-    saved->kv = std::move(kv);
-    saved->ksum = std::move(ksum);
-    saved->causal = opt.causal;
-    saved->eps = opt.eps;
-    saved->chunk = linear_chunk(opt);
-    linear_fingerprints<T>(q, k, v, saved->fingerprint);
-    saved->valid = true;
-  }
-  return out;
 }
 
 template <class T>
@@ -216,128 +159,13 @@ void linear_check_backward(const char* fn, const ConstMatrixRef<T>& q, const Con
     if (now[a] != saved.fingerprint[a]) raise_other_data(fn, "saved", names[a]);
 }
 
-/// Bidirectional backward (SPEC 4.3) with [g | h] (g_i = dO_i / den_i, h_i = -(dO_i . O_i) /
-/// den_i) and [KV | z] (the saved Phi_K^T V and Phi_K^T 1):
-///   dPhi_Q = [g | h] [KV | z]^T,  [dKV | dz] = Phi_Q^T [g | h],
-///   dPhi_K = V dKV^T + 1 dz^T,    dV = Phi_K dKV.
-template <class T>
-void linear_backward_bidirectional(const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
-                                   const linear::Saved<T>& saved, Matrix<T>& dphi_q,
-                                   Matrix<T>& dphi_k, Matrix<T>& dv) {
-  const Index N = saved.phi_q.rows(), r = saved.phi_q.cols(), d_v = v.cols();
-  Matrix<T> gh(N, d_v + 1);
-  const Vector<T> inv_den = saved.den.cwiseInverse();
-  gh.leftCols(d_v) = grad_out;
-  gh.leftCols(d_v).array().colwise() *= inv_den.array();
-  gh.col(d_v) =
-      -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
-  Matrix<T> kvz(r, d_v + 1);
-  kvz.leftCols(d_v) = saved.kv;
-  kvz.col(d_v) = saved.ksum;
-  dphi_q.resize(N, r);
-  dphi_q.noalias() = gh * kvz.transpose();
-  Matrix<T> dkvz(r, d_v + 1);
-  dkvz.noalias() = saved.phi_q.transpose() * gh;
-  dphi_k.resize(v.rows(), r);
-  dphi_k.noalias() = v * dkvz.leftCols(d_v).transpose();
-  dphi_k.rowwise() += dkvz.col(d_v).transpose();
-  dv.noalias() = saved.phi_k * dkvz.leftCols(d_v);
-}
-
-/// Causal backward (SPEC 4.3): the scan shared with GMA (SPEC 1.5) from a zero start state and
-/// no use of the end state.
-template <class T>
-void linear_backward_causal(const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
-                            const linear::Saved<T>& saved, Matrix<T>& dphi_q, Matrix<T>& dphi_k,
-                            Matrix<T>& dv) {
-  using W = wide_t<T>;
-  const Index N = saved.phi_q.rows(), r = saved.phi_q.cols(), d_v = v.cols();
-  const Vector<T> inv_den = saved.den.cwiseInverse();
-  Matrix<T> g = grad_out;
-  g.array().colwise() *= inv_den.array();
-  const Vector<T> h =
-      -(grad_out.cwiseProduct(saved.out).rowwise().sum().array() * inv_den.array()).matrix();
-  dphi_q.resize(N, r);
-  dphi_k.resize(N, r);
-  Matrix<W> G = Matrix<W>::Zero(r, d_v);
-  Vector<W> u = Vector<W>::Zero(r);
-  GmaScanScratch<T> scan;  // the prefix starts from zero (no start state)
-  gma_causal_backward<T>(saved.phi_q, saved.phi_k, v, g, h, saved.chunk, dphi_q, dphi_k, dv,
-                         nullptr, nullptr, G, u, scan);
-}
-
-/// The backward around a feature map: dPhi_Q, dPhi_K (SPEC 4.3) into grad.q, grad.k and dV into
-/// grad.v, then feature_backward(grad) turns the first two into dQ, dK (N x r, M x r), then the
-/// overflow checks. Shared by linear::backward and performer::backward.
-template <class T, class FeatureBackward>
-linear::Grad<T> linear_backward_features(const char* fn, Index r, Index M,
-                                         const ConstMatrixRef<T>& v,
-                                         const ConstMatrixRef<T>& grad_out,
-                                         const linear::Saved<T>& saved, const linear::Options& opt,
-                                         FeatureBackward&& feature_backward) {
-  linear::Grad<T> grad;
-  if (saved.phi_q.rows() == 0) {  // no query reads anything (and an empty matrix has no columns)
-    grad.q.resize(0, r);
-    grad.k.setZero(M, r);
-    grad.v.setZero(M, v.cols());
-    return grad;
-  }
-  grad.v.resize(M, v.cols());
-  if (opt.causal)
-    linear_backward_causal<T>(v, grad_out, saved, grad.q, grad.k, grad.v);
-  else
-    linear_backward_bidirectional<T>(v, grad_out, saved, grad.q, grad.k, grad.v);
-  feature_backward(grad);
-  if (opt.check_finite) {  // overflow: q, k, v or grad_out near T's range, or a tiny eps
-    const char* culprit = "q, k, v or grad_out is";
-    require_finite_result(grad.q, fn, "the gradient of q", culprit);
-    require_finite_result(grad.k, fn, "the gradient of k", culprit);
-    require_finite_result(grad.v, fn, "the gradient of v", culprit);
-  }
-  return grad;
-}
-
 }  // namespace detail
 
 namespace linear {
 
-/// Linear attention forward (SPEC 4.2). q: N x r, k: M x r, v: M x d_v, row-major (M == N when
-/// causal; M == 0 only with N == 0). Returns N x d_v. If `saved` is given it receives what
-/// backward needs. T is not deduced: write linear::forward<float>(q, k, v).
-/// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
-/// for non-finite q, k, v, or for an output that overflowed T (q, k, v near T's range).
-template <class T, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
-  static constexpr const char* fn = "mixattn::linear::forward";
-  detail::linear_check_inputs<T>(fn, q, k, v, opt);
-  Matrix<T> phi_q, phi_k;
-  detail::linear_features<T>(q, phi_q);
-  detail::linear_features<T>(k, phi_k);
-  return detail::linear_forward_features<T>(fn, q, k, v, std::move(phi_q), std::move(phi_k), opt,
-                                            saved);
-}
-
-/// Linear attention backward (SPEC 4.3): gradients of sum(grad_out . forward(q, k, v)) with
-/// respect to q (N x r), k (M x r) and v (M x d_v). grad_out: N x d_v; saved: filled by forward
-/// with the same q, k, v and options. With check_finite, non-finite grad_out or overflowed
-/// gradients throw std::domain_error.
-template <class T, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                 const ConstMatrixRef<T>& grad_out, const Saved<T>& saved,
-                 const Options& opt = {}) {
-  static constexpr const char* fn = "mixattn::linear::backward";
-  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved, opt, q.cols());
-  return detail::linear_backward_features<T>(
-      fn, q.cols(), k.rows(), v, grad_out, saved, opt, [&](Grad<T>& grad) {
-        detail::linear_feature_backward<T>(saved.phi_q, grad.q);
-        detail::linear_feature_backward<T>(saved.phi_k, grad.k);
-      });
-}
-
 // Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
 // column-major or strided argument that would be copied on every call, selects one of these
-// overloads instead of the ones above; the static_assert's message is their only effect.
+// overloads instead of the forms below; the static_assert's message is their only effect.
 template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
 Matrix<T> forward(const Q&, const K&, const V&, const Options& = {}, Saved<T>* = nullptr) {
   detail::refuse_arguments<T, Q, K, V>();
@@ -352,11 +180,10 @@ Grad<T> backward(const Q&, const K&, const V&, const G&, const Saved<T>&, const 
 }  // namespace linear
 
 // ---------------------------------------------------------------------------------------------
-// The `_into` forms: the same arithmetic as the value-returning forms above, with every result
-// and working buffer in caller-owned records (LinearScratch), so that a training loop whose
-// shapes repeat allocates nothing. Products run Eigen's own kernels (product_into): where Eigen
-// uses its GEMM kernel (all but the smallest shapes) the results agree bit for bit.
-// Performer and VQ attention build theirs on these.
+// The bodies. Every result and working buffer lives in caller-owned records (LinearScratch in
+// Saved and Grad), so that a training loop whose shapes repeat allocates nothing; the
+// value-returning forms above run the same bodies. Performer and VQ attention build theirs on
+// these.
 // ---------------------------------------------------------------------------------------------
 
 namespace detail {
@@ -398,7 +225,10 @@ void product_into(MatrixRef<T> dst, const GemmOperand<T>& a, const GemmOperand<T
     run(am.transpose(), bm.transpose());
 }
 
-/// linear_attend with the products' buffers and the causal scan's state in `s`.
+/// The read-out of SPEC 4.2 given feature matrices (phi_q: N x F, phi_k: M x F, non-negative;
+/// elu + 1 here, Performer's random features in performer.hpp): writes out (N x d_v, sized by
+/// the caller), den (N) and, bidirectionally, kv = Phi_K^T V and ksum = Phi_K^T 1; the products'
+/// buffers and the causal scan's state are in `s`.
 template <class T>
 void linear_attend_into(const Matrix<T>& phi_q, const Matrix<T>& phi_k, const ConstMatrixRef<T>& v,
                         const linear::Options& opt, Matrix<T>& out, Vector<T>& den, Matrix<T>& kv,
@@ -422,8 +252,10 @@ void linear_attend_into(const Matrix<T>& phi_q, const Matrix<T>& phi_k, const Co
                         s.z, s.scan);
 }
 
-/// linear_forward_features into `out` and the record `rec`, whose phi_q and phi_k already hold
-/// the features; with keep = false only the read-out is kept valid (a thread's scratch record).
+/// The forward from feature matrices (SPEC 4.2 read-out, overflow check, the record for
+/// backward) into `out` and the record `rec`, whose phi_q and phi_k already hold the features;
+/// with keep = false only the read-out is kept valid (a thread's scratch record). q, k, v: only
+/// fingerprinted.
 template <class T>
 void linear_forward_record(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
                            const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
@@ -447,23 +279,27 @@ Saved& linear_thread_record() {
   return rec;
 }
 
-/// The backward to the features (SPEC 4.3), as linear_backward_features: dPhi_Q and dPhi_K into
-/// s.dphi_q and s.dphi_k and dV into dv_out, then feature_backward() (which writes dQ, dK from
-/// them), then the overflow checks of dq, dk and dv_out.
+/// The backward around a feature map (SPEC 4.3): dPhi_Q and dPhi_K into s.dphi_q and s.dphi_k
+/// and dV into dv, then feature_backward() (which writes dQ, dK from them), then the
+/// overflow checks of dq, dk and dv. With [g | h] (g_i = dO_i / den_i, h_i = -(dO_i . O_i) /
+/// den_i): causally the scan shared with GMA (SPEC 1.5) from a zero start state; bidirectionally,
+/// with [KV | z] the saved Phi_K^T V and Phi_K^T 1,
+///   dPhi_Q = [g | h] [KV | z]^T,  [dKV | dz] = Phi_Q^T [g | h],
+///   dPhi_K = V dKV^T + 1 dz^T,    dV = Phi_K dKV.
 template <class T, class FeatureBackward>
 void linear_backward_features_into(const char* fn, Index r, Index M, const ConstMatrixRef<T>& v,
                                    const ConstMatrixRef<T>& grad_out, const linear::Saved<T>& saved,
                                    const linear::Options& opt, Matrix<T>& dq, Matrix<T>& dk,
-                                   Matrix<T>& dv_out, LinearScratch<T>& s,
+                                   Matrix<T>& dv, LinearScratch<T>& s,
                                    FeatureBackward&& feature_backward) {
   const Index N = saved.phi_q.rows(), F = saved.phi_q.cols(), d_v = v.cols();
   if (N == 0) {  // no query reads anything (and an empty matrix has no columns)
     dq.resize(0, r);
     dk.setZero(M, r);
-    dv_out.setZero(M, d_v);
+    dv.setZero(M, d_v);
     return;
   }
-  dv_out.resize(M, d_v);
+  dv.resize(M, d_v);
   s.inv_den = saved.den.cwiseInverse();
   if (opt.causal) {  // linear_backward_causal
     s.g = grad_out;
@@ -474,7 +310,7 @@ void linear_backward_features_into(const char* fn, Index r, Index M, const Const
     s.S.setZero(F, d_v);
     s.z.setZero(F);
     gma_causal_backward<T>(saved.phi_q, saved.phi_k, v, s.g, s.h, saved.chunk, s.dphi_q, s.dphi_k,
-                           dv_out, nullptr, nullptr, s.S, s.z, s.scan);
+                           dv, nullptr, nullptr, s.S, s.z, s.scan);
   } else {  // linear_backward_bidirectional
     s.gh.resize(N, d_v + 1);
     s.gh.leftCols(d_v) = grad_out;
@@ -492,15 +328,47 @@ void linear_backward_features_into(const char* fn, Index r, Index M, const Const
     const ConstMatrixRef<T> dkv = s.dkvz.leftCols(d_v);
     product_into<T>(s.dphi_k, plain<T>(v), transposed<T>(dkv), T(1), false, s.gemm);
     s.dphi_k.rowwise() += s.dkvz.col(d_v).transpose();
-    product_into<T>(dv_out, plain<T>(saved.phi_k), plain<T>(dkv), T(1), false, s.gemm);
+    product_into<T>(dv, plain<T>(saved.phi_k), plain<T>(dkv), T(1), false, s.gemm);
   }
   feature_backward();
   if (opt.check_finite) {  // overflow: q, k, v or grad_out near T's range, or a tiny eps
     const char* culprit = "q, k, v or grad_out is";
     require_finite_result(dq, fn, "the gradient of q", culprit);
     require_finite_result(dk, fn, "the gradient of k", culprit);
-    require_finite_result(dv_out, fn, "the gradient of v", culprit);
+    require_finite_result(dv, fn, "the gradient of v", culprit);
   }
+}
+
+/// forward_into's body (`fn` names the entry point in messages); the value-returning forward runs
+/// it too.
+template <class T>
+void linear_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                         const linear::Options& opt, linear::Saved<T>* saved) {
+  detail::linear_check_inputs<T>(fn, q, k, v, opt);
+  linear::Saved<T>& rec = saved ? *saved : detail::linear_thread_record<linear::Saved<T>>();
+  rec.valid = false;  // until this call has filled it
+  detail::linear_features<T>(q, rec.phi_q);
+  detail::linear_features<T>(k, rec.phi_k);
+  detail::linear_forward_record<T>(fn, out, q, k, v, opt, rec, saved != nullptr);
+}
+
+/// backward_into's body (`fn` names the entry point in messages); the value-returning backward runs
+/// it too.
+template <class T>
+void linear_backward_into(const char* fn, linear::Grad<T>& grad, const ConstMatrixRef<T>& q,
+                          const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                          const ConstMatrixRef<T>& grad_out, const linear::Saved<T>& saved,
+                          const linear::Options& opt) {
+  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved, opt, q.cols());
+  detail::LinearScratch<T>& s = grad.scratch;
+  detail::linear_backward_features_into<T>(
+      fn, q.cols(), k.rows(), v, grad_out, saved, opt, grad.q, grad.k, grad.v, s, [&] {
+        grad.q = s.dphi_q;
+        grad.k = s.dphi_k;
+        detail::linear_feature_backward<T>(saved.phi_q, grad.q);
+        detail::linear_feature_backward<T>(saved.phi_k, grad.k);
+      });
 }
 
 }  // namespace detail
@@ -513,13 +381,7 @@ namespace linear {
 template <class T, detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, const Options& opt, Saved<T>* saved) {
-  static constexpr const char* fn = "mixattn::linear::forward_into";
-  detail::linear_check_inputs<T>(fn, q, k, v, opt);
-  Saved<T>& rec = saved ? *saved : detail::linear_thread_record<Saved<T>>();
-  rec.valid = false;  // until this call has filled it
-  detail::linear_features<T>(q, rec.phi_q);
-  detail::linear_features<T>(k, rec.phi_k);
-  detail::linear_forward_record<T>(fn, out, q, k, v, opt, rec, saved != nullptr);
+  detail::linear_forward_into<T>("mixattn::linear::forward_into", out, q, k, v, opt, saved);
 }
 
 /// backward into caller-owned gradients (resized; scratch kept in `grad`): the result of
@@ -528,16 +390,35 @@ template <class T, detail::enable_if_supported<T> = 0>
 void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                    const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                    const Saved<T>& saved, const Options& opt) {
-  static constexpr const char* fn = "mixattn::linear::backward_into";
-  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved, opt, q.cols());
-  detail::LinearScratch<T>& s = grad.scratch;
-  detail::linear_backward_features_into<T>(
-      fn, q.cols(), k.rows(), v, grad_out, saved, opt, grad.q, grad.k, grad.v, s, [&] {
-        grad.q = s.dphi_q;
-        grad.k = s.dphi_k;
-        detail::linear_feature_backward<T>(saved.phi_q, grad.q);
-        detail::linear_feature_backward<T>(saved.phi_k, grad.k);
-      });
+  detail::linear_backward_into<T>("mixattn::linear::backward_into", grad, q, k, v, grad_out, saved,
+                                  opt);
+}
+
+/// Linear attention forward (SPEC 4.2). q: N x r, k: M x r, v: M x d_v, row-major (M == N when
+/// causal; M == 0 only with N == 0). Returns N x d_v. If `saved` is given it receives what
+/// backward needs. T is not deduced: write linear::forward<float>(q, k, v).
+/// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
+/// for non-finite q, k, v, or for an output that overflowed T (q, k, v near T's range).
+template <class T, detail::enable_if_supported<T> = 0>
+Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
+  Matrix<T> out;
+  detail::linear_forward_into<T>("mixattn::linear::forward", out, q, k, v, opt, saved);
+  return out;
+}
+
+/// Linear attention backward (SPEC 4.3): gradients of sum(grad_out . forward(q, k, v)) with
+/// respect to q (N x r), k (M x r) and v (M x d_v). grad_out: N x d_v; saved: filled by forward
+/// with the same q, k, v and options. With check_finite, non-finite grad_out or overflowed
+/// gradients throw std::domain_error.
+template <class T, detail::enable_if_supported<T> = 0>
+Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 const ConstMatrixRef<T>& grad_out, const Saved<T>& saved,
+                 const Options& opt = {}) {
+  Grad<T> grad;
+  detail::linear_backward_into<T>("mixattn::linear::backward", grad, q, k, v, grad_out, saved, opt);
+  grad.scratch = {};  // a returned gradient carries no working memory
+  return grad;
 }
 
 // Compile-time refusals of the `_into` forms, as above.

@@ -97,62 +97,6 @@ T performer_scale(const performer::Options& opt, Index r) {
   return static_cast<T>(opt.scale > 0 ? opt.scale : std::pow(static_cast<double>(r), -0.25));
 }
 
-/// phi = exp(s X W^T - s^2 |x|^2 / 2 - c) / sqrt(m) (SPEC 5.2); x: n x r, phi: n x m. The
-/// stabiliser c is the largest exponent: per_row (queries) c_i = max_l (s w_l . x_i -
-/// s^2 |x_i|^2 / 2), its l in at[i] (the |x_i|^2 term cancels: the exponents are s (w_l -
-/// w_l*) . x_i); otherwise (keys) one c over all (j, l), its (j, l) in (row, col). Every
-/// exponent is <= 0, so phi <= 1/sqrt(m), and every query row has one feature equal to it.
-template <class T>
-void performer_features(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s, bool per_row,
-                        Matrix<T>& phi, Eigen::Matrix<Index, Eigen::Dynamic, 1>* at, Index* row,
-                        Index* col) {
-  const Index n = x.rows(), m = w.rows();
-  phi.resize(n, m);
-  if (n == 0) return;
-  phi.noalias() = x * w.transpose();
-  phi *= s;
-  if (per_row) {
-    at->resize(n);
-    for (Index i = 0; i < n; ++i) {
-      Index l = 0;
-      const T c = phi.row(i).maxCoeff(&l);
-      (*at)[i] = l;
-      phi.row(i).array() -= c;
-    }
-  } else {
-    phi.array().colwise() -= (s * s / T(2)) * x.rowwise().squaredNorm().array();
-    const T c = phi.maxCoeff(row, col);
-    phi.array() -= c;
-  }
-  phi = phi.array().exp() * static_cast<T>(1.0 / std::sqrt(static_cast<double>(m)));
-}
-
-/// Through the feature map (SPEC 5.3), with E = dphi o phi (the gradient of the exponents)
-/// and e_i = sum_l E_il. Queries (exponents s (w_l - w_at[i]) . x_i):
-///   dx_i = s E_i W - s e_i w_at[i].
-/// Keys (exponents s w_l . x_j - s^2 |x_j|^2 / 2 - c, c that of (row, col)):
-///   dx_j = s E_j W - s^2 e_j x_j,  and  dx_row -= (sum_j e_j) (s w_col - s^2 x_row).
-/// dphi: n x m on entry (overwritten with E); returns dx: n x r.
-template <class T>
-Matrix<T> performer_feature_backward(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s,
-                                     const Matrix<T>& phi, Matrix<T>& dphi,
-                                     const Eigen::Matrix<Index, Eigen::Dynamic, 1>* at, Index row,
-                                     Index col) {
-  const Index n = x.rows();
-  Matrix<T> dx(n, w.cols());
-  if (n == 0) return dx;
-  dphi.array() *= phi.array();
-  const Vector<T> e = dphi.rowwise().sum();
-  dx.noalias() = s * dphi * w;
-  if (at != nullptr) {
-    for (Index i = 0; i < n; ++i) dx.row(i) -= (s * e[i]) * w.row((*at)[i]);
-  } else {
-    dx.array() -= (s * s) * (x.array().colwise() * e.array());
-    dx.row(row) -= e.sum() * (s * w.row(col) - (s * s) * x.row(row));
-  }
-  return dx;
-}
-
 template <class T>
 void performer_check(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                      const ConstMatrixRef<T>& v, const performer::Features<T>& f,
@@ -202,61 +146,6 @@ Features<T> Features<T>::random(Index m, Index r, std::uint64_t seed, Draw draw)
   return f;
 }
 
-/// Performer forward (SPEC 5.2). q: N x r, k: M x r, v: M x d_v, row-major (M == N when causal;
-/// M == 0 only with N == 0); features.w: m x r. Returns N x d_v. If `saved` is given it receives
-/// what backward needs. T is not deduced: write performer::forward<float>(q, k, v, features).
-/// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
-/// for non-finite q, k, v or W, or for an output that overflowed T.
-template <class T, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Features<T>& features, const Options& opt = {},
-                  Saved<T>* saved = nullptr) {
-  static constexpr const char* fn = "mixattn::performer::forward";
-  detail::performer_check<T>(fn, q, k, v, features, opt);
-  const T s = detail::performer_scale<T>(opt, q.cols());
-  Matrix<T> phi_q, phi_k;
-  Eigen::Matrix<Index, Eigen::Dynamic, 1> at;
-  Index row = 0, col = 0;
-  detail::performer_features<T>(q, features.w, s, true, phi_q, &at, nullptr, nullptr);
-  detail::performer_features<T>(k, features.w, s, false, phi_k, nullptr, &row, &col);
-  Matrix<T> out = detail::linear_forward_features<T>(
-      fn, q, k, v, std::move(phi_q), std::move(phi_k), opt, saved ? &saved->attn : nullptr);
-  if (saved) {
-    saved->q_at = std::move(at);
-    saved->k_row = row;
-    saved->k_col = col;
-    saved->scale = opt.scale;
-    saved->w_fingerprint = detail::fingerprint(features.w);
-  }
-  return out;
-}
-
-/// Performer backward (SPEC 5.3): gradients of sum(grad_out . forward(q, k, v, features)) with
-/// respect to q (N x r), k (M x r) and v (M x d_v); W is a constant. grad_out: N x d_v; saved:
-/// filled by forward with the same q, k, v, features and options. With check_finite,
-/// non-finite grad_out or overflowed gradients throw std::domain_error.
-template <class T, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                 const ConstMatrixRef<T>& grad_out, const Features<T>& features,
-                 const Saved<T>& saved, const Options& opt = {}) {
-  static constexpr const char* fn = "mixattn::performer::backward";
-  detail::performer_check<T>(fn, q, k, v, features, opt);
-  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, features.count());
-  detail::require(saved.scale == opt.scale && saved.q_at.size() == q.rows(), fn,
-                  "saved was made with scale = ", saved.scale,
-                  " but options give scale = ", opt.scale);
-  if (detail::fingerprint(features.w) != saved.w_fingerprint)
-    detail::raise_other_data(fn, "saved", "features.w");
-  const T s = detail::performer_scale<T>(opt, q.cols());
-  return detail::linear_backward_features<T>(
-      fn, q.cols(), k.rows(), v, grad_out, saved.attn, opt, [&](Grad<T>& grad) {
-        grad.q = detail::performer_feature_backward<T>(q, features.w, s, saved.attn.phi_q, grad.q,
-                                                       &saved.q_at, 0, 0);
-        grad.k = detail::performer_feature_backward<T>(k, features.w, s, saved.attn.phi_k, grad.k,
-                                                       nullptr, saved.k_row, saved.k_col);
-      });
-}
-
 // Compile-time refusals (core.hpp, refuse_arguments), as in linear.hpp.
 template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
 Matrix<T> forward(const Q&, const K&, const V&, const Features<T>&, const Options& = {},
@@ -275,7 +164,12 @@ Grad<T> backward(const Q&, const K&, const V&, const G&, const Features<T>&, con
 
 namespace detail {
 
-/// performer_features with the product's buffers and the keys' squared norms in `scratch`.
+/// phi = exp(s X W^T - s^2 |x|^2 / 2 - c) / sqrt(m) (SPEC 5.2); x: n x r, phi: n x m. The
+/// stabiliser c is the largest exponent: per_row (queries) c_i = max_l (s w_l . x_i -
+/// s^2 |x_i|^2 / 2), its l in at[i] (the |x_i|^2 term cancels: the exponents are s (w_l -
+/// w_l*) . x_i); otherwise (keys) one c over all (j, l), its (j, l) in (row, col). Every
+/// exponent is <= 0, so phi <= 1/sqrt(m), and every query row has one feature equal to it.
+/// The product's buffers and the keys' squared norms are in `scratch`.
 template <class T>
 void performer_features_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s, bool per_row,
                              Matrix<T>& phi, Eigen::Matrix<Index, Eigen::Dynamic, 1>* at,
@@ -302,8 +196,13 @@ void performer_features_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s
   phi = phi.array().exp() * static_cast<T>(1.0 / std::sqrt(static_cast<double>(m)));
 }
 
-/// performer_feature_backward into dx (n x r) with e_i in `e` and the product's buffers in
-/// `space`; dphi becomes E = dphi o phi.
+/// Through the feature map (SPEC 5.3), with E = dphi o phi (the gradient of the exponents)
+/// and e_i = sum_l E_il. Queries (exponents s (w_l - w_at[i]) . x_i):
+///   dx_i = s E_i W - s e_i w_at[i].
+/// Keys (exponents s w_l . x_j - s^2 |x_j|^2 / 2 - c, c that of (row, col)):
+///   dx_j = s E_j W - s^2 e_j x_j,  and  dx_row -= (sum_j e_j) (s w_col - s^2 x_row).
+/// dphi: n x m on entry (overwritten with E); dx: n x r; e_i in `e`, the product's buffers in
+/// `space`.
 template <class T>
 void performer_feature_backward_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s,
                                      const Matrix<T>& phi, Matrix<T>& dphi, Matrix<T>& dx,
@@ -324,21 +223,16 @@ void performer_feature_backward_into(const ConstMatrixRef<T>& x, const Matrix<T>
   }
 }
 
-}  // namespace detail
-
-namespace performer {
-
-/// forward into a caller-owned `out` (resized to N x d_v) and record: the result of
-/// forward(q, k, v, features, opt, saved); with a reused `out` and `saved` (or
-/// none), a call whose shapes repeat performs no heap allocation.
-template <class T, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Features<T>& features, const Options& opt,
-                  Saved<T>* saved) {
-  static constexpr const char* fn = "mixattn::performer::forward_into";
+/// forward_into's body (`fn` names the entry point in messages); the value-returning forward runs
+/// it too.
+template <class T>
+void performer_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+                            const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                            const performer::Features<T>& features, const performer::Options& opt,
+                            performer::Saved<T>* saved) {
   detail::performer_check<T>(fn, q, k, v, features, opt);
   const T s = detail::performer_scale<T>(opt, q.cols());
-  Saved<T>& rec = saved ? *saved : detail::linear_thread_record<Saved<T>>();
+  performer::Saved<T>& rec = saved ? *saved : detail::linear_thread_record<performer::Saved<T>>();
   rec.attn.valid = false;  // until this call has filled it
   detail::performer_features_into<T>(q, features.w, s, true, rec.attn.phi_q, &rec.q_at, nullptr,
                                      nullptr, rec.attn.scratch);
@@ -349,14 +243,14 @@ void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixR
   if (saved) rec.w_fingerprint = detail::fingerprint(features.w);
 }
 
-/// backward into caller-owned gradients (resized; scratch kept in `grad`): the result of
-/// backward(q, k, v, grad_out, features, saved, opt), allocating nothing when
-/// shapes repeat.
-template <class T, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
-                   const Features<T>& features, const Saved<T>& saved, const Options& opt) {
-  static constexpr const char* fn = "mixattn::performer::backward_into";
+/// backward_into's body (`fn` names the entry point in messages); the value-returning backward runs
+/// it too.
+template <class T>
+void performer_backward_into(const char* fn, performer::Grad<T>& grad, const ConstMatrixRef<T>& q,
+                             const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                             const ConstMatrixRef<T>& grad_out,
+                             const performer::Features<T>& features,
+                             const performer::Saved<T>& saved, const performer::Options& opt) {
   detail::performer_check<T>(fn, q, k, v, features, opt);
   detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, features.count());
   detail::require(saved.scale == opt.scale && saved.q_at.size() == q.rows(), fn,
@@ -376,6 +270,62 @@ void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixR
       });
 }
 
+}  // namespace detail
+
+namespace performer {
+
+/// forward into a caller-owned `out` (resized to N x d_v) and record: the result of
+/// forward(q, k, v, features, opt, saved); with a reused `out` and `saved` (or
+/// none), a call whose shapes repeat performs no heap allocation.
+template <class T, detail::enable_if_supported<T> = 0>
+void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const Features<T>& features, const Options& opt,
+                  Saved<T>* saved) {
+  detail::performer_forward_into<T>("mixattn::performer::forward_into", out, q, k, v, features, opt,
+                                    saved);
+}
+
+/// backward into caller-owned gradients (resized; scratch kept in `grad`): the result of
+/// backward(q, k, v, grad_out, features, saved, opt), allocating nothing when
+/// shapes repeat.
+template <class T, detail::enable_if_supported<T> = 0>
+void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                   const Features<T>& features, const Saved<T>& saved, const Options& opt) {
+  detail::performer_backward_into<T>("mixattn::performer::backward_into", grad, q, k, v, grad_out,
+                                     features, saved, opt);
+}
+
+/// Performer forward (SPEC 5.2). q: N x r, k: M x r, v: M x d_v, row-major (M == N when causal;
+/// M == 0 only with N == 0); features.w: m x r. Returns N x d_v. If `saved` is given it receives
+/// what backward needs. T is not deduced: write performer::forward<float>(q, k, v, features).
+/// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
+/// for non-finite q, k, v or W, or for an output that overflowed T.
+template <class T, detail::enable_if_supported<T> = 0>
+Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const Features<T>& features, const Options& opt = {},
+                  Saved<T>* saved = nullptr) {
+  Matrix<T> out;
+  detail::performer_forward_into<T>("mixattn::performer::forward", out, q, k, v, features, opt,
+                                    saved);
+  return out;
+}
+
+/// Performer backward (SPEC 5.3): gradients of sum(grad_out . forward(q, k, v, features)) with
+/// respect to q (N x r), k (M x r) and v (M x d_v); W is a constant. grad_out: N x d_v; saved:
+/// filled by forward with the same q, k, v, features and options. With check_finite,
+/// non-finite grad_out or overflowed gradients throw std::domain_error.
+template <class T, detail::enable_if_supported<T> = 0>
+Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 const ConstMatrixRef<T>& grad_out, const Features<T>& features,
+                 const Saved<T>& saved, const Options& opt = {}) {
+  Grad<T> grad;
+  detail::performer_backward_into<T>("mixattn::performer::backward", grad, q, k, v, grad_out,
+                                     features, saved, opt);
+  grad.scratch = {};  // a returned gradient carries no working memory
+  return grad;
+}
+
 // Compile-time refusals of the `_into` forms, as above.
 template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
 void forward_into(Matrix<T>&, const Q&, const K&, const V&, const Features<T>&, const Options&,
@@ -393,12 +343,12 @@ void backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Featu
 #ifdef MIXATTN_TEMPLATE_INSTANCE
 // core.hpp: compiling the operators once.
 namespace performer {
-#define MIXATTN_PERFORMER_INSTANCES(T)                                                            \
-  MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                              \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
-      const Features<T>&, const Options&, Saved<T>*);                                             \
-  MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                               \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,               \
+#define MIXATTN_PERFORMER_INSTANCES(T)                                              \
+  MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
+      const Features<T>&, const Options&, Saved<T>*);                               \
+  MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                 \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
       const ConstMatrixRef<T>&, const Features<T>&, const Saved<T>&, const Options&);
 MIXATTN_PERFORMER_INSTANCES(float)
 MIXATTN_PERFORMER_INSTANCES(double)

@@ -102,55 +102,6 @@ void vq_check(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T
   if (opt.check_finite) require_finite(codebook, fn, "codebook");
 }
 
-/// Straight-through key gradient (SPEC 6.3): dk^_j = tau sum_i w_ij (g_i . v_j + h_i) q_i over
-/// the queries that see key j, w_ij = phi_q(i, z_j). Per code s a state
-/// T_s = sum_i phi_q(i, s) q_i [g_i | h_i]^T (r x (d_v + 1)) over the queries already passed,
-/// read as dk^_j += T_{z_j} [v_j; 1]: bidirectionally over all queries at once; causally in
-/// reverse chunks (the later chunks' state, plus the chunk's own lower triangle explicitly).
-/// gh: N x (d_v + 1) = [g | h]. Returns M x r.
-template <class T>
-Matrix<T> vq_key_gradient(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& v,
-                          const Matrix<T>& gh, const Matrix<T>& phi_q, const CodeVector& codes,
-                          T tau, bool causal, Index chunk) {
-  const Index N = q.rows(), M = v.rows(), r = q.cols(), d_v = v.cols(), S = phi_q.cols();
-  Matrix<T> dk = Matrix<T>::Zero(M, r), v1(M, d_v + 1), scaled;
-  v1.leftCols(d_v) = v;
-  v1.col(d_v).setOnes();
-  std::vector<char> used(static_cast<std::size_t>(S), 0);
-  for (Index j = 0; j < M; ++j) used[static_cast<std::size_t>(codes[j])] = 1;
-  std::vector<Matrix<T>> state(static_cast<std::size_t>(S));
-  for (Index s = 0; s < S; ++s)
-    if (used[static_cast<std::size_t>(s)]) state[static_cast<std::size_t>(s)].setZero(r, d_v + 1);
-  const auto absorb = [&](Index i0, Index c) {  // queries [i0, i0 + c) into every used T_s
-    for (Index s = 0; s < S; ++s) {
-      if (!used[static_cast<std::size_t>(s)]) continue;
-      scaled = q.middleRows(i0, c).array().colwise() * phi_q.col(s).segment(i0, c).array();
-      state[static_cast<std::size_t>(s)].noalias() += scaled.transpose() * gh.middleRows(i0, c);
-    }
-  };
-  const auto read = [&](Index j0, Index c) {  // keys [j0, j0 + c) from the states
-    for (Index j = j0; j < j0 + c; ++j)
-      dk.row(j).noalias() += v1.row(j) * state[static_cast<std::size_t>(codes[j])].transpose();
-  };
-  if (!causal) {
-    absorb(0, N);
-    read(0, M);
-  } else {
-    Matrix<T> b;
-    for (Index c0 = ((N - 1) / chunk) * chunk; N > 0 && c0 >= 0; c0 -= chunk) {
-      const Index c = std::min(chunk, N - c0);
-      read(c0, c);
-      b.noalias() = gh.middleRows(c0, c).leftCols(d_v) * v.middleRows(c0, c).transpose();
-      b.colwise() += gh.col(d_v).segment(c0, c);
-      for (Index i = 0; i < c; ++i)
-        for (Index j = 0; j < c; ++j) b(i, j) *= j <= i ? phi_q(c0 + i, codes[c0 + j]) : T(0);
-      dk.middleRows(c0, c).noalias() += b.transpose() * q.middleRows(c0, c);
-      absorb(c0, c);
-    }
-  }
-  return dk * tau;
-}
-
 }  // namespace detail
 
 namespace vq {
@@ -164,81 +115,6 @@ Eigen::Matrix<Index, Eigen::Dynamic, 1> assign(const ConstMatrixRef<T>& k,
                   "codebook is ", detail::shape_str(codebook), " but k is ", detail::shape_str(k),
                   ": it must be S x ", k.cols(), " with S >= 1");
   return detail::vq_codes<T>(k, codebook);
-}
-
-/// VQ attention forward (SPEC 6.2). q: N x r, k: M x r, v: M x d_v, codebook: S x r, row-major
-/// (M == N when causal; M == 0 only with N == 0). Returns N x d_v. If `saved` is given it
-/// receives what backward needs. T is not deduced: write vq::forward<float>(...).
-/// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
-/// for non-finite q, k, v or codebook, or for an output that overflowed T.
-template <class T, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
-                  const Options& opt = {}, Saved<T>* saved = nullptr) {
-  static constexpr const char* fn = "mixattn::vq::forward";
-  detail::vq_check<T>(fn, q, k, v, codebook, opt);
-  const T tau = detail::vq_scale<T>(opt, q.cols());
-  const Matrix<T> c = codebook;
-  Matrix<T> phi_q;
-  detail::CodeVector at, codes = detail::vq_codes<T>(k, codebook);
-  detail::performer_features<T>(q, c, tau, true, phi_q, &at, nullptr, nullptr);
-  Matrix<T> phi_k = Matrix<T>::Zero(k.rows(), codebook.rows());
-  for (Index j = 0; j < k.rows(); ++j) phi_k(j, codes[j]) = T(1);
-  Matrix<T> out = detail::linear_forward_features<T>(
-      fn, q, k, v, std::move(phi_q), std::move(phi_k), opt, saved ? &saved->attn : nullptr);
-  if (saved) {
-    saved->q_at = std::move(at);
-    saved->codes = std::move(codes);
-    saved->scale = opt.scale;
-    saved->codebook_fingerprint = detail::fingerprint(codebook);
-  }
-  return out;
-}
-
-/// VQ attention backward (SPEC 6.3): gradients of sum(grad_out . forward(q, k, v, codebook))
-/// with respect to q (N x r), k (M x r, straight-through: the gradient of the quantised key),
-/// v (M x d_v) and the codebook (S x r). grad_out: N x d_v; saved: filled by forward with the
-/// same inputs and options. With check_finite, non-finite grad_out or overflowed gradients
-/// throw std::domain_error.
-template <class T, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                 const ConstMatrixRef<T>& codebook, const ConstMatrixRef<T>& grad_out,
-                 const Saved<T>& saved, const Options& opt = {}) {
-  static constexpr const char* fn = "mixattn::vq::backward";
-  detail::vq_check<T>(fn, q, k, v, codebook, opt);
-  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, codebook.rows());
-  detail::require(
-      saved.scale == opt.scale && saved.q_at.size() == q.rows() && saved.codes.size() == k.rows(),
-      fn, "saved was made with scale = ", saved.scale, " but options give scale = ", opt.scale);
-  if (detail::fingerprint(codebook) != saved.codebook_fingerprint)
-    detail::raise_other_data(fn, "saved", "codebook");
-  const T tau = detail::vq_scale<T>(opt, q.cols());
-  const Matrix<T> c = codebook;
-  Grad<T> grad;
-  grad.codebook.setZero(codebook.rows(), codebook.cols());
-  const auto& a = saved.attn;
-  linear::Grad<T> g = detail::linear_backward_features<T>(
-      fn, q.cols(), k.rows(), v, grad_out, a, opt, [&](linear::Grad<T>& lg) {
-        Matrix<T> e = std::move(lg.q);  // dPhi_Q, then E = dPhi_Q o Phi_Q
-        lg.q = detail::performer_feature_backward<T>(q, c, tau, a.phi_q, e, &saved.q_at, 0, 0);
-        // dC through the query exponents tau (C_s - C_{s*_i}) . q_i
-        grad.codebook.noalias() = tau * e.transpose() * q;
-        const Vector<T> rows = e.rowwise().sum();
-        for (Index i = 0; i < q.rows(); ++i)
-          grad.codebook.row(saved.q_at[i]) -= (tau * rows[i]) * q.row(i);
-        Matrix<T> gh(q.rows(), v.cols() + 1);  // [g | h] of SPEC 4.3
-        gh.leftCols(v.cols()) = grad_out;
-        gh.col(v.cols()) = -grad_out.cwiseProduct(a.out).rowwise().sum();
-        gh.array().colwise() /= a.den.array();
-        lg.k = detail::vq_key_gradient<T>(q, v, gh, a.phi_q, saved.codes, tau, opt.causal, a.chunk);
-      });
-  if (opt.check_finite)
-    detail::require_finite_result(grad.codebook, fn, "the gradient of the codebook",
-                                  "q, k, v or grad_out is");
-  grad.q = std::move(g.q);
-  grad.k = std::move(g.k);
-  grad.v = std::move(g.v);
-  return grad;
 }
 
 // Compile-time refusals (core.hpp, refuse_arguments), as in linear.hpp.
@@ -282,7 +158,13 @@ void vq_codes_into(const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& codebook
   }
 }
 
-/// vq_key_gradient into dk (M x r) with its states and buffers in `x`. The scaled queries and
+/// Straight-through key gradient (SPEC 6.3): dk^_j = tau sum_i w_ij (g_i . v_j + h_i) q_i over
+/// the queries that see key j, w_ij = phi_q(i, z_j). Per code s a state
+/// T_s = sum_i phi_q(i, s) q_i [g_i | h_i]^T (r x (d_v + 1)) over the queries already passed,
+/// read as dk^_j += T_{z_j} [v_j; 1]: bidirectionally over all queries at once; causally in
+/// reverse chunks (the later chunks' state, plus the chunk's own lower triangle explicitly).
+/// gh: N x (d_v + 1) = [g | h]; writes dk (M x r), with its states and buffers in `x`. The
+/// scaled queries and
 /// the chunk's triangle are views of buffers sized once for the largest chunk, so the partial
 /// chunk does not resize them.
 template <class T>
@@ -335,21 +217,16 @@ void vq_key_gradient_into(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& v
   dk *= tau;
 }
 
-}  // namespace detail
-
-namespace vq {
-
-/// forward into a caller-owned `out` (resized to N x d_v) and record: the result of
-/// forward(q, k, v, codebook, opt, saved); with a reused `out` and `saved` (or
-/// none), a call whose shapes repeat performs no heap allocation.
-template <class T, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook, const Options& opt,
-                  Saved<T>* saved) {
-  static constexpr const char* fn = "mixattn::vq::forward_into";
+/// forward_into's body (`fn` names the entry point in messages); the value-returning forward runs
+/// it too.
+template <class T>
+void vq_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+                     const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                     const ConstMatrixRef<T>& codebook, const vq::Options& opt,
+                     vq::Saved<T>* saved) {
   detail::vq_check<T>(fn, q, k, v, codebook, opt);
   const T tau = detail::vq_scale<T>(opt, q.cols());
-  Saved<T>& rec = saved ? *saved : detail::linear_thread_record<Saved<T>>();
+  vq::Saved<T>& rec = saved ? *saved : detail::linear_thread_record<vq::Saved<T>>();
   linear::Saved<T>& a = rec.attn;
   a.valid = false;  // until this call has filled it
   a.scratch.w = codebook;
@@ -363,14 +240,13 @@ void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixR
   if (saved) rec.codebook_fingerprint = detail::fingerprint(codebook);
 }
 
-/// backward into caller-owned gradients (resized; scratch kept in `grad`): the result of
-/// backward(q, k, v, codebook, grad_out, saved, opt), allocating nothing when
-/// shapes (and the set of codes the keys use) repeat.
-template <class T, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
-                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
-  static constexpr const char* fn = "mixattn::vq::backward_into";
+/// backward_into's body (`fn` names the entry point in messages); the value-returning backward runs
+/// it too.
+template <class T>
+void vq_backward_into(const char* fn, vq::Grad<T>& grad, const ConstMatrixRef<T>& q,
+                      const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                      const ConstMatrixRef<T>& codebook, const ConstMatrixRef<T>& grad_out,
+                      const vq::Saved<T>& saved, const vq::Options& opt) {
   detail::vq_check<T>(fn, q, k, v, codebook, opt);
   detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, codebook.rows());
   detail::require(
@@ -404,6 +280,61 @@ void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixR
   if (opt.check_finite)
     detail::require_finite_result(grad.codebook, fn, "the gradient of the codebook",
                                   "q, k, v or grad_out is");
+}
+
+}  // namespace detail
+
+namespace vq {
+
+/// forward into a caller-owned `out` (resized to N x d_v) and record: the result of
+/// forward(q, k, v, codebook, opt, saved); with a reused `out` and `saved` (or
+/// none), a call whose shapes repeat performs no heap allocation.
+template <class T, detail::enable_if_supported<T> = 0>
+void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook, const Options& opt,
+                  Saved<T>* saved) {
+  detail::vq_forward_into<T>("mixattn::vq::forward_into", out, q, k, v, codebook, opt, saved);
+}
+
+/// backward into caller-owned gradients (resized; scratch kept in `grad`): the result of
+/// backward(q, k, v, codebook, grad_out, saved, opt), allocating nothing when
+/// shapes (and the set of codes the keys use) repeat.
+template <class T, detail::enable_if_supported<T> = 0>
+void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
+                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+  detail::vq_backward_into<T>("mixattn::vq::backward_into", grad, q, k, v, codebook, grad_out,
+                              saved, opt);
+}
+
+/// VQ attention forward (SPEC 6.2). q: N x r, k: M x r, v: M x d_v, codebook: S x r, row-major
+/// (M == N when causal; M == 0 only with N == 0). Returns N x d_v. If `saved` is given it
+/// receives what backward needs. T is not deduced: write vq::forward<float>(...).
+/// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
+/// for non-finite q, k, v or codebook, or for an output that overflowed T.
+template <class T, detail::enable_if_supported<T> = 0>
+Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
+                  const Options& opt = {}, Saved<T>* saved = nullptr) {
+  Matrix<T> out;
+  detail::vq_forward_into<T>("mixattn::vq::forward", out, q, k, v, codebook, opt, saved);
+  return out;
+}
+
+/// VQ attention backward (SPEC 6.3): gradients of sum(grad_out . forward(q, k, v, codebook))
+/// with respect to q (N x r), k (M x r, straight-through: the gradient of the quantised key),
+/// v (M x d_v) and the codebook (S x r). grad_out: N x d_v; saved: filled by forward with the
+/// same inputs and options. With check_finite, non-finite grad_out or overflowed gradients
+/// throw std::domain_error.
+template <class T, detail::enable_if_supported<T> = 0>
+Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 const ConstMatrixRef<T>& codebook, const ConstMatrixRef<T>& grad_out,
+                 const Saved<T>& saved, const Options& opt = {}) {
+  Grad<T> grad;
+  detail::vq_backward_into<T>("mixattn::vq::backward", grad, q, k, v, codebook, grad_out, saved,
+                              opt);
+  grad.scratch = {};  // a returned gradient carries no working memory
+  return grad;
 }
 
 // Compile-time refusals of the `_into` forms, as above.
