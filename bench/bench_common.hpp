@@ -26,6 +26,8 @@
 
 #include <mixattn/core.hpp>
 
+#include "../tests/random_matrix.hpp"
+
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
@@ -107,16 +109,8 @@ void timed_loop(benchmark::State& state, PeakHeap& heap, Body&& body) {
 
 // ---- inputs ------------------------------------------------------------------------------------
 
-/// rows x cols with i.i.d. N(0, scale^2) entries from a seeded generator (reproducible runs).
-template <class T>
-Matrix<T> random_matrix(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> dist(0.0, scale);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < rows; ++i)
-    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<T>(dist(rng));
-  return m;
-}
+// random_matrix(rows, cols, seed, scale = 1): the tests' seeded N(0, scale^2) matrices.
+using mixattn::testing::random_matrix;
 
 /// An attention call's inputs: q, k (n x r), v and an output gradient d_out (n x d_v; empty
 /// without with_grad), N(0, 1) from seeds 1 to 4. The operators' cost does not depend on the

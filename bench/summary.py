@@ -583,6 +583,17 @@ LINEAR_TARGETS = [
              ("<=", 1.5))
       for kind, label in (("forward", "forward"), ("fwd_bwd", "fwd+bwd"))
       for mode in ("bidir", "causal")],
+    # Sliding-window attention (bench_reference, SPEC §7): the tiled kernels skip every key tile
+    # outside the window, so a token costs O(w), whatever N. Per-token time at the longest N over
+    # the shortest (the edge tiles' share shrinks with N, so above 1 means work that grows with N);
+    # and at N = 4096 the w = 256 band holds 1/8.2 of full causal attention's (query, key) pairs.
+    *[Target(f"sliding window (w = 256) {label}: time per token at N = 8192 / at N = 2048",
+             (lambda op: lambda m: (m.time(op, 8192) / 8192) / (m.time(op, 2048) / 2048))(
+                 f"flash_window256_{kind}_causal"), ("<=", 1.25))
+      for kind, label in (("forward", "forward"), ("fwd_bwd", "fwd+bwd"))],
+    Target(f"sliding window (w = 256) causal forward / flash causal forward (N={N})",
+           lambda m: m.time("flash_window256_forward_causal") / m.time("flash_forward_causal"),
+           ("<=", 0.25)),
 ]
 
 
@@ -894,6 +905,8 @@ HEADLINE = [  # (label, operator, N)
     ("VQ attention (S = 64) bidirectional forward+backward", "vq_fwd_bwd_bidir", N),
     ("VQ attention (S = 64) causal forward", "vq_forward_causal", N),
     ("VQ attention (S = 64) causal forward+backward", "vq_fwd_bwd_causal", N),
+    ("sliding-window attention (w = 256) forward", "flash_window256_forward_causal", N),
+    ("sliding-window attention (w = 256) forward+backward", "flash_window256_fwd_bwd_causal", N),
 ]
 HEADLINE_HEADER = ["operator (N = 4096 unless said)", "time [min – max]", "ratio to GEMM floor",
                    "fraction of FMA peak (GFLOP/s)", "speed-up vs flash", "peak extra heap"]

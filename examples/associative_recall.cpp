@@ -84,10 +84,7 @@ Result train(const char* name, layer::MixerKind mixer, const Task& task, int arg
   mc.attention.threads = static_cast<int>(example::int_arg(argc, argv, "--threads", 1));
   mc.attention.seed = seed;
   Model model(mc);
-  mixattn::optim::AdamOptions ao;
-  ao.lr = example::float_arg(argc, argv, "--lr", 3e-3);
-  ao.clip_norm = 1.0;
-  mixattn::optim::Adam<float> adam(model.parameters(), ao);
+  mixattn::optim::Adam<float> adam = example::adam_from_args(model.parameters(), argc, argv);
 
   std::printf("\n== %s: %ld parameters, %ld steps of %ld sequences of %d tokens\n", name,
               static_cast<long>(model.parameter_count()), steps, batch, task.length());

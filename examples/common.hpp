@@ -200,7 +200,8 @@ class Model {
       d_final.resize(pass.offsets.back(), d_readout_in.cols());
       for (std::size_t b = 0; b + 1 < pass.offsets.size(); ++b) {
         const Index t0 = pass.offsets[b], n = pass.offsets[b + 1] - t0;
-        d_final.middleRows(t0, n).rowwise() = d_readout_in.row(static_cast<Index>(b)) / static_cast<float>(n);
+        d_final.middleRows(t0, n).rowwise() =
+            d_readout_in.row(static_cast<Index>(b)) / static_cast<float>(n);
       }
     }
     Mat dx =
@@ -289,7 +290,8 @@ class Model {
       pass.readout_in.resize(static_cast<Index>(batch.size()), d);
       for (std::size_t b = 0; b < batch.size(); ++b) {
         const Index t0 = pass.offsets[b], n = pass.offsets[b + 1] - t0;
-        pass.readout_in.row(static_cast<Index>(b)) = final_normed.middleRows(t0, n).colwise().mean();
+        pass.readout_in.row(static_cast<Index>(b)) =
+            final_normed.middleRows(t0, n).colwise().mean();
       }
     } else {
       pass.readout_in = final_normed;
@@ -355,6 +357,16 @@ inline std::string string_arg(int argc, char** argv, const char* name,
   for (int i = 1; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
   return fallback;
+}
+
+/// The examples' optimiser: Adam over `params` with --lr (default 3e-3) and the global gradient
+/// norm clipped to 1.
+inline mixattn::optim::Adam<float> adam_from_args(
+    std::vector<mixattn::layer::NamedBlock<float>> params, int argc, char** argv) {
+  mixattn::optim::AdamOptions ao;
+  ao.lr = float_arg(argc, argv, "--lr", 3e-3);
+  ao.clip_norm = 1.0;
+  return mixattn::optim::Adam<float>(std::move(params), ao);
 }
 
 inline double seconds_since(std::chrono::steady_clock::time_point t0) {

@@ -112,8 +112,8 @@ void write_csv(const std::string& dir, const std::vector<int>& tokens, const exa
     for (Index j = 0; j < weights.cols(); ++j) a << "," << weights(static_cast<Index>(i), j);
     a << "\n";
   }
-  std::printf("wrote %s and %s (plot: /usr/bin/python3 examples/plot_diagnostics.py %s)\n", rpath.c_str(),
-              apath.c_str(), dir.c_str());
+  std::printf("wrote %s and %s (plot: /usr/bin/python3 examples/plot_diagnostics.py %s)\n",
+              rpath.c_str(), apath.c_str(), dir.c_str());
 }
 
 }  // namespace
@@ -151,10 +151,7 @@ int main(int argc, char** argv) {
   mc.attention.threads = static_cast<int>(example::int_arg(argc, argv, "--threads", 1));
   mc.attention.seed = seed;
   Model model(mc);
-  mixattn::optim::AdamOptions ao;
-  ao.lr = example::float_arg(argc, argv, "--lr", 3e-3);
-  ao.clip_norm = 1.0;
-  mixattn::optim::Adam<float> adam(model.parameters(), ao);
+  mixattn::optim::Adam<float> adam = example::adam_from_args(model.parameters(), argc, argv);
 
   std::printf(
       "ListOps with bidirectional GMA: depth <= %d, 2..%d arguments, sequences <= %d "

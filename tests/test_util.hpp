@@ -4,6 +4,8 @@
 
 #include <mixattn/core.hpp>
 
+#include "random_matrix.hpp"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,17 +16,6 @@
 #include <string>
 
 namespace mixattn::testing {
-
-/// rows x cols with i.i.d. N(0, scale^2) entries from a seeded generator.
-template <class T>
-Matrix<T> random_matrix(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> dist(0.0, scale);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < rows; ++i)
-    for (Index j = 0; j < cols; ++j) m(i, j) = static_cast<T>(dist(rng));
-  return m;
-}
 
 /// Central finite difference of the scalar `loss()` with respect to every entry of `x`
 /// (any Eigen lvalue: matrix, vector, Map). `x` is perturbed in place and restored.
@@ -49,8 +40,8 @@ namespace detail {
 inline ::testing::AssertionResult all_close_double(const Matrix<double>& a, const Matrix<double>& b,
                                                    double rtol, double atol) {
   if (a.rows() != b.rows() || a.cols() != b.cols())
-    return ::testing::AssertionFailure() << "shape " << a.rows() << "x" << a.cols() << " vs "
-                                         << b.rows() << "x" << b.cols();
+    return ::testing::AssertionFailure()
+           << "shape " << a.rows() << "x" << a.cols() << " vs " << b.rows() << "x" << b.cols();
   double worst = 0;
   Index wi = 0, wj = 0;
   for (Index i = 0; i < a.rows(); ++i)
@@ -75,7 +66,7 @@ template <class DA, class DB>
 ::testing::AssertionResult all_close(const Eigen::MatrixBase<DA>& a, const Eigen::MatrixBase<DB>& b,
                                      double rtol, double atol) {
   return detail::all_close_double(Matrix<double>(a.template cast<double>()),
-                   Matrix<double>(b.template cast<double>()), rtol, atol);
+                                  Matrix<double>(b.template cast<double>()), rtol, atol);
 }
 
 /// Runs f and expects exception E whose message contains every fragment.
@@ -131,8 +122,8 @@ Config small_layer(decltype(Config::mixer) kind) {
 /// that hold both forms to one body. Found through the record's namespace (Saved is
 /// reference::Saved<T>), so that this header needs no operator header.
 template <class T, class Saved>
-Matrix<T> reference_forward(bool flash, const Matrix<T>& q, const Matrix<T>& k,
-                            const Matrix<T>& v, Saved* saved) {
+Matrix<T> reference_forward(bool flash, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                            Saved* saved) {
   return flash ? flash_forward(q, k, v, {}, saved) : naive_forward(q, k, v, {}, saved);
 }
 
@@ -140,7 +131,8 @@ Matrix<T> reference_forward(bool flash, const Matrix<T>& q, const Matrix<T>& k,
 template <class T, class Saved>
 auto reference_backward(bool flash, const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
                         const Matrix<T>& grad_out, const Saved& saved) {
-  return flash ? flash_backward(q, k, v, grad_out, saved) : naive_backward(q, k, v, grad_out, saved);
+  return flash ? flash_backward(q, k, v, grad_out, saved)
+               : naive_backward(q, k, v, grad_out, saved);
 }
 
 }  // namespace mixattn::testing

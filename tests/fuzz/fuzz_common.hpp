@@ -23,9 +23,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <iostream>
 #include <cstring>
 #include <exception>
+#include <iostream>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -111,21 +111,36 @@ template <class T>
 T special_value(std::uint8_t kind) {
   constexpr double big = static_cast<double>(std::numeric_limits<T>::max());
   switch (kind % 15) {
-    case 14: return std::numeric_limits<T>::max();                  // the overflow edge
-    case 0: return std::numeric_limits<T>::quiet_NaN();
-    case 1: return std::numeric_limits<T>::infinity();
-    case 2: return -std::numeric_limits<T>::infinity();
-    case 3: return static_cast<T>(big / 4);                        // extreme
-    case 4: return static_cast<T>(-1e30);                          // extreme in float, not in double
-    case 5: return std::numeric_limits<T>::denorm_min();           // tiny
-    case 6: return std::numeric_limits<T>::min();                  // smallest normal
-    case 7: return T(-0.0);
-    case 8: return T(1e6);
-    case 9: return T(-1e4);
-    case 10: return T(1e-20);
-    case 11: return T(0);
-    case 12: return T(1);
-    default: return T(-3.5);
+    case 14:
+      return std::numeric_limits<T>::max();  // the overflow edge
+    case 0:
+      return std::numeric_limits<T>::quiet_NaN();
+    case 1:
+      return std::numeric_limits<T>::infinity();
+    case 2:
+      return -std::numeric_limits<T>::infinity();
+    case 3:
+      return static_cast<T>(big / 4);  // extreme
+    case 4:
+      return static_cast<T>(-1e30);  // extreme in float, not in double
+    case 5:
+      return std::numeric_limits<T>::denorm_min();  // tiny
+    case 6:
+      return std::numeric_limits<T>::min();  // smallest normal
+    case 7:
+      return T(-0.0);
+    case 8:
+      return T(1e6);
+    case 9:
+      return T(-1e4);
+    case 10:
+      return T(1e-20);
+    case 11:
+      return T(0);
+    case 12:
+      return T(1);
+    default:
+      return T(-3.5);
   }
 }
 
@@ -207,11 +222,12 @@ bool same_bits(const Eigen::DenseBase<A>& a, const Eigen::DenseBase<B>& b) {
 
 /// What a call is expected to do, from the decoder's knowledge of the inputs.
 struct Expect {
-  bool invalid = false;       // bad shapes or options: std::invalid_argument required
-  bool check_finite = true;   // the options' check_finite
+  bool invalid = false;      // bad shapes or options: std::invalid_argument required
+  bool check_finite = true;  // the options' check_finite
   // Tolerated for ovq::backward only: with check_finite off, its consistency check compares beta
   // with saved.beta, and a NaN beta cannot be told from a different NaN, so it is rejected with
-  // invalid_argument. (The records' fingerprints hash bit patterns, so NaN inputs match themselves.)
+  // invalid_argument. (The records' fingerprints hash bit patterns, so NaN inputs match
+  // themselves.)
   bool unchecked_nan_may_reject = false;
   Flags flags;
   /// Non-finite input that the operator was asked to check: std::domain_error required.
@@ -251,7 +267,8 @@ Outcome run(const Expect& ex, F&& call) {
     // Both a bad argument and a non-finite one: which is reported first is the operator's choice.
     MIXATTN_FUZZ_CHECK(got != Outcome::returned, "bad arguments must throw");
   } else if (ex.invalid) {
-    MIXATTN_FUZZ_CHECK(got == Outcome::invalid_argument, "bad shapes/options must throw invalid_argument");
+    MIXATTN_FUZZ_CHECK(got == Outcome::invalid_argument,
+                       "bad shapes/options must throw invalid_argument");
   } else if (ex.must_throw_domain()) {
     MIXATTN_FUZZ_CHECK(got == Outcome::domain_error, "non-finite input must throw domain_error");
   } else if (ex.flags.non_finite) {
@@ -277,3 +294,15 @@ void check_result(const Eigen::DenseBase<D>& out, Index rows, Index cols, bool m
 }
 
 }  // namespace mixattn::fuzz
+
+/// The libFuzzer entry point of a target whose cases are `run_case<float>(Bytes&)` and
+/// `run_case<double>(Bytes&)`: the first decoded flag picks the scalar type.
+#define MIXATTN_FUZZ_ENTRY_POINT(run_case)                                            \
+  extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) { \
+    ::mixattn::fuzz::Bytes in(data, size);                                            \
+    if (in.flag())                                                                    \
+      run_case<double>(in);                                                           \
+    else                                                                              \
+      run_case<float>(in);                                                            \
+    return 0;                                                                         \
+  }

@@ -1,15 +1,17 @@
 // libFuzzer target: Gaussian Mixture Attention (SPEC §1), forward and backward, bidirectional and
 // causal (any chunk length), plus responsibilities; and linear attention (SPEC §4, the same causal
-// scan) and Performer (SPEC §5, random features on that scan) on the same inputs and options.
+// scan), Performer (SPEC §5, random features on that scan) and static-codebook VQ attention
+// (SPEC §6, one-hot code features on it) on the same inputs and options.
 // Decodes the mixture (K ≤ 8 components, r ≤ 16, hostile
 // means, raw variances, prior logits, var_floor), options (eps, chunk, causal with N != M,
 // check_finite) and inputs (≤ 64 tokens, NaN/Inf/huge/tiny/zero/duplicate rows), and holds every
 // call to the oracle in fuzz_common.hpp. Where the inputs are moderate, causal results must not
 // depend on the chunk length, responsibility rows must lie on the simplex and linear attention
-// and Performer must match their O(N^2) double twins.
+// Performer and VQ attention must match their O(N^2) double twins.
 #include <mixattn/gma.hpp>
 #include <mixattn/linear.hpp>
 #include <mixattn/performer.hpp>
+#include <mixattn/vq.hpp>
 
 #include "fuzz_common.hpp"
 
@@ -26,6 +28,7 @@ using mixattn::Vector;
 namespace gma = mixattn::gma;
 namespace linear = mixattn::linear;
 namespace performer = mixattn::performer;
+namespace vq = mixattn::vq;
 namespace fz = mixattn::fuzz;
 
 using fz::max_abs;
@@ -69,6 +72,13 @@ bool same_saved(const performer::Saved<T>& a, const performer::Saved<T>& b) {
          a.w_fingerprint == b.w_fingerprint;
 }
 
+template <class T>
+bool same_saved(const vq::Saved<T>& a, const vq::Saved<T>& b) {
+  return same_saved(a.attn, b.attn) && fz::same_bits(a.q_at, b.q_at) &&
+         fz::same_bits(a.codes, b.codes) && std::memcmp(&a.scale, &b.scale, sizeof(double)) == 0 &&
+         a.codebook_fingerprint == b.codebook_fingerprint;
+}
+
 /// Whether a record is marked filled (its backward would accept it), and marking one so.
 template <class S>
 bool filled(const S& saved) {
@@ -78,6 +88,10 @@ template <class T>
 bool filled(const performer::Saved<T>& saved) {
   return filled(saved.attn);
 }
+template <class T>
+bool filled(const vq::Saved<T>& saved) {
+  return filled(saved.attn);
+}
 template <class S>
 void mark_filled(S& saved) {
   saved.chunk = 12345;  // recognisable, bit for bit
@@ -85,6 +99,10 @@ void mark_filled(S& saved) {
 }
 template <class T>
 void mark_filled(performer::Saved<T>& saved) {
+  mark_filled(saved.attn);
+}
+template <class T>
+void mark_filled(vq::Saved<T>& saved) {
   mark_filled(saved.attn);
 }
 
@@ -156,6 +174,7 @@ template <class T>
 struct LinearOp {
   using Options = linear::Options;
   using Saved = linear::Saved<T>;
+  using Grad = linear::Grad<T>;
   static constexpr const char* name = "linear";
   fz::Flags flags;  // of what the operator reads beyond q, k, v: nothing
   bool invalid(const Options&, Index) const { return false; }
@@ -186,6 +205,7 @@ template <class T>
 struct PerformerOp {
   using Options = performer::Options;
   using Saved = performer::Saved<T>;
+  using Grad = performer::Grad<T>;
   static constexpr const char* name = "performer";
   performer::Features<T> f;
   fz::Flags flags;  // of W
@@ -218,6 +238,59 @@ struct PerformerOp {
   }
 };
 
+/// SPEC 6.2 in double, with the codes the operator's vq::assign gives (checked against brute
+/// force in test_baselines; near-ties may round either way in float).
+template <class T>
+Matrix<double> vq_oracle(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                         const Matrix<T>& c, const vq::Options& opt) {
+  const double tau = opt.scale > 0 ? opt.scale : 1 / std::sqrt(double(q.cols()));
+  const auto z = vq::assign<T>(k, c);
+  const Matrix<double> cd = c.template cast<double>();
+  Matrix<double> logit = tau * q.template cast<double>() * cd.transpose();  // N x S
+  const Vector<double> top = logit.rowwise().maxCoeff();
+  Matrix<double> a(q.rows(), k.rows());
+  for (Index i = 0; i < q.rows(); ++i)
+    for (Index j = 0; j < k.rows(); ++j)
+      a(i, j) = std::exp(logit(i, z[j]) - top[i]) / std::sqrt(double(c.rows()));
+  if (opt.causal) a.template triangularView<Eigen::StrictlyUpper>().setZero();
+  const Vector<double> d = a.rowwise().sum().array() + opt.eps;
+  Matrix<double> out = a * v.template cast<double>();
+  out.array().colwise() /= d.array();
+  return out;
+}
+
+template <class T>
+struct VqOp {
+  using Options = vq::Options;
+  using Saved = vq::Saved<T>;
+  using Grad = vq::Grad<T>;
+  static constexpr const char* name = "vq";
+  Matrix<T> c;      // the codebook, S x r
+  fz::Flags flags;  // of the codebook
+  bool invalid(const Options& o, Index r) const {
+    return c.rows() == 0 || c.cols() != r || !(o.scale >= 0) ||
+           !std::isfinite(static_cast<T>(o.scale));
+  }
+  // As Performer: the logits tau q . C_s carry ~16 A^2 u absolute rounding.
+  double moderate(bool is_float) const { return is_float ? 8 : 100; }
+  double tol(bool is_float) const { return is_float ? 1e-3 : 1e-9; }
+  double growth(double a, Index r, Index m) const {
+    return 4.0 * static_cast<double>(r) * (1 + a) * (1 + a) + static_cast<double>(m) * (1 + a);
+  }
+  Matrix<T> forward(const fz::Strided<T>& q, const fz::Strided<T>& k, const fz::Strided<T>& v,
+                    const Options& o, Saved* sv) const {
+    return vq::forward<T>(q.view(), k.view(), v.view(), c, o, sv);
+  }
+  Grad backward(const fz::Strided<T>& q, const fz::Strided<T>& k, const fz::Strided<T>& v,
+                const fz::Strided<T>& g, const Saved& sv, const Options& o) const {
+    return vq::backward<T>(q.view(), k.view(), v.view(), c, g.view(), sv, o);
+  }
+  Matrix<double> oracle(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                        const Options& o) const {
+    return vq_oracle(q, k, v, c, o);
+  }
+};
+
 /// What linear attention is given: the GMA case's q, k, v, grad_out and options.
 template <class T>
 struct LinearCase {
@@ -233,7 +306,7 @@ struct LinearCase {
   bool padded;
 };
 
-/// Linear attention's and Performer's oracle: validation, finiteness, sub-convex outputs
+/// Linear attention's, Performer's and VQ attention's oracle: validation, finiteness, sub-convex outputs
 /// (positive weights summing to less than 1), the double oracle and chunk independence on
 /// moderate inputs, and backward with the same record mismatches as GMA's.
 template <class T, class Op>
@@ -319,7 +392,7 @@ void feature_case(const LinearCase<T>& c, const Op& op, typename Op::Options opt
       break;
   }
   const fz::Strided<T> gs = fz::strided(g, c.padded);
-  linear::Grad<T> grad;
+  typename Op::Grad grad;
   const fz::Outcome bo = fz::run(bex, [&] { grad = op.backward(c.qs, c.ks, c.vs, gs, *sv, bopt); });
   MIXATTN_FUZZ_CHECK(unchanged() && fz::same_bits(gs.view(), g),
                      why("backward wrote through an input").c_str());
@@ -409,11 +482,12 @@ void run_case(fz::Bytes& in) {
   const gma::Mixture<T> mix_copy = mix;
   const fz::Strided<T> qs = fz::strided(q, padded), ks = fz::strided(k, padded),
                        vs = fz::strided(v, padded);
-  // Causal GMA, linear attention and Performer share the causal scan: the same inputs and
-  // options drive linear attention (SPEC 4) and Performer (SPEC 5; its W and scale decoded
-  // last, so earlier inputs keep their meaning) before GMA's own checks.
-  const LinearCase<T> lc{q,       k,          v,      dout, qs, ks, vs, opt, q_flags,
-                         grad_flags, chunk2, backward_mode, padded};
+  // Causal GMA, linear attention, Performer and VQ attention share the causal scan: the same
+  // inputs and options drive linear attention (SPEC 4), Performer (SPEC 5) and VQ attention
+  // (SPEC 6) before GMA's own checks; W, the codebook and the scales are decoded last, so
+  // earlier inputs keep their meaning.
+  const LinearCase<T> lc{q, k, v, dout, qs, ks, vs, opt, q_flags, grad_flags, chunk2,
+                         backward_mode, padded};
   feature_case<T>(lc, LinearOp<T>{}, linear::Options{});
   {
     PerformerOp<T> op;
@@ -425,6 +499,16 @@ void run_case(fz::Bytes& in) {
     performer::Options popt;
     popt.scale = in.pick(scale_menu);
     feature_case<T>(lc, op, popt);
+  }
+  {
+    VqOp<T> op;
+    const Index codes = in.range(0, 12);
+    op.c = fz::matrix<T>(in, codes, in.u8() % 8 == 0 ? r + 1 : r, op.flags);
+    static constexpr double scale_menu[] = {0, 0, 0, 0.5, 2, -1,
+                                            std::numeric_limits<double>::quiet_NaN()};
+    vq::Options vopt;
+    vopt.scale = in.pick(scale_menu);
+    feature_case<T>(lc, op, vopt);
   }
   const auto inputs_unchanged = [&] {
     return same_mixture(mix, mix_copy) && fz::same_bits(qs.view(), q) &&
@@ -521,11 +605,4 @@ void run_case(fz::Bytes& in) {
 
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  fz::Bytes in(data, size);
-  if (in.flag())
-    run_case<double>(in);
-  else
-    run_case<float>(in);
-  return 0;
-}
+MIXATTN_FUZZ_ENTRY_POINT(run_case)

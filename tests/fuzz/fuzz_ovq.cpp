@@ -316,11 +316,4 @@ void run_case(fz::Bytes& in) {
 
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  fz::Bytes in(data, size);
-  if (in.flag())
-    run_case<double>(in);
-  else
-    run_case<float>(in);
-  return 0;
-}
+MIXATTN_FUZZ_ENTRY_POINT(run_case)
