@@ -212,12 +212,12 @@ struct Config {
   /// fields of their options below are overridden by it); OVQ is causal by construction and
   /// requires true.
   bool causal = false;
-  Index components = 16;       ///< K, mixture components per head (GMA)
-  double gma_mean_scale = 1;   ///< initial component means ~ N(0, 1)·gma_mean_scale (SPEC 1.1)
-  gma::Options gma;            ///< eps, chunk, check_finite of every GMA head
-  ovq::Options ovq;            ///< block, dictionary size, growth, … of every OVQ head
-  reference::Options softmax;  ///< scale (0: 1/sqrt(r)) and check_finite of softmax heads
-  linear::Options linear;      ///< eps, chunk, check_finite of linear-attention heads
+  Index components = 16;         ///< K, mixture components per head (GMA)
+  double gma_mean_scale = 1;     ///< initial component means ~ N(0, 1)·gma_mean_scale (SPEC 1.1)
+  gma::Options gma;              ///< eps, chunk, check_finite of every GMA head
+  ovq::Options ovq;              ///< block, dictionary size, growth, … of every OVQ head
+  reference::Options softmax;    ///< scale (0: 1/sqrt(r)) and check_finite of softmax heads
+  linear::Options linear;        ///< eps, chunk, check_finite of linear-attention heads
   performer::Options performer;  ///< eps, chunk, scale (0: r^(-1/4)) of Performer heads
   /// m, random features per Performer head. Head h's directions are
   /// performer::Features::random(features, r, seed + 1 + h, feature_draw), drawn once when the
@@ -232,9 +232,9 @@ struct Config {
   /// where the keys are).
   Index codes = 64;
   double codebook_scale = 1;
-  int threads = 1;             ///< threads over heads (0: all cores)
-  std::uint64_t seed = 0;      ///< initialisation seed (weights, mixtures, codebooks, features)
-  bool check_finite = true;    ///< reject NaN/Inf in X and dY with std::domain_error
+  int threads = 1;           ///< threads over heads (0: all cores)
+  std::uint64_t seed = 0;    ///< initialisation seed (weights, mixtures, codebooks, features)
+  bool check_finite = true;  ///< reject NaN/Inf in X and dY with std::domain_error
 };
 
 /// What forward keeps for backward: the projections, the concatenated head outputs and each
@@ -251,7 +251,7 @@ struct Cache {
   std::vector<linear::Saved<T>> linear_saved;
   std::vector<performer::Saved<T>> performer_saved;
   std::vector<vq::Saved<T>> vq_saved;
-  Index tokens = -1;  ///< N of the forward that filled it; -1 when empty
+  Index tokens = -1;                      ///< N of the forward that filled it; -1 when empty
   std::uint64_t fingerprint[2] = {0, 0};  ///< of x and of every parameter, checked by backward
   Offsets offsets;  ///< the batch's sequence offsets ({0, N} for one sequence)
   // Working memory reused by forward_into: one output per (sequence, head), OVQ's end states.
@@ -1083,31 +1083,17 @@ class MultiHeadAttention {
     return f.value();
   }
 
-  gma::Options gma_options() const {
-    gma::Options o = cfg_.gma;
+  /// A mixer's options with the layer's causality (Config::causal decides for every mixer).
+  template <class O>
+  O with_layer_causality(O o) const {
     o.causal = cfg_.causal;
     return o;
   }
-  reference::Options softmax_options() const {
-    reference::Options o = cfg_.softmax;
-    o.causal = cfg_.causal;
-    return o;
-  }
-  linear::Options linear_options() const {
-    linear::Options o = cfg_.linear;
-    o.causal = cfg_.causal;
-    return o;
-  }
-  performer::Options performer_options() const {
-    performer::Options o = cfg_.performer;
-    o.causal = cfg_.causal;
-    return o;
-  }
-  vq::Options vq_options() const {
-    vq::Options o = cfg_.vq;
-    o.causal = cfg_.causal;
-    return o;
-  }
+  gma::Options gma_options() const { return with_layer_causality(cfg_.gma); }
+  reference::Options softmax_options() const { return with_layer_causality(cfg_.softmax); }
+  linear::Options linear_options() const { return with_layer_causality(cfg_.linear); }
+  performer::Options performer_options() const { return with_layer_causality(cfg_.performer); }
+  vq::Options vq_options() const { return with_layer_causality(cfg_.vq); }
 
   Matrix<T> head_responsibilities(const char* name, const ConstMatrixRef<T>& x, Index h,
                                   const Matrix<T>& w) const {
@@ -1131,8 +1117,8 @@ class MultiHeadAttention {
 
   Config cfg_;
   Matrix<T> w_q_, w_k_, w_v_, w_o_;
-  std::vector<gma::Mixture<T>> mixtures_;  // GMA: one per head
-  Vector<T> beta_;                         // OVQ: one per head
+  std::vector<gma::Mixture<T>> mixtures_;         // GMA: one per head
+  Vector<T> beta_;                                // OVQ: one per head
   std::vector<performer::Features<T>> features_;  // Performer: one per head (constant)
   std::vector<Matrix<T>> codebooks_;              // VQ: one per head
 };

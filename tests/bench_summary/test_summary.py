@@ -10,7 +10,9 @@ tests below derive every expected verdict from them by hand). The decode_* point
 per-token counters mean_s, p99_s, max_s, ...) are made up too, each within its target. So are the
 linear_*, performer_*, vq_* points and their floor_* (bench_linear, N = 4096; the
 performer and vq ones the linear ones scaled by the ratio of FLOP counts), whose FLOP counts are the floor's closed
-form. Each test breaks one thing in a copy
+form; and the sliding-window points (flash_window256_*, N = 2048, 4096, 8192) with flash's causal
+forward at N = 4096, their FLOP counts bench_reference's visible-pair formula. Each test breaks
+one thing in a copy
 of it and runs summary.py as bench/run.sh does, checking the exit status and the rows.
 """
 
