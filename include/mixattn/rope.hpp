@@ -22,6 +22,8 @@
 #include <Eigen/Core>
 
 #include <cmath>
+#include <limits>
+#include <type_traits>
 
 MIXATTN_BEGIN_NAMESPACE
 namespace rope {
@@ -49,6 +51,19 @@ void rope_check(const char* fn, const char* arg, const ConstMatrixRef<T>& x,
   if (opt.check_finite) require_finite(x, fn, arg);
 }
 
+/// v rounded to T as IEEE round-to-nearest does, without the undefined behaviour of converting a
+/// double beyond float's range: a magnitude at or past the largest float plus half its last
+/// step becomes an infinity (which check_finite then reports), anything smaller converts.
+template <class T>
+T rope_round(double v) {
+  if constexpr (std::is_same<T, float>::value) {
+    constexpr double overflow = 0x1.ffffffp+127;  // FLT_MAX + half an ulp: rounds away to inf
+    if (v >= overflow) return std::numeric_limits<float>::infinity();
+    if (v <= -overflow) return -std::numeric_limits<float>::infinity();
+  }
+  return static_cast<T>(v);
+}
+
 /// out = R(sign p theta) x row by row, p = start + n (sign +1: forward, -1: backward). out has
 /// x's shape and may be x itself (each pair is read before it is written).
 template <class T>
@@ -71,8 +86,8 @@ void rope_rotate(const char* fn, const ConstMatrixRef<T>& x, MatrixRef<T> out, I
       const double a = p * theta[i];
       const double c = std::cos(a), s = sign * std::sin(a);
       const double x0 = static_cast<double>(xr[2 * i]), x1 = static_cast<double>(xr[2 * i + 1]);
-      yr[2 * i] = static_cast<T>(x0 * c - x1 * s);
-      yr[2 * i + 1] = static_cast<T>(x0 * s + x1 * c);
+      yr[2 * i] = rope_round<T>(x0 * c - x1 * s);
+      yr[2 * i + 1] = rope_round<T>(x0 * s + x1 * c);
     }
   }
   // A rotation keeps each pair's norm, but a norm above T's largest value has no representation.
