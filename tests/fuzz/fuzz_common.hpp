@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <iostream>
 #include <limits>
 #include <random>
@@ -283,6 +284,17 @@ Outcome run(const Expect& ex, F&& call) {
     MIXATTN_FUZZ_CHECK(got == Outcome::returned, "valid finite call threw");
   }
   return got;
+}
+
+/// Product of non-negative magnitudes in which a zero factor wins: 0 when any factor is 0 (an
+/// empty matrix's max_abs), so that 0 x inf never makes a bound NaN.
+inline double magnitude_product(std::initializer_list<double> factors) {
+  double p = 1;
+  for (const double f : factors) {
+    if (f == 0) return 0;
+    p *= f;
+  }
+  return p;
 }
 
 /// Result checks for a returned call.

@@ -31,6 +31,7 @@ namespace performer = mixattn::performer;
 namespace vq = mixattn::vq;
 namespace fz = mixattn::fuzz;
 
+using fz::magnitude_product;
 using fz::max_abs;
 
 template <class T>
@@ -119,8 +120,7 @@ S marked_record() {
 /// whose result overflowed (domain_error) may change it, and must then leave it marked unfilled.
 /// `saved` was marked filled before the call.
 template <class S>
-void check_saved_after_throw(fz::Outcome o, const fz::Expect& ex, const S& saved,
-                             const S& before) {
+void check_saved_after_throw(fz::Outcome o, const fz::Expect& ex, const S& saved, const S& before) {
   const bool overflowed = o == fz::Outcome::domain_error && !ex.invalid && !ex.flags.non_finite;
   if (overflowed)
     MIXATTN_FUZZ_CHECK(same_saved(saved, before) || !filled(saved),
@@ -306,8 +306,8 @@ struct LinearCase {
   bool padded;
 };
 
-/// Linear attention's, Performer's and VQ attention's oracle: validation, finiteness, sub-convex outputs
-/// (positive weights summing to less than 1), the double oracle and chunk independence on
+/// Linear attention's, Performer's and VQ attention's oracle: validation, finiteness, sub-convex
+/// outputs (positive weights summing to less than 1), the double oracle and chunk independence on
 /// moderate inputs, and backward with the same record mismatches as GMA's.
 template <class T, class Op>
 void feature_case(const LinearCase<T>& c, const Op& op, typename Op::Options opt) {
@@ -348,9 +348,9 @@ void feature_case(const LinearCase<T>& c, const Op& op, typename Op::Options opt
   if (moderate) {
     // Subnormal values round in absolute steps of denorm_min (v holding one subnormal: a tenth
     // of it is 0 or denorm_min in float): each of the M weighted terms may lose up to one.
-    const double tol = op.tol(is_float) * (max_abs(c.v) + 1e-300) +
-                       static_cast<double>(m + 1) *
-                           static_cast<double>(std::numeric_limits<T>::denorm_min());
+    const double tol =
+        op.tol(is_float) * (max_abs(c.v) + 1e-300) +
+        static_cast<double>(m + 1) * static_cast<double>(std::numeric_limits<T>::denorm_min());
     MIXATTN_FUZZ_CHECK(max_abs(out.template cast<double>() - op.oracle(c.q, c.k, c.v, opt)) <= tol,
                        why("forward differs from the double oracle").c_str());
     if (opt.causal) {
@@ -416,20 +416,42 @@ void run_case(fz::Bytes& in) {
   if (opt.causal && in.u8() % 4 != 0) m = n;
   Index qr = r, kr = r, vrows = m;
   switch (in.u8() % 12) {
-    case 0: qr = r + 1; break;
-    case 1: kr = r + 1; break;
-    case 2: vrows = m + 1; break;
-    case 3: kc = 0; break;
-    default: break;
+    case 0:
+      qr = r + 1;
+      break;
+    case 1:
+      kr = r + 1;
+      break;
+    case 2:
+      vrows = m + 1;
+      break;
+    case 3:
+      kc = 0;
+      break;
+    default:
+      break;
   }
-  static constexpr double eps_menu[] = {1e-6, 1e-6, 1e-6, 1e-12, 1, 1e-300, 0, -1,
+  static constexpr double eps_menu[] = {1e-6,
+                                        1e-6,
+                                        1e-6,
+                                        1e-12,
+                                        1,
+                                        1e-300,
+                                        0,
+                                        -1,
                                         std::numeric_limits<double>::quiet_NaN(),
                                         std::numeric_limits<double>::infinity()};
   opt.eps = in.pick(eps_menu);
   static constexpr Index chunk_menu[] = {0, 0, 1, 3, 64, 7, -1};
   opt.chunk = in.pick(chunk_menu);
   opt.check_finite = in.u8() % 5 != 0;
-  static constexpr double floor_menu[] = {1e-4, 1e-4, 1, 1e-30, 1e-200, 0, -1,
+  static constexpr double floor_menu[] = {1e-4,
+                                          1e-4,
+                                          1,
+                                          1e-30,
+                                          1e-200,
+                                          0,
+                                          -1,
                                           std::numeric_limits<double>::quiet_NaN(),
                                           std::numeric_limits<double>::infinity()};
   const T var_floor = static_cast<T>(in.pick(floor_menu));
@@ -457,8 +479,8 @@ void run_case(fz::Bytes& in) {
 
   ex.invalid = kc == 0 || qr != r || kr != r || vrows != m || (opt.causal && n != m) ||
                (n > 0 && m == 0) ||  // queries need at least one key
-               !(opt.eps > 0) || !std::isfinite(opt.eps) || opt.chunk < 0 ||
-               !(var_floor > 0) || !std::isfinite(static_cast<double>(var_floor));
+               !(opt.eps > 0) || !std::isfinite(opt.eps) || opt.chunk < 0 || !(var_floor > 0) ||
+               !std::isfinite(static_cast<double>(var_floor));
   // The log-densities are about r (|x| + |mu|)^2 / var_floor: beyond the type's range the
   // responsibilities cannot be formed, which the operator may report as domain_error.
   const double floor_d = static_cast<double>(var_floor);
@@ -475,9 +497,14 @@ void run_case(fz::Bytes& in) {
               << " check_finite=" << opt.check_finite << " var_floor=" << var_floor
               << " invalid=" << ex.invalid << " non_finite=" << ex.flags.non_finite
               << " extreme=" << ex.flags.extreme << " max_abs=" << ex.flags.max_abs
-              << " backward_mode=" << int(backward_mode % 10) << "\nmean=\n" << mix.mean
-              << "\nvar_raw=\n" << mix.var_raw << "\nprior_logit=\n" << mix.prior_logit.transpose()
-              << "\nq=\n" << q << "\nk=\n" << k << "\nv=\n" << v << "\ndout=\n" << dout << "\n";
+              << " backward_mode=" << int(backward_mode % 10) << "\nmean=\n"
+              << mix.mean << "\nvar_raw=\n"
+              << mix.var_raw << "\nprior_logit=\n"
+              << mix.prior_logit.transpose() << "\nq=\n"
+              << q << "\nk=\n"
+              << k << "\nv=\n"
+              << v << "\ndout=\n"
+              << dout << "\n";
 
   const gma::Mixture<T> mix_copy = mix;
   const fz::Strided<T> qs = fz::strided(q, padded), ks = fz::strided(k, padded),
@@ -486,8 +513,8 @@ void run_case(fz::Bytes& in) {
   // inputs and options drive linear attention (SPEC 4), Performer (SPEC 5) and VQ attention
   // (SPEC 6) before GMA's own checks; W, the codebook and the scales are decoded last, so
   // earlier inputs keep their meaning.
-  const LinearCase<T> lc{q, k, v, dout, qs, ks, vs, opt, q_flags, grad_flags, chunk2,
-                         backward_mode, padded};
+  const LinearCase<T> lc{q,       k,          v,      dout,          qs,    ks, vs, opt,
+                         q_flags, grad_flags, chunk2, backward_mode, padded};
   feature_case<T>(lc, LinearOp<T>{}, linear::Options{});
   {
     PerformerOp<T> op;
@@ -504,8 +531,8 @@ void run_case(fz::Bytes& in) {
     VqOp<T> op;
     const Index codes = in.range(0, 12);
     op.c = fz::matrix<T>(in, codes, in.u8() % 8 == 0 ? r + 1 : r, op.flags);
-    static constexpr double scale_menu[] = {0, 0, 0, 0.5, 2, -1,
-                                            std::numeric_limits<double>::quiet_NaN()};
+    static constexpr double scale_menu[] = {
+        0, 0, 0, 0.5, 2, -1, std::numeric_limits<double>::quiet_NaN()};
     vq::Options vopt;
     vopt.scale = in.pick(scale_menu);
     feature_case<T>(lc, op, vopt);
@@ -520,12 +547,11 @@ void run_case(fz::Bytes& in) {
     fz::Expect rex = ex;
     rex.flags = mixture_and_q;
     rex.flags.extreme |= ex.flags.extreme;  // the log-density bound above, conservatively
-    rex.invalid = kc == 0 || qr != r || !(var_floor > 0) ||
-                  !std::isfinite(static_cast<double>(var_floor));
+    rex.invalid =
+        kc == 0 || qr != r || !(var_floor > 0) || !std::isfinite(static_cast<double>(var_floor));
     Matrix<T> gamma;
-    const fz::Outcome o = fz::run(rex, [&] {
-      gamma = gma::responsibilities(mix, qs.view(), opt.check_finite);
-    });
+    const fz::Outcome o =
+        fz::run(rex, [&] { gamma = gma::responsibilities(mix, qs.view(), opt.check_finite); });
     MIXATTN_FUZZ_CHECK(inputs_unchanged(), "responsibilities wrote through an input");
     if (o == fz::Outcome::returned) {
       fz::check_result(gamma, n, kc, rex.must_be_finite(), "responsibilities");
@@ -541,9 +567,8 @@ void run_case(fz::Bytes& in) {
   gma::Saved<T> saved = marked_record<gma::Saved<T>>();
   const gma::Saved<T> saved_before = saved;
   Matrix<T> out;
-  const fz::Outcome fo = fz::run(ex, [&] {
-    out = gma::forward(mix, qs.view(), ks.view(), vs.view(), opt, &saved);
-  });
+  const fz::Outcome fo =
+      fz::run(ex, [&] { out = gma::forward(mix, qs.view(), ks.view(), vs.view(), opt, &saved); });
   MIXATTN_FUZZ_CHECK(inputs_unchanged(), "forward wrote through an input");
   if (fo != fz::Outcome::returned) {
     check_saved_after_throw(fo, ex, saved, saved_before);
@@ -551,8 +576,8 @@ void run_case(fz::Bytes& in) {
   }
   fz::check_result(out, n, dv, ex.must_be_finite(), "forward output");
   // Output rows are convex combinations of value rows, shrunk by eps (SPEC 1.6).
-  const bool moderate = ex.must_be_finite() && ex.flags.max_abs <= 1e4 && floor_d >= 1e-4 &&
-                        opt.eps >= 1e-6;
+  const bool moderate =
+      ex.must_be_finite() && ex.flags.max_abs <= 1e4 && floor_d >= 1e-4 && opt.eps >= 1e-6;
   if (ex.must_be_finite() && m > 0)
     MIXATTN_FUZZ_CHECK(max_abs(out) <= max_abs(v) * (1 + 1e-4) + 1e-30,
                        "output outside the convex hull of the values");
@@ -562,25 +587,45 @@ void run_case(fz::Bytes& in) {
     gma::Options o2 = opt;
     o2.chunk = chunk2;
     const Matrix<T> out2 = gma::forward(mix, qs.view(), ks.view(), vs.view(), o2);
-    const double tol = (is_float ? 1e-4 : 1e-10) * (max_abs(v) + 1e-300) +
-                       static_cast<double>(m + 1) *
-                           static_cast<double>(std::numeric_limits<T>::denorm_min());
+    const double tol =
+        (is_float ? 1e-4 : 1e-10) * (max_abs(v) + 1e-300) +
+        static_cast<double>(m + 1) * static_cast<double>(std::numeric_limits<T>::denorm_min());
     MIXATTN_FUZZ_CHECK(max_abs(out2 - out) <= tol, "causal result depends on the chunk length");
   }
 
   // Backward: the normal call, or a wrong grad_out shape, an empty Saved, other options.
   fz::Expect bex = ex;
   bex.flags.merge(grad_flags);
+  // SPEC 1.5: |dGamma| <= |dO| (M |v| + |O| z) / den with den >= eps, and each dGamma reaches q, k
+  // and the mixture times (|x| + |mu|) / var_floor per coordinate. With a tiny eps or var_floor the
+  // exact gradients exceed T although every input is moderate; checks then report domain_error.
+  const double grad_bound = magnitude_product(
+      {grad_flags.max_abs, 2 * static_cast<double>(m + 1) * ex.flags.max_abs / opt.eps,
+       2 * static_cast<double>(r) * ex.flags.max_abs / floor_d});
+  if (!(grad_bound < (is_float ? 1e36 : 1e300))) bex.flags.extreme = true;
   Matrix<T> g = dout;
   gma::Saved<T> empty;
   const gma::Saved<T>* sv = &saved;
   gma::Options bopt = opt;
   switch (backward_mode % 10) {
-    case 0: g = Matrix<T>::Zero(n + 1, dv); bex.invalid = true; break;
-    case 1: sv = &empty; bex.invalid = true; break;
-    case 2: bopt.causal = !opt.causal; bex.invalid = true; break;
-    case 3: bopt.eps = opt.eps * 2; bex.invalid = true; break;
-    default: break;
+    case 0:
+      g = Matrix<T>::Zero(n + 1, dv);
+      bex.invalid = true;
+      break;
+    case 1:
+      sv = &empty;
+      bex.invalid = true;
+      break;
+    case 2:
+      bopt.causal = !opt.causal;
+      bex.invalid = true;
+      break;
+    case 3:
+      bopt.eps = opt.eps * 2;
+      bex.invalid = true;
+      break;
+    default:
+      break;
   }
   const fz::Strided<T> gs = fz::strided(g, padded);
   gma::Grad<T> grad;

@@ -21,18 +21,8 @@ using mixattn::Matrix;
 namespace ref = mixattn::reference;
 namespace fz = mixattn::fuzz;
 
+using fz::magnitude_product;
 using fz::max_abs;
-
-/// Product of non-negative magnitudes in which a zero factor wins: 0 when any factor is 0 (an
-/// empty matrix's max_abs), so that 0 x inf never makes a bound NaN.
-double magnitude_product(std::initializer_list<double> factors) {
-  double p = 1;
-  for (const double f : factors) {
-    if (f == 0) return 0;
-    p *= f;
-  }
-  return p;
-}
 
 template <class T>
 void run_case(fz::Bytes& in) {
@@ -46,12 +36,28 @@ void run_case(fz::Bytes& in) {
   opt.causal = in.flag();
   if (opt.causal && in.u8() % 4 != 0) m = vrows = n;
   switch (in.u8() % 10) {
-    case 0: kr = r + 1; break;
-    case 1: vrows = m + 1; break;
-    case 2: r = 0; kr = 0; break;
-    default: break;
+    case 0:
+      kr = r + 1;
+      break;
+    case 1:
+      vrows = m + 1;
+      break;
+    case 2:
+      r = 0;
+      kr = 0;
+      break;
+    default:
+      break;
   }
-  static constexpr double scales[] = {0, 0, 0, 1, 0.125, -1, 1e-30, 30, 1e30,
+  static constexpr double scales[] = {0,
+                                      0,
+                                      0,
+                                      1,
+                                      0.125,
+                                      -1,
+                                      1e-30,
+                                      30,
+                                      1e30,
                                       std::numeric_limits<double>::quiet_NaN(),
                                       std::numeric_limits<double>::infinity()};
   opt.scale = in.pick(scales);
@@ -86,8 +92,11 @@ void run_case(fz::Bytes& in) {
               << " scale=" << opt.scale << " check_finite=" << opt.check_finite
               << " window=" << opt.window << " padded=" << padded << " invalid=" << ex.invalid
               << " non_finite=" << ex.flags.non_finite << " extreme=" << ex.flags.extreme
-              << " backward_mode=" << int(backward_mode % 12) << "\nq=\n" << q << "\nk=\n" << k
-              << "\nv=\n" << v << "\ndout=\n" << dout << "\n";
+              << " backward_mode=" << int(backward_mode % 12) << "\nq=\n"
+              << q << "\nk=\n"
+              << k << "\nv=\n"
+              << v << "\ndout=\n"
+              << dout << "\n";
 
   const fz::Strided<T> qs = fz::strided(q, padded), ks = fz::strided(k, padded),
                        vs = fz::strided(v, padded);
@@ -96,12 +105,13 @@ void run_case(fz::Bytes& in) {
   bool returned[2] = {false, false};
   for (int impl = 0; impl < 2; ++impl) {
     const fz::Outcome o = fz::run(ex, [&] {
-      out[impl] = impl == 0 ? ref::naive_forward<T>(qs.view(), ks.view(), vs.view(), opt, &saved[impl])
-                            : ref::flash_forward<T>(qs.view(), ks.view(), vs.view(), opt, &saved[impl]);
+      out[impl] = impl == 0
+                      ? ref::naive_forward<T>(qs.view(), ks.view(), vs.view(), opt, &saved[impl])
+                      : ref::flash_forward<T>(qs.view(), ks.view(), vs.view(), opt, &saved[impl]);
     });
-    MIXATTN_FUZZ_CHECK(fz::same_bits(qs.view(), q) && fz::same_bits(ks.view(), k) &&
-                           fz::same_bits(vs.view(), v),
-                       "forward wrote through an input");
+    MIXATTN_FUZZ_CHECK(
+        fz::same_bits(qs.view(), q) && fz::same_bits(ks.view(), k) && fz::same_bits(vs.view(), v),
+        "forward wrote through an input");
     if (o != fz::Outcome::returned) continue;
     returned[impl] = true;
     fz::check_result(out[impl], n, dv, ex.must_be_finite(), "forward output");
@@ -116,13 +126,14 @@ void run_case(fz::Bytes& in) {
   // Each probability carries a few ulps; the output error is at most about M ulps of max |v|.
   // Subnormal v round in absolute steps: each of the M products P_ij v_j may lose up to one
   // denorm_min, whichever way the two forms happen to round it.
-  const double tol = (std::is_same<T, float>::value ? 1e-4 : 1e-11) * max_abs(v) +
-                     static_cast<double>(m + 1) *
-                         static_cast<double>(std::numeric_limits<T>::denorm_min());
+  const double tol =
+      (std::is_same<T, float>::value ? 1e-4 : 1e-11) * max_abs(v) +
+      static_cast<double>(m + 1) * static_cast<double>(std::numeric_limits<T>::denorm_min());
   if (moderate && returned[0] && returned[1])
     MIXATTN_FUZZ_CHECK(max_abs(out[0] - out[1]) <= tol, "naive and flash forward disagree");
 
-  // Backward: grad_out of the right shape, or a wrong one, or a Saved from nowhere / the other form.
+  // Backward: grad_out of the right shape, or a wrong one, or a Saved from nowhere / the other
+  // form.
   fz::Expect bex = ex;
   bex.flags.merge(grad_flags);
   Matrix<T> g = dout;
@@ -134,21 +145,30 @@ void run_case(fz::Bytes& in) {
     fz::Expect this_ex = bex;
     const ref::Saved<T>* sv = &saved[impl];
     switch (backward_mode % 12) {
-      case 0: g = Matrix<T>::Zero(n + 1, dv); this_ex.invalid = true; break;
-      case 1: sv = &empty; this_ex.invalid = true; break;
+      case 0:
+        g = Matrix<T>::Zero(n + 1, dv);
+        this_ex.invalid = true;
+        break;
+      case 1:
+        sv = &empty;
+        this_ex.invalid = true;
+        break;
       case 2:
         if (returned[1 - impl]) {
           sv = &saved[1 - impl];
           this_ex.invalid = true;
         }
         break;
-      default: g = dout; break;
+      default:
+        g = dout;
+        break;
     }
     const fz::Strided<T> gs = fz::strided(g, padded);
     ref::Grad<T> grad;
     const fz::Outcome o = fz::run(this_ex, [&] {
-      grad = impl == 0 ? ref::naive_backward<T>(qs.view(), ks.view(), vs.view(), gs.view(), *sv, opt)
-                       : ref::flash_backward<T>(qs.view(), ks.view(), vs.view(), gs.view(), *sv, opt);
+      grad = impl == 0
+                 ? ref::naive_backward<T>(qs.view(), ks.view(), vs.view(), gs.view(), *sv, opt)
+                 : ref::flash_backward<T>(qs.view(), ks.view(), vs.view(), gs.view(), *sv, opt);
     });
     MIXATTN_FUZZ_CHECK(fz::same_bits(qs.view(), q) && fz::same_bits(ks.view(), k) &&
                            fz::same_bits(vs.view(), v) && fz::same_bits(gs.view(), g),
@@ -166,8 +186,8 @@ void run_case(fz::Bytes& in) {
   // Both forms associate the scale the same way (S = (scale Q) K^T, dK = dS^T (scale Q),
   // dQ = scale (dS K)), so that with extreme scales and subnormal inputs neither underflows an
   // intermediate product the other keeps (found by this check: q ~ 1e-323, scale = 1e30).
-  if (moderate && !grad_flags.non_finite && !grad_flags.extreme &&
-      back_returned[0] && back_returned[1]) {
+  if (moderate && !grad_flags.non_finite && !grad_flags.extreme && back_returned[0] &&
+      back_returned[1]) {
     // Magnitude bounds of each gradient (P rows sum to 1, |dP_ij| <= dv max|dO| max|v|):
     // |dq| <= 2 s max|k| max|dP|, |dk| <= 2 N s max|q| max|dP|, |dv| <= N max|dO|. The two forms
     // round differently by a few ulps per term of sums up to N + M + d_v long; exact zeros (M = 1)
