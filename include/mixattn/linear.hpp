@@ -7,8 +7,10 @@
 // Causal GMA is this operator with the responsibilities gamma as features: both run the one
 // causal scan of detail/gma_scan.hpp. Cost O((N + M) r d_v); nothing N x M is formed.
 //
-// Thread safety: every function is reentrant; nothing is shared between calls, so distinct calls
-// may run concurrently. GEMMs use the threads Eigen is configured with.
+// Thread safety: every function is reentrant and distinct calls may run concurrently. A forward
+// without `saved` (forward, or forward_into with nullptr) works in this thread's own scratch
+// record, which stays allocated for the thread's lifetime. GEMMs use the threads Eigen is
+// configured with.
 #pragma once
 
 #include "mixattn/core.hpp"
@@ -187,43 +189,6 @@ Grad<T> backward(const Q&, const K&, const V&, const G&, const Saved<T>&, const 
 // ---------------------------------------------------------------------------------------------
 
 namespace detail {
-
-/// dst = alpha a b (accumulate: dst += alpha a b) as Eigen's `dst.noalias() = alpha * a * b`
-/// evaluates it (dst: a.rows x b.cols, sized by the caller): Eigen's GEMM kernel with Eigen's
-/// blocking, but on the packing buffers of `space` (detail/gemm.hpp), which Eigen itself would
-/// allocate on every call above 128 KiB; below Eigen's GEMM threshold and for a single row or
-/// column, Eigen's own coefficient-based or matrix-vector product (they allocate nothing).
-template <class T>
-void product_into(MatrixRef<T> dst, const GemmOperand<T>& a, const GemmOperand<T>& b, T alpha,
-                  bool accumulate, GemmSpace<T>& space) {
-  const Index depth = a.cols;
-  const bool small = depth + dst.rows() + dst.cols() < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
-  if (!((small && depth > 0) || dst.rows() == 1 || dst.cols() == 1)) {
-    gemm<T>(dst, a, b, alpha, accumulate, space);
-    return;
-  }
-  using Stride = Eigen::OuterStride<>;
-  using Map = Eigen::Map<const Matrix<T>, 0, Stride>;
-  // A transposed operand is the row-major storage of its transpose (GemmOperand).
-  const Map am(a.data, a.row_major ? a.rows : a.cols, a.row_major ? a.cols : a.rows,
-               Stride(a.stride));
-  const Map bm(b.data, b.row_major ? b.rows : b.cols, b.row_major ? b.cols : b.rows,
-               Stride(b.stride));
-  const auto run = [&](const auto& x, const auto& y) {
-    if (accumulate)
-      dst.noalias() += alpha * x * y;
-    else
-      dst.noalias() = alpha * x * y;
-  };
-  if (a.row_major && b.row_major)
-    run(am, bm);
-  else if (a.row_major)
-    run(am, bm.transpose());
-  else if (b.row_major)
-    run(am.transpose(), bm);
-  else
-    run(am.transpose(), bm.transpose());
-}
 
 /// The read-out of SPEC 4.2 given feature matrices (phi_q: N x F, phi_k: M x F, non-negative;
 /// elu + 1 here, Performer's random features in performer.hpp): writes out (N x d_v, sized by

@@ -12,7 +12,8 @@
 // with these features: the read-out, the causal chunked scan (detail/gma_scan.hpp) and the
 // backward to the features are linear.hpp's, shared, not copied. Cost O((N + M) m (r + d_v)).
 //
-// Thread safety: every function is reentrant; distinct calls may run concurrently.
+// Thread safety: every function is reentrant; distinct calls may run concurrently. A forward
+// without `saved` works in this thread's own scratch record (kept for the thread's lifetime).
 #pragma once
 
 #include "mixattn/core.hpp"

@@ -14,7 +14,8 @@
 // causal scan (prefix counts and sums, chunk-wise). Cost O((N + M) S (r + d_v)) forward; the
 // straight-through key gradient costs O(N S r d_v) (SPEC 6.3).
 //
-// Thread safety: every function is reentrant; distinct calls may run concurrently.
+// Thread safety: every function is reentrant; distinct calls may run concurrently. A forward
+// without `saved` works in this thread's own scratch record (kept for the thread's lifetime).
 #pragma once
 
 #include "mixattn/core.hpp"

@@ -96,5 +96,42 @@ void gemm(MatrixRef<T> dst, const GemmOperand<T>& a, const GemmOperand<T>& b, T 
     gemm_run<T, C, C>(dst, a, b, alpha, space);
 }
 
+/// dst = alpha a b (accumulate: dst += alpha a b) as Eigen's `dst.noalias() = alpha * a * b`
+/// evaluates it (dst: a.rows x b.cols, sized by the caller): Eigen's GEMM kernel with Eigen's
+/// blocking, but on the packing buffers of `space` (gemm() above), which Eigen itself would
+/// allocate on every call above 128 KiB; below Eigen's GEMM threshold and for a single row or
+/// column, Eigen's own coefficient-based or matrix-vector product (they allocate nothing).
+template <class T>
+void product_into(MatrixRef<T> dst, const GemmOperand<T>& a, const GemmOperand<T>& b, T alpha,
+                  bool accumulate, GemmSpace<T>& space) {
+  const Index depth = a.cols;
+  const bool small = depth + dst.rows() + dst.cols() < EIGEN_GEMM_TO_COEFFBASED_THRESHOLD;
+  if (!((small && depth > 0) || dst.rows() == 1 || dst.cols() == 1)) {
+    gemm<T>(dst, a, b, alpha, accumulate, space);
+    return;
+  }
+  using Stride = Eigen::OuterStride<>;
+  using Map = Eigen::Map<const Matrix<T>, 0, Stride>;
+  // A transposed operand is the row-major storage of its transpose (GemmOperand).
+  const Map am(a.data, a.row_major ? a.rows : a.cols, a.row_major ? a.cols : a.rows,
+               Stride(a.stride));
+  const Map bm(b.data, b.row_major ? b.rows : b.cols, b.row_major ? b.cols : b.rows,
+               Stride(b.stride));
+  const auto run = [&](const auto& x, const auto& y) {
+    if (accumulate)
+      dst.noalias() += alpha * x * y;
+    else
+      dst.noalias() = alpha * x * y;
+  };
+  if (a.row_major && b.row_major)
+    run(am, bm);
+  else if (a.row_major)
+    run(am, bm.transpose());
+  else if (b.row_major)
+    run(am.transpose(), bm);
+  else
+    run(am.transpose(), bm.transpose());
+}
+
 }  // namespace detail
 MIXATTN_END_NAMESPACE
