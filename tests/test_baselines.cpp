@@ -602,4 +602,40 @@ TEST_F(VqErrors, BadShapesOptionsAndRecords) {
                    {bwd, "grad_out is 6 x 3"});
 }
 
+// The caller-owned-output forms validate as the value-returning ones do, naming themselves: a key
+// matrix of the wrong width, and a backward given a record no forward filled.
+TEST(BaselineIntoForms, RejectBadShapesAndEmptyRecordsWithTheirNames) {
+  using IA = std::invalid_argument;
+  namespace linear = mixattn::linear;
+  const Matrix<double> q = random_matrix<double>(6, 4, 1), k = random_matrix<double>(6, 4, 2);
+  const Matrix<double> v = random_matrix<double>(6, 3, 3), g = random_matrix<double>(6, 3, 4);
+  const Matrix<double> k5 = random_matrix<double>(6, 5, 5);
+  const Matrix<double> c = random_matrix<double>(7, 4, 6);
+  const performer::Features<double> f = performer::Features<double>::random(8, 4, 7);
+  Matrix<double> out;
+  const char* wide = "k has 5 columns but q has 4";
+  const char* empty = "saved was not filled by forward";
+
+  linear::Saved<double> ls;
+  linear::Grad<double> lg;
+  expect_throw<IA>([&] { linear::forward_into<double>(out, q, k5, v, {}, &ls); },
+                   {"mixattn::linear::forward_into", wide});
+  expect_throw<IA>([&] { linear::backward_into<double>(lg, q, k, v, g, ls, {}); },
+                   {"mixattn::linear::backward_into", empty});
+
+  performer::Saved<double> ps;
+  performer::Grad<double> pg;
+  expect_throw<IA>([&] { performer::forward_into<double>(out, q, k5, v, f, {}, &ps); },
+                   {"mixattn::performer::forward_into", wide});
+  expect_throw<IA>([&] { performer::backward_into<double>(pg, q, k, v, g, f, ps, {}); },
+                   {"mixattn::performer::backward_into", empty});
+
+  vq::Saved<double> vs;
+  vq::Grad<double> vg;
+  expect_throw<IA>([&] { vq::forward_into<double>(out, q, k5, v, c, {}, &vs); },
+                   {"mixattn::vq::forward_into"});
+  expect_throw<IA>([&] { vq::backward_into<double>(vg, q, k, v, c, g, vs, {}); },
+                   {"mixattn::vq::backward_into", empty});
+}
+
 }  // namespace
