@@ -413,5 +413,19 @@ MIXATTN_LINEAR_INSTANCES(float)
 MIXATTN_LINEAR_INSTANCES(double)
 #undef MIXATTN_LINEAR_INSTANCES
 }  // namespace linear
+// The workers behind every form (the _into forms and the layer call them directly).
+namespace detail {
+#define MIXATTN_LINEAR_WORKERS(T)                                                                 \
+  MIXATTN_TEMPLATE_INSTANCE void linear_forward_into<T>(                                          \
+      const char*, Matrix<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,                \
+      const ConstMatrixRef<T>&, const linear::Options&, linear::Saved<T>*);                       \
+  MIXATTN_TEMPLATE_INSTANCE void linear_backward_into<T>(                                         \
+      const char*, linear::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,          \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const linear::Saved<T>&,                \
+      const linear::Options&);
+MIXATTN_LINEAR_WORKERS(float)
+MIXATTN_LINEAR_WORKERS(double)
+#undef MIXATTN_LINEAR_WORKERS
+}  // namespace detail
 #endif
 MIXATTN_END_NAMESPACE

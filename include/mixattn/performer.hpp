@@ -355,5 +355,20 @@ MIXATTN_PERFORMER_INSTANCES(float)
 MIXATTN_PERFORMER_INSTANCES(double)
 #undef MIXATTN_PERFORMER_INSTANCES
 }  // namespace performer
+// The workers behind every form (the _into forms and the layer call them directly).
+namespace detail {
+#define MIXATTN_PERFORMER_WORKERS(T)                                                              \
+  MIXATTN_TEMPLATE_INSTANCE void performer_forward_into<T>(                                       \
+      const char*, Matrix<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,                \
+      const ConstMatrixRef<T>&, const performer::Features<T>&, const performer::Options&,         \
+      performer::Saved<T>*);                                                                      \
+  MIXATTN_TEMPLATE_INSTANCE void performer_backward_into<T>(                                      \
+      const char*, performer::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,       \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const performer::Features<T>&,          \
+      const performer::Saved<T>&, const performer::Options&);
+MIXATTN_PERFORMER_WORKERS(float)
+MIXATTN_PERFORMER_WORKERS(double)
+#undef MIXATTN_PERFORMER_WORKERS
+}  // namespace detail
 #endif
 MIXATTN_END_NAMESPACE

@@ -366,5 +366,19 @@ MIXATTN_VQ_INSTANCES(float)
 MIXATTN_VQ_INSTANCES(double)
 #undef MIXATTN_VQ_INSTANCES
 }  // namespace vq
+// The workers behind every form (the _into forms and the layer call them directly).
+namespace detail {
+#define MIXATTN_VQ_WORKERS(T)                                                                     \
+  MIXATTN_TEMPLATE_INSTANCE void vq_forward_into<T>(                                              \
+      const char*, Matrix<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,                \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const vq::Options&, vq::Saved<T>*);     \
+  MIXATTN_TEMPLATE_INSTANCE void vq_backward_into<T>(                                             \
+      const char*, vq::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,              \
+      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,              \
+      const vq::Saved<T>&, const vq::Options&);
+MIXATTN_VQ_WORKERS(float)
+MIXATTN_VQ_WORKERS(double)
+#undef MIXATTN_VQ_WORKERS
+}  // namespace detail
 #endif
 MIXATTN_END_NAMESPACE
