@@ -90,7 +90,15 @@ struct ModelConfig {
   int layers = 1;
   bool previous_token = false;       ///< add an embedding of token i-1 to token i ("token shift")
   bool pooled = false;               ///< one prediction per sequence from the mean over tokens
+  /// Learned absolute position embeddings (rows 0 .. max_len-1). Without them the model has no
+  /// position input of its own (order comes from the previous-token embedding and from RoPE
+  /// layers) and runs on sequences of any length: max_len then only bounds training.
+  bool positions = true;
   mixattn::layer::Config attention;  ///< model_dim is the model width
+  /// Per-layer attention configurations (hybrids: e.g. sliding-window and OVQ layers
+  /// alternating). Empty: every layer uses `attention`. Otherwise one per layer, each with
+  /// attention.model_dim as its model_dim.
+  std::vector<mixattn::layer::Config> per_layer;
 };
 
 /// Result of one sequence: summed loss, rows counted, rows predicted correctly.
@@ -113,8 +121,15 @@ class Model {
     tok_ = gaussian(cfg.vocab, d, 1.0, rng);
     pos_ = gaussian(cfg.max_len, d, 0.5, rng);
     prev_ = gaussian(cfg.vocab + 1, d, cfg.previous_token ? 1.0 : 0.0, rng);  // row vocab: none
+    if (!cfg.per_layer.empty() && cfg.per_layer.size() != static_cast<std::size_t>(cfg.layers)) {
+      std::fprintf(stderr, "per_layer has %zu configurations for %d layers\n", cfg.per_layer.size(),
+                   cfg.layers);
+      std::exit(2);
+    }
     for (int l = 0; l < cfg.layers; ++l) {
-      mixattn::layer::Config a = cfg.attention;
+      mixattn::layer::Config a =
+          cfg.per_layer.empty() ? cfg.attention : cfg.per_layer[static_cast<std::size_t>(l)];
+      a.model_dim = d;
       a.seed += 1000 * static_cast<std::uint64_t>(l);
       attn_.push_back(std::make_unique<mixattn::layer::MultiHeadAttention<float>>(a));
       norm_.push_back(Mat::Ones(1, d));
@@ -125,7 +140,7 @@ class Model {
 
     // One flat list of every parameter, and gradient buffers of the same shapes.
     add("tok_emb", tok_);
-    add("pos_emb", pos_);
+    if (cfg.positions) add("pos_emb", pos_);
     if (cfg.previous_token) add("prev_emb", prev_);
     for (int l = 0; l < cfg.layers; ++l) {
       add("norm" + std::to_string(l), norm_[static_cast<std::size_t>(l)]);
@@ -222,7 +237,7 @@ class Model {
       for (Index i = 0; i < static_cast<Index>(tokens.size()); ++i) {
         const int tok = tokens[static_cast<std::size_t>(i)];
         grad(g_tok_).row(tok) += dx.row(t0 + i);
-        grad(g_pos_).row(i) += dx.row(t0 + i);
+        if (cfg_.positions) grad(g_pos_).row(i) += dx.row(t0 + i);
         if (cfg_.previous_token)
           grad(g_prev_).row(i == 0 ? cfg_.vocab : tokens[static_cast<std::size_t>(i - 1)]) +=
               dx.row(t0 + i);
@@ -249,7 +264,7 @@ class Model {
     pass.offsets.assign(1, 0);
     for (const std::vector<int>& tokens : batch) {
       const Index n = static_cast<Index>(tokens.size());
-      if (n < 1 || n > cfg_.max_len) {
+      if (n < 1 || (cfg_.positions && n > cfg_.max_len)) {
         std::fprintf(stderr, "sequence of %ld tokens, model allows 1..%ld\n", static_cast<long>(n),
                      static_cast<long>(cfg_.max_len));
         std::exit(2);
@@ -262,7 +277,8 @@ class Model {
       for (Index i = 0; i < static_cast<Index>(tokens.size()); ++i) {
         const int tok = tokens[static_cast<std::size_t>(i)];
         const Index r = pass.offsets[b] + i;
-        x0.row(r) = tok_.row(tok) + pos_.row(i);
+        x0.row(r) = tok_.row(tok);
+        if (cfg_.positions) x0.row(r) += pos_.row(i);
         if (cfg_.previous_token)
           x0.row(r) += prev_.row(i == 0 ? cfg_.vocab : tokens[static_cast<std::size_t>(i - 1)]);
       }

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Plots of the two small-scale reproductions (README: "Do the papers' claims hold here?").
+
+    /usr/bin/python3 examples/plot_claims.py [DIR]      # DIR defaults to examples/results
+
+Reads what `example_char_lm --out DIR` and `example_recall_length --out DIR` write and draws:
+  DIR/char_lm.png        held-out bits per character per mixer, one dot per seed, bar = mean;
+  DIR/recall_length.png  MQAR accuracy against sequence length, one line per model;
+  DIR/recall_dict.png    the OVQ model's accuracy against its dictionary size N_max set at test
+                         time, one line per sequence length.
+A missing CSV skips its plot. Needs matplotlib (Debian: python3-matplotlib); no display needed.
+"""
+import csv
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read(path):
+    if not os.path.exists(path):
+        print(f"{path}: missing, plot skipped")
+        return None
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def plot_char_lm(rows, out):
+    mixers = list(dict.fromkeys(r["mixer"] for r in rows))
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for i, m in enumerate(mixers):
+        bits = [float(r["held_out_bits"]) for r in rows if r["mixer"] == m]
+        ax.bar(i, sum(bits) / len(bits), color="0.85", edgecolor="0.4", width=0.6)
+        ax.plot([i] * len(bits), bits, "o", color="C0")
+    lo = min(float(r["held_out_bits"]) for r in rows)
+    hi = max(float(r["held_out_bits"]) for r in rows)
+    ax.set_ylim(lo - 0.25 * (hi - lo + 0.05), hi + 0.25 * (hi - lo + 0.05))
+    ax.set_xticks(range(len(mixers)), mixers)
+    ax.set_ylabel("held-out bits per character")
+    ax.set_title("character LM (KJV text): one dot per seed, bar = mean")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def plot_recall(rows, out):
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for i, m in enumerate(dict.fromkeys(r["model"] for r in rows)):
+        pts = sorted((int(r["length"]), float(r["accuracy"])) for r in rows if r["model"] == m)
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label=m, color=f"C{i}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (trained at the first)")
+    ax.set_ylabel("held-out recall accuracy (%)")
+    ax.set_ylim(0, 102)
+    ax.legend(fontsize=8)
+    ax.set_title("multi-query associative recall vs length")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def plot_dict(rows, out):
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for i, length in enumerate(sorted({int(r["length"]) for r in rows})):
+        pts = sorted((int(r["dict_size"]), float(r["accuracy"])) for r in rows
+                     if int(r["length"]) == length)
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label=f"N = {length}",
+                color=f"C{i}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("OVQ dictionary size N_max at test time")
+    ax.set_ylabel("held-out recall accuracy (%)")
+    ax.set_ylim(0, 102)
+    ax.legend(fontsize=8)
+    ax.set_title("OVQ + window: test-time dictionary size")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    d = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "results")
+    for name, plot in (("char_lm", plot_char_lm), ("recall_length", plot_recall),
+                       ("recall_dict", plot_dict)):
+        rows = read(os.path.join(d, name + ".csv"))
+        if rows:
+            plot(rows, os.path.join(d, name + ".png"))
+
+
+if __name__ == "__main__":
+    main()
