@@ -40,14 +40,19 @@ struct Options {
 
 namespace detail {
 
+/// Validates a base of the angles theta_i = base^(-2i/r); `field` names it in the message
+/// ("options.base", or the field of a caller's own configuration).
+inline void rope_check_base(const char* fn, const char* field, double base) {
+  require(std::isfinite(base) && base > 0, fn, field, " is ", base, ", must be finite and > 0");
+}
+
 /// Validates x (N x r, r even and >= 2) and the options, once at the API boundary.
 template <class T>
 void rope_check(const char* fn, const char* arg, const ConstMatrixRef<T>& x,
                 const rope::Options& opt) {
   require(x.cols() >= 2 && x.cols() % 2 == 0, fn, arg, " is ", shape_str(x),
           ": r must be even and >= 2 (column pairs (2i, 2i + 1) are rotated)");
-  require(std::isfinite(opt.base) && opt.base > 0, fn, "options.base is ", opt.base,
-          ", must be finite and > 0");
+  rope_check_base(fn, "options.base", opt.base);
   if (opt.check_finite) require_finite(x, fn, arg);
 }
 
