@@ -682,8 +682,20 @@ TYPED_TEST(Rope, ArgumentErrors) {
   Matrix<T> huge = Matrix<T>::Zero(2, 2);
   huge.row(1).setConstant(std::numeric_limits<T>::max() / T(1.1));
   expect_throw<std::domain_error>([&] { rope::apply<T>(huge, 0); }, {"the output overflows"});
+  // Positions are Index values: a last position start + N - 1 beyond the largest Index is
+  // refused (it would overflow), one exactly at it is rotated.
+  constexpr Index top = std::numeric_limits<Index>::max();
+  expect_throw<std::invalid_argument>([&] { rope::apply<T>(x, top - 2); },
+                                      {"mixattn::rope::apply", "start is ", "exceeds the largest"});
+  expect_throw<std::invalid_argument>([&] { rope::backward<T>(x, top); }, {"start is "});
+  Matrix<T> z = x;
+  expect_throw<std::invalid_argument>([&] { rope::apply_in_place<T>(z, top - 1); }, {"start"});
+  EXPECT_TRUE(z == x);  // refused before any write
+  EXPECT_TRUE(rope::apply<T>(x, top - 3).allFinite());
+  EXPECT_TRUE(rope::apply<T>(x, std::numeric_limits<Index>::min()).allFinite());
   // Empty sequences are fine.
   EXPECT_EQ(rope::apply<T>(Matrix<T>(0, 4), 5).rows(), 0);
+  EXPECT_EQ(rope::apply<T>(Matrix<T>(0, 4), top).rows(), 0);
 }
 
 }  // namespace

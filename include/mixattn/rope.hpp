@@ -46,12 +46,16 @@ inline void rope_check_base(const char* fn, const char* field, double base) {
   require(std::isfinite(base) && base > 0, fn, field, " is ", base, ", must be finite and > 0");
 }
 
-/// Validates x (N x r, r even and >= 2) and the options, once at the API boundary.
+/// Validates x (N x r, r even and >= 2), the positions start ... start + N - 1 (all of them
+/// Index values) and the options, once at the API boundary.
 template <class T>
-void rope_check(const char* fn, const char* arg, const ConstMatrixRef<T>& x,
+void rope_check(const char* fn, const char* arg, const ConstMatrixRef<T>& x, Index start,
                 const rope::Options& opt) {
   require(x.cols() >= 2 && x.cols() % 2 == 0, fn, arg, " is ", shape_str(x),
           ": r must be even and >= 2 (column pairs (2i, 2i + 1) are rotated)");
+  require(x.rows() == 0 || start <= std::numeric_limits<Index>::max() - (x.rows() - 1), fn,
+          "start is ", start, ": the last position start + N - 1 (N = ", x.rows(),
+          ") exceeds the largest Index");
   rope_check_base(fn, "options.base", opt.base);
   if (opt.check_finite) require_finite(x, fn, arg);
 }
@@ -106,12 +110,13 @@ namespace rope {
 /// RoPE forward (SPEC §8): x: N x r (r even, >= 2), row-major, row n at position start + n (any
 /// integer start, e.g. the number of tokens already decoded).  ->  N x r. T is not deduced:
 /// write rope::apply<float>(x, start).
-/// Throws std::invalid_argument for odd or zero r or a bad base; with check_finite,
+/// Throws std::invalid_argument for odd or zero r, a bad base or a last position start + N - 1
+/// beyond the largest Index; with check_finite,
 /// std::domain_error for non-finite x or an output that overflows T.
 template <class T, detail::enable_if_supported<T> = 0>
 Matrix<T> apply(const ConstMatrixRef<T>& x, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::apply";
-  detail::rope_check<T>(fn, "x", x, opt);
+  detail::rope_check<T>(fn, "x", x, start, opt);
   Matrix<T> out(x.rows(), x.cols());
   detail::rope_rotate<T>(fn, x, out, start, opt, 1.0);
   return out;
@@ -122,7 +127,7 @@ Matrix<T> apply(const ConstMatrixRef<T>& x, Index start = 0, const Options& opt 
 template <class T, detail::enable_if_supported<T> = 0>
 void apply_into(Matrix<T>& out, const ConstMatrixRef<T>& x, Index start, const Options& opt) {
   static constexpr const char* fn = "mixattn::rope::apply_into";
-  detail::rope_check<T>(fn, "x", x, opt);
+  detail::rope_check<T>(fn, "x", x, start, opt);
   out.resize(x.rows(), x.cols());
   detail::rope_rotate<T>(fn, x, out, start, opt, 1.0);
 }
@@ -133,7 +138,7 @@ void apply_into(Matrix<T>& out, const ConstMatrixRef<T>& x, Index start, const O
 template <class T, detail::enable_if_supported<T> = 0>
 void apply_in_place(MatrixRef<T> x, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::apply_in_place";
-  detail::rope_check<T>(fn, "x", x, opt);
+  detail::rope_check<T>(fn, "x", x, start, opt);
   detail::rope_rotate<T>(fn, x, x, start, opt, 1.0);
 }
 
@@ -143,7 +148,7 @@ void apply_in_place(MatrixRef<T> x, Index start = 0, const Options& opt = {}) {
 template <class T, detail::enable_if_supported<T> = 0>
 Matrix<T> backward(const ConstMatrixRef<T>& grad_out, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::backward";
-  detail::rope_check<T>(fn, "grad_out", grad_out, opt);
+  detail::rope_check<T>(fn, "grad_out", grad_out, start, opt);
   Matrix<T> grad(grad_out.rows(), grad_out.cols());
   detail::rope_rotate<T>(fn, grad_out, grad, start, opt, -1.0);
   return grad;
@@ -154,7 +159,7 @@ template <class T, detail::enable_if_supported<T> = 0>
 void backward_into(Matrix<T>& grad, const ConstMatrixRef<T>& grad_out, Index start,
                    const Options& opt) {
   static constexpr const char* fn = "mixattn::rope::backward_into";
-  detail::rope_check<T>(fn, "grad_out", grad_out, opt);
+  detail::rope_check<T>(fn, "grad_out", grad_out, start, opt);
   grad.resize(grad_out.rows(), grad_out.cols());
   detail::rope_rotate<T>(fn, grad_out, grad, start, opt, -1.0);
 }
@@ -163,7 +168,7 @@ void backward_into(Matrix<T>& grad, const ConstMatrixRef<T>& grad_out, Index sta
 template <class T, detail::enable_if_supported<T> = 0>
 void backward_in_place(MatrixRef<T> grad, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::backward_in_place";
-  detail::rope_check<T>(fn, "grad_out", grad, opt);
+  detail::rope_check<T>(fn, "grad_out", grad, start, opt);
   detail::rope_rotate<T>(fn, grad, grad, start, opt, -1.0);
 }
 
