@@ -585,8 +585,8 @@ void check_rope_composition(const Case& c) {
   const layer::MultiHeadAttention<T> mha(rope_config(c, 3));
   const Matrix<T> x = random_matrix<T>(12, 5, 42);
   const Matrix<T> y = mha.forward(x);
-  EXPECT_TRUE(all_close(y, rope_composition(mha, c, x), CompositionTol<T>::rtol,
-                        CompositionTol<T>::atol))
+  EXPECT_TRUE(
+      all_close(y, rope_composition(mha, c, x), CompositionTol<T>::rtol, CompositionTol<T>::atol))
       << c.name;
   // The rotation matters here: the same weights without it give another output.
   layer::Config plain = rope_config(c, 3);
@@ -727,6 +727,12 @@ TEST(LayerRope, InvalidConfigurationsAreRejected) {
                  "config.rope_options.base is ")
         << base;
   EXPECT_EQ(error_for([](layer::Config& c) { c.rope_options.base = 1e-3; }), "(no exception)");
+  // A subnormal base: theta_i = base^(-2i/r) overflows double for r = 64 (SPEC 8.3).
+  EXPECT_PRED2(has, error_for([](layer::Config& c) {
+                 c.key_dim = 64;
+                 c.rope_options.base = std::numeric_limits<double>::denorm_min();
+               }),
+               "config.rope_options.base is ");
   EXPECT_EQ(error_for([](layer::Config& c) {
               c.key_dim = 3;
               c.rope_options.base = -1;

@@ -693,6 +693,19 @@ TYPED_TEST(Rope, ArgumentErrors) {
   EXPECT_TRUE(z == x);  // refused before any write
   EXPECT_TRUE(rope::apply<T>(x, top - 3).allFinite());
   EXPECT_TRUE(rope::apply<T>(x, std::numeric_limits<Index>::min()).allFinite());
+  // Angles p theta_i that overflow double: theta_max = base^(-(r - 2)/r) of a subnormal base is
+  // 4.9e-324^(-0.9375) ~ 1e303 at r = 32, so positions beyond ~1e5 overflow, and at r = 64
+  // (~1e313) theta_max itself does. A rotation by an infinite angle does not exist (NaN).
+  rope::Options tiny;
+  tiny.base = std::numeric_limits<double>::denorm_min();
+  const Matrix<T> x32 = Matrix<T>::Ones(3, 32);
+  expect_throw<std::invalid_argument>([&] { rope::apply<T>(x32, Index{1} << 20, tiny); },
+                                      {"options.base is ", "overflows double"});
+  expect_throw<std::invalid_argument>([&] { rope::backward<T>(x32, -(Index{1} << 20), tiny); },
+                                      {"options.base is ", "overflows double"});
+  EXPECT_TRUE(rope::apply<T>(x32, 100, tiny).allFinite());
+  expect_throw<std::invalid_argument>([&] { rope::apply<T>(Matrix<T>::Ones(1, 64), 0, tiny); },
+                                      {"theta_i = base^(-2i/r) overflows double for r = 64"});
   // Empty sequences are fine.
   EXPECT_EQ(rope::apply<T>(Matrix<T>(0, 4), 5).rows(), 0);
   EXPECT_EQ(rope::apply<T>(Matrix<T>(0, 4), top).rows(), 0);

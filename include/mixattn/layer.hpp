@@ -523,7 +523,8 @@ class MultiHeadAttention {
     Matrix<T> q = x * w_q_, k = x * w_k_;
     const Matrix<T> v = x * w_v_;
     check_projections(fn, q, k, v);  // before any head's state moves
-    if (cfg_.rope) {  // the new rows continue the sequence at position tokens_seen
+    // RoPE: the new rows continue the sequence at position tokens_seen.
+    if (cfg_.rope) {
       const rope::Options ro = rope_options();
       for (Index h = 0; h < cfg_.heads; ++h) {
         rope::apply_in_place<T>(q.middleCols(h * r, r), state.tokens_seen, ro);
@@ -1008,6 +1009,9 @@ class MultiHeadAttention {
       require(cfg_.key_dim % 2 == 0, fn, "config.key_dim is ", cfg_.key_dim,
               ": config.rope rotates column pairs (2i, 2i + 1) and needs an even key_dim");
       ::mixattn::detail::rope_check_base(fn, "config.rope_options.base", cfg_.rope_options.base);
+      // theta_i itself finite (a position's angle p theta_i is checked per call, p unknown here)
+      ::mixattn::detail::rope_check_angles(fn, "config.rope_options.base", cfg_.rope_options.base,
+                                           cfg_.key_dim, 0);
     }
     // The baselines' own options are checked here too, naming the field, before any call.
     const auto check_eps = [&](const char* field, double eps) {
