@@ -3,8 +3,13 @@
 // assembled by hand from Eigen products and the operators' own public forwards, gradients
 // against central differences for X and every parameter block (VQ's straight-through key
 // gradient against a twin with the codes held), packed batches against separate calls, the
-// parameter file, the per-head constants and parameters, and the errors.
+// parameter file, the per-head constants and parameters, and the errors. Then Config::rope
+// (SPEC 8.4) on sliding-window softmax (SPEC 7) and other mixers: the layer against a hand
+// composition with rope::apply per head, central differences, packed batches (positions per
+// sequence), decoding (positions continue at tokens_seen) and the configuration's checks.
 #include <mixattn/layer.hpp>
+#include <mixattn/rope.hpp>
+#include <mixattn/window.hpp>
 
 #include "test_util.hpp"
 
@@ -24,7 +29,9 @@ using mixattn::Matrix;
 namespace layer = mixattn::layer;
 namespace linear = mixattn::linear;
 namespace performer = mixattn::performer;
+namespace rope = mixattn::rope;
 namespace vq = mixattn::vq;
+namespace window = mixattn::window;
 using mixattn::testing::all_close;
 using mixattn::testing::numeric_gradient;
 using mixattn::testing::random_matrix;
@@ -510,6 +517,228 @@ TEST(LayerMixers, InvalidCombinationsAreRejected) {
   v.forward(x, &cache);
   v.codebook(0)(0, 0) += 1;
   EXPECT_PRED2(has, error_of([&] { v.backward(x, x, cache); }), "a parameter of the layer");
+}
+
+// ---- RoPE in the layer (Config::rope, SPEC 8.4) ----
+
+const Case kRopeCases[] = {
+    {"softmax_window_rope", layer::MixerKind::softmax, true},
+    {"linear_causal_rope", layer::MixerKind::linear, true},
+};
+
+// small_config with an even key width (r = 4: two rotated pairs per head), RoPE on with a base
+// of 50 rather than the default (so a layer ignoring rope_options.base is caught: theta_1 =
+// 50^(-1/2) = 0.14, not 0.01), softmax heads with a window of 3 (shorter than every sequence
+// below but one), GMA with K = 3 and OVQ with blocks of 3 and at most 2 centroids as in
+// test_layer.cpp.
+layer::Config rope_config(const Case& c, std::uint64_t seed) {
+  layer::Config cfg = small_config(c, seed);
+  cfg.key_dim = 4;
+  cfg.rope = true;
+  cfg.rope_options.base = 50;
+  cfg.softmax.window = 3;
+  cfg.components = 3;
+  cfg.ovq.block = 3;
+  cfg.ovq.max_centroids = 2;
+  return cfg;
+}
+
+/// The RoPE layer assembled by hand: projections by Eigen, rope::apply (positions 0..N-1) on
+/// each head's column block of Q and K, the mixer's own public forward (window::forward for
+/// softmax heads, linear::forward with the case's causal flag), concatenation, W_O by Eigen.
+template <class T>
+Matrix<T> rope_composition(const layer::MultiHeadAttention<T>& mha, const Case& c,
+                           const Matrix<T>& x) {
+  const layer::Config& cfg = mha.config();
+  const Index r = cfg.key_dim, dv = cfg.value_dim;
+  const Matrix<T> q = x * mha.w_q(), k = x * mha.w_k(), v = x * mha.w_v();
+  rope::Options ro;
+  ro.base = cfg.rope_options.base;
+  Matrix<T> mixed(x.rows(), cfg.heads * dv);
+  for (Index h = 0; h < cfg.heads; ++h) {
+    const Matrix<T> qh = rope::apply<T>(q.middleCols(h * r, r), 0, ro);
+    const Matrix<T> kh = rope::apply<T>(k.middleCols(h * r, r), 0, ro);
+    const Matrix<T> vh = v.middleCols(h * dv, dv);
+    if (c.mixer == layer::MixerKind::softmax) {
+      window::Options wo;
+      wo.window = cfg.softmax.window;
+      mixed.middleCols(h * dv, dv) = window::forward<T>(qh, kh, vh, wo);
+    } else {
+      linear::Options lo = cfg.linear;
+      lo.causal = c.causal;
+      mixed.middleCols(h * dv, dv) = linear::forward<T>(qh, kh, vh, lo);
+    }
+  }
+  return mixed * mha.w_o();
+}
+
+class RopeCase : public ::testing::TestWithParam<Case> {};
+INSTANTIATE_TEST_SUITE_P(Rope, RopeCase, ::testing::ValuesIn(kRopeCases), case_name);
+
+// Tolerances as CompositionTol's argument: the rotation is the same code on both sides (angles
+// and products in double, one rounding to T), so the inputs' few-ulp differences from the
+// projections pass through it unamplified (it is orthogonal), and the heads' softmax or
+// elu + 1 ratios carry them with O(1) amplification. 12 tokens: the window of 3 masks most keys
+// and the angles p theta_0 reach 11 rad, several turns.
+template <class T>
+void check_rope_composition(const Case& c) {
+  const layer::MultiHeadAttention<T> mha(rope_config(c, 3));
+  const Matrix<T> x = random_matrix<T>(12, 5, 42);
+  const Matrix<T> y = mha.forward(x);
+  EXPECT_TRUE(
+      all_close(y, rope_composition(mha, c, x), CompositionTol<T>::rtol, CompositionTol<T>::atol))
+      << c.name;
+  // The rotation matters here: the same weights without it give another output.
+  layer::Config plain = rope_config(c, 3);
+  plain.rope = false;
+  EXPECT_FALSE(all_close(layer::MultiHeadAttention<T>(plain).forward(x), y, 1e-3, 1e-3)) << c.name;
+}
+
+TEST_P(RopeCase, ForwardIsTheCompositionFloat) {
+  check_rope_composition<float>(GetParam());
+}
+TEST_P(RopeCase, ForwardIsTheCompositionDouble) {
+  check_rope_composition<double>(GetParam());
+}
+
+// Central differences for x and every parameter block, as GradientsMatchCentralDifferences
+// (same h, same tolerances and the same argument for them; the rotation is linear in q and k,
+// so it adds no curvature). 7 tokens: windows of 3 cut the causal rows, and positions 0..6.
+TEST_P(RopeCase, GradientsMatchCentralDifferences) {
+  const Case c = GetParam();
+  const std::uint64_t seed = 13;
+  layer::MultiHeadAttention<double> mha(rope_config(c, seed));
+  Matrix<double> x = random_matrix<double>(7, 5, seed + 100);
+  const Matrix<double> r = random_matrix<double>(7, 5, seed + 200);
+  const auto loss = [&]() { return mha.forward(x).cwiseProduct(r).sum(); };
+  layer::Cache<double> cache;
+  mha.forward(x, &cache);
+  const layer::Gradients<double> g = mha.backward(x, r, cache);
+  std::vector<layer::NamedBlock<double>> params = mha.parameters();
+  ASSERT_EQ(params.size(), 4u);  // RoPE adds no parameter
+  ASSERT_EQ(g.params.size(), 4u);
+  EXPECT_TRUE(all_close(g.x, numeric_gradient(x, loss), 1e-5, 1e-7))
+      << c.name << " x, seed " << seed;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    Eigen::Map<Matrix<double>> p = params[i].map();
+    EXPECT_TRUE(all_close(g.param(params[i].name), numeric_gradient(p, loss), 1e-5, 1e-7))
+        << c.name << " " << params[i].name << ", seed " << seed;
+  }
+}
+
+// A packed batch of sequences of 1, 7 and 40 tokens equals the layer on each sequence alone:
+// every sequence's rows start again at position 0 (a layer that rotated by the packed row index
+// would rotate sequences 1 and 2 by other angles, an O(1) difference). Bit for bit where the
+// two compute the same thing in the same order: the cache's rotated queries and keys, the heads'
+// outputs (the projections give these rows the same bits whatever the row count, and each
+// (sequence, head) item runs the same code on them), and the mixers' gradients dQ, dK (rotated
+// back) and dV. Y = M W_O and dX go through GEMMs whose blocking depends on the row count (a few
+// ulps): 1e-12 relative, and the parameter gradients are per-sequence sums taken in another order
+// (1e-11), as PackedBatchEqualsSeparateCalls.
+TEST_P(RopeCase, PackedBatchEqualsSeparateCalls) {
+  const Case c = GetParam();
+  const layer::MultiHeadAttention<double> mha(rope_config(c, 17));
+  const mixattn::Offsets off = {0, 1, 8, 48};
+  const Matrix<double> x = random_matrix<double>(off.back(), 5, 41);
+  const Matrix<double> dy = random_matrix<double>(off.back(), 5, 42);
+  Matrix<double> y;
+  layer::Cache<double> cache;
+  layer::Gradients<double> g;
+  mha.forward_packed_into(y, x, off, cache);
+  mha.backward_into(g, x, dy, cache);
+  std::vector<Matrix<double>> sum;
+  for (std::size_t b = 0; b + 1 < off.size(); ++b) {
+    const Index t0 = off[b], n = off[b + 1] - t0;
+    layer::Cache<double> cb;
+    const Matrix<double> yb = mha.forward(x.middleRows(t0, n), &cb);
+    const layer::Gradients<double> gb = mha.backward(x.middleRows(t0, n), dy.middleRows(t0, n), cb);
+    EXPECT_TRUE(Matrix<double>(cache.q.middleRows(t0, n)) == cb.q) << c.name << " sequence " << b;
+    EXPECT_TRUE(Matrix<double>(cache.k.middleRows(t0, n)) == cb.k) << c.name << " sequence " << b;
+    EXPECT_TRUE(Matrix<double>(cache.mixed.middleRows(t0, n)) == cb.mixed)
+        << c.name << " sequence " << b;
+    EXPECT_TRUE(Matrix<double>(g.dq.middleRows(t0, n)) == gb.dq) << c.name << " sequence " << b;
+    EXPECT_TRUE(Matrix<double>(g.dk.middleRows(t0, n)) == gb.dk) << c.name << " sequence " << b;
+    EXPECT_TRUE(Matrix<double>(g.dv.middleRows(t0, n)) == gb.dv) << c.name << " sequence " << b;
+    EXPECT_TRUE(all_close(Matrix<double>(y.middleRows(t0, n)), yb, 1e-12, 1e-12))
+        << c.name << " sequence " << b;
+    EXPECT_TRUE(all_close(Matrix<double>(g.x.middleRows(t0, n)), gb.x, 1e-12, 1e-12))
+        << c.name << " sequence " << b;
+    if (b == 0) {
+      sum = gb.params;
+    } else {
+      for (std::size_t p = 0; p < sum.size(); ++p) sum[p] += gb.params[p];
+    }
+  }
+  ASSERT_EQ(g.params.size(), sum.size());
+  for (std::size_t p = 0; p < sum.size(); ++p)
+    EXPECT_TRUE(all_close(g.params[p], sum[p], 1e-11, 1e-12)) << c.name << " " << g.names[p];
+}
+
+// Decoding token by token, or in uneven pieces, gives the rows of one forward over the whole
+// sequence with RoPE on: each piece's rows are rotated at positions tokens_seen onwards (a
+// decode that restarted at 0 per piece would rotate queries and keys by other angles, and the
+// scores depend on the difference of positions). Softmax with a window of 3 (the KV cache keeps
+// every rotated key, each new token reads the last 3), GMA and OVQ (blocks of 3, at most 2
+// centroids: seeding and merging). Double; as DecodingMatchesOneForward in test_layer.cpp, the
+// pieces reorder sums of <= 20 O(1) terms and the projections are Eigen's products rather than
+// the layer's GEMM tasks (a few ulps): 1e-12 leaves a margin of ~100.
+TEST(LayerRope, DecodingMatchesOneForward) {
+  const Case cases[] = {{"softmax_window_rope", layer::MixerKind::softmax, true},
+                        {"gma_causal_rope", layer::MixerKind::gma, true},
+                        {"ovq_rope", layer::MixerKind::ovq, true}};
+  for (const Case& c : cases) {
+    layer::Config cfg = rope_config(c, 31);
+    cfg.gma.chunk = 4;
+    const layer::MultiHeadAttention<double> mha(cfg);
+    const Index n = 20;
+    const Matrix<double> x = random_matrix<double>(n, 5, 32);
+    const Matrix<double> whole = mha.forward(x);
+    const std::vector<std::vector<Index>> splits = {std::vector<Index>(n, 1), {7, 1, 9, 3}};
+    for (const auto& sizes : splits) {
+      layer::DecodeState<double> st = mha.begin_decoding();
+      Matrix<double> out(n, 5);
+      Index at = 0;
+      for (const Index p : sizes) {
+        out.middleRows(at, p) = mha.decode(x.middleRows(at, p), st);
+        at += p;
+      }
+      EXPECT_EQ(st.tokens_seen, n);
+      EXPECT_TRUE(all_close(out, whole, 1e-12, 1e-13)) << c.name << ", " << sizes.size();
+    }
+  }
+}
+
+// With RoPE, key_dim must be even and the base finite and > 0; the messages name the fields.
+// Without RoPE neither is checked (the baselines' cases above run r = 3).
+TEST(LayerRope, InvalidConfigurationsAreRejected) {
+  const auto error_for = [](auto edit) {
+    layer::Config cfg = rope_config(kRopeCases[0], 1);
+    edit(cfg);
+    return error_of([&] { layer::MultiHeadAttention<double> l(cfg); });
+  };
+  const auto has = [](const std::string& msg, const char* fragment) {
+    return msg.find(fragment) != std::string::npos && msg.find("mixattn::layer") == 0;
+  };
+  EXPECT_PRED2(has, error_for([](layer::Config& c) { c.key_dim = 3; }), "config.key_dim is 3");
+  EXPECT_PRED2(has, error_for([](layer::Config& c) { c.key_dim = 1; }), "config.key_dim is 1");
+  for (const double base : {0.0, -2.0, std::numeric_limits<double>::infinity(),
+                            std::numeric_limits<double>::quiet_NaN()})
+    EXPECT_PRED2(has, error_for([&](layer::Config& c) { c.rope_options.base = base; }),
+                 "config.rope_options.base is ")
+        << base;
+  EXPECT_EQ(error_for([](layer::Config& c) { c.rope_options.base = 1e-3; }), "(no exception)");
+  // A subnormal base: theta_i = base^(-2i/r) overflows double for r = 64 (SPEC 8.3).
+  EXPECT_PRED2(has, error_for([](layer::Config& c) {
+                 c.key_dim = 64;
+                 c.rope_options.base = std::numeric_limits<double>::denorm_min();
+               }),
+               "config.rope_options.base is ");
+  EXPECT_EQ(error_for([](layer::Config& c) {
+              c.key_dim = 3;
+              c.rope_options.base = -1;
+              c.rope = false;
+            }),
+            "(no exception)");
 }
 
 }  // namespace

@@ -365,19 +365,23 @@ TEST(SteadyState, OvqDecodeAllocatesOnlyTheUnfinishedBlock) {
 }
 
 /// The layer's training step (forward_into + backward_into, one thread) for every mixer, with
-/// projections of 1024 x 128 by 128 x 128 (packing more than 128 KiB).
+/// projections of 1024 x 128 by 128 x 128 (packing more than 128 KiB); and the local layer of
+/// OVQ's hybrids, causal softmax with a sliding window of 64 and RoPE (rope.hpp keeps its angle
+/// table per thread: filled by the warm-up step, reused after).
 TEST(SteadyState, LayerStepAllocatesNothing) {
   namespace layer = mixattn::layer;
   struct Case {
     layer::MixerKind mixer;
     bool causal;
+    bool window_rope = false;
   };
   for (const Case c :
        {Case{layer::MixerKind::gma, false}, Case{layer::MixerKind::gma, true},
         Case{layer::MixerKind::ovq, true}, Case{layer::MixerKind::softmax, true},
         Case{layer::MixerKind::linear, false}, Case{layer::MixerKind::linear, true},
         Case{layer::MixerKind::performer, false}, Case{layer::MixerKind::performer, true},
-        Case{layer::MixerKind::vq, false}, Case{layer::MixerKind::vq, true}}) {
+        Case{layer::MixerKind::vq, false}, Case{layer::MixerKind::vq, true},
+        Case{layer::MixerKind::softmax, true, true}}) {
     layer::Config cfg;
     cfg.model_dim = 128;
     cfg.heads = 4;
@@ -387,6 +391,10 @@ TEST(SteadyState, LayerStepAllocatesNothing) {
     cfg.causal = c.causal;
     cfg.ovq.block = 64;
     cfg.ovq.max_centroids = 128;
+    if (c.window_rope) {
+      cfg.softmax.window = 64;
+      cfg.rope = true;
+    }
     const layer::MultiHeadAttention<float> mha(cfg);
     const Matrix<float> x = random_matrix<float>(1024, 128, 31),
                         dy = random_matrix<float>(1024, 128, 32);
@@ -399,7 +407,8 @@ TEST(SteadyState, LayerStepAllocatesNothing) {
     };
     step();
     EXPECT_EQ(allocations_of(step), 0)
-        << "mixer " << layer::mixer_name(c.mixer) << ", causal = " << c.causal;
+        << "mixer " << layer::mixer_name(c.mixer) << ", causal = " << c.causal
+        << ", window + rope = " << c.window_rope;
     layer::Cache<float> ref_cache;
     EXPECT_EQ(y, mha.forward(x, &ref_cache));
     const layer::Gradients<float> ref = mha.backward(x, dy, ref_cache);

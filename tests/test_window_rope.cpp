@@ -682,8 +682,33 @@ TYPED_TEST(Rope, ArgumentErrors) {
   Matrix<T> huge = Matrix<T>::Zero(2, 2);
   huge.row(1).setConstant(std::numeric_limits<T>::max() / T(1.1));
   expect_throw<std::domain_error>([&] { rope::apply<T>(huge, 0); }, {"the output overflows"});
+  // Positions are Index values: a last position start + N - 1 beyond the largest Index is
+  // refused (it would overflow), one exactly at it is rotated.
+  constexpr Index top = std::numeric_limits<Index>::max();
+  expect_throw<std::invalid_argument>([&] { rope::apply<T>(x, top - 2); },
+                                      {"mixattn::rope::apply", "start is ", "exceeds the largest"});
+  expect_throw<std::invalid_argument>([&] { rope::backward<T>(x, top); }, {"start is "});
+  Matrix<T> z = x;
+  expect_throw<std::invalid_argument>([&] { rope::apply_in_place<T>(z, top - 1); }, {"start"});
+  EXPECT_TRUE(z == x);  // refused before any write
+  EXPECT_TRUE(rope::apply<T>(x, top - 3).allFinite());
+  EXPECT_TRUE(rope::apply<T>(x, std::numeric_limits<Index>::min()).allFinite());
+  // Angles p theta_i that overflow double: theta_max = base^(-(r - 2)/r) of a subnormal base is
+  // 4.9e-324^(-0.9375) ~ 1e303 at r = 32, so positions beyond ~1e5 overflow, and at r = 64
+  // (~1e313) theta_max itself does. A rotation by an infinite angle does not exist (NaN).
+  rope::Options tiny;
+  tiny.base = std::numeric_limits<double>::denorm_min();
+  const Matrix<T> x32 = Matrix<T>::Ones(3, 32);
+  expect_throw<std::invalid_argument>([&] { rope::apply<T>(x32, Index{1} << 20, tiny); },
+                                      {"options.base is ", "overflows double"});
+  expect_throw<std::invalid_argument>([&] { rope::backward<T>(x32, -(Index{1} << 20), tiny); },
+                                      {"options.base is ", "overflows double"});
+  EXPECT_TRUE(rope::apply<T>(x32, 100, tiny).allFinite());
+  expect_throw<std::invalid_argument>([&] { rope::apply<T>(Matrix<T>::Ones(1, 64), 0, tiny); },
+                                      {"theta_i = base^(-2i/r) overflows double for r = 64"});
   // Empty sequences are fine.
   EXPECT_EQ(rope::apply<T>(Matrix<T>(0, 4), 5).rows(), 0);
+  EXPECT_EQ(rope::apply<T>(Matrix<T>(0, 4), top).rows(), 0);
 }
 
 }  // namespace

@@ -13,6 +13,9 @@
 //   - the papers' baselines, bidirectional or causal: linear attention (SPEC §4), Performer /
 //     FAVOR+ (SPEC §5) with its own constant random features per head, and static-codebook VQ
 //     attention (SPEC §6) with its own learned codebook per head.
+// Causal softmax heads take a sliding window (Config::softmax.window, SPEC §7). With
+// Config::rope, every head's Q_h and K_h are rotated by RoPE (SPEC §8.4) before its mixer, row n
+// of each sequence at position n: the local sliding-window layers of OVQ's hybrid models.
 //
 // Causal layers also decode: begin_decoding() makes one sequence's DecodeState (a gma::State,
 // ovq::State or softmax KvCache per head) and decode(x, state) takes the next token(s), giving
@@ -45,6 +48,7 @@
 #include "mixattn/parallel.hpp"
 #include "mixattn/performer.hpp"
 #include "mixattn/reference.hpp"
+#include "mixattn/rope.hpp"
 #include "mixattn/vq.hpp"
 
 #include <array>
@@ -235,6 +239,15 @@ struct Config {
   int threads = 1;           ///< threads over heads (0: all cores)
   std::uint64_t seed = 0;    ///< initialisation seed (weights, mixtures, codebooks, features)
   bool check_finite = true;  ///< reject NaN/Inf in X and dY with std::domain_error
+  /// Rotate every head's queries and keys by RoPE (SPEC §8, 8.4) before its mixer: row n of a
+  /// sequence is at position n (positions restart at each sequence of a packed batch; decode
+  /// continues at DecodeState::tokens_seen). Needs an even key_dim. Works with any mixer (it is
+  /// how the sliding-window softmax layers of OVQ's hybrids, softmax.window = w, see order); no
+  /// parameters and no gradient of its own.
+  bool rope = false;
+  /// base of the rotation angles (10000); its check_finite is ignored: config.check_finite
+  /// decides.
+  rope::Options rope_options;
 };
 
 /// What forward keeps for backward: the projections, the concatenated head outputs and each
@@ -243,7 +256,7 @@ struct Config {
 /// when N changes.
 template <class T>
 struct Cache {
-  Matrix<T> q, k, v;  ///< N x H·r, N x H·r, N x H·d_v
+  Matrix<T> q, k, v;  ///< N x H·r, N x H·r, N x H·d_v (q and k rotated with Config::rope)
   Matrix<T> mixed;    ///< N x H·d_v, the head outputs side by side
   std::vector<gma::Saved<T>> gma_saved;
   std::vector<ovq::Saved<T>> ovq_saved;
@@ -328,6 +341,11 @@ struct DecodeState {
 /// Initialisation: projection weights ~ N(0, 1/fan_in), seeded by Config::seed; mixtures by
 /// gma::Mixture::random(K, r, seed + 1 + h, gma_mean_scale); beta = 1; codebooks and Performer
 /// directions from seed + 1 + h as Config::codes and Config::features say.
+/// RoPE (Config::rope, SPEC 8.4) adds no parameter: forward rotates each (sequence, head)
+/// item's Q_h, K_h in the Cache in place (rows at positions 0, 1, … of their own sequence), so
+/// the Cache holds the rotated q and k the mixers saw; backward rotates the mixer's dQ_h, dK_h
+/// back (R^T) before the weight products; decode rotates the new rows at positions
+/// tokens_seen, tokens_seen + 1, …
 template <class T>
 class MultiHeadAttention {
   static_assert(::mixattn::detail::refuse_arguments<T>(), "see the message above");
@@ -487,7 +505,8 @@ class MultiHeadAttention {
   /// token when generating); returns n x d_model, the rows forward() would give for them over
   /// the whole sequence (up to rounding), and advances `state`. Per token and head the cost is
   /// O(K (r + d_v)) for GMA, O((N_max + C)(r + d_v)) for OVQ, O(t (r + d_v)) for softmax at
-  /// position t. A throw for x (shape, non-finite values, or projections that overflow T) leaves
+  /// position t. With config.rope the new rows are at positions state.tokens_seen onwards.
+  /// A throw for x (shape, non-finite values, or projections that overflow T) leaves
   /// `state` unchanged; after any other (a mismatched state, a non-finite parameter, an output
   /// that overflowed T), begin_decoding() again.
   Matrix<T> decode(const ConstMatrixRef<T>& x, DecodeState<T>& state) const {
@@ -501,8 +520,17 @@ class MultiHeadAttention {
                                "state was not made by this layer's begin_decoding()");
     if (cfg_.mixer == MixerKind::gma) check_prepared(fn, state);
     const Index n = x.rows(), r = cfg_.key_dim, d_v = cfg_.value_dim;
-    const Matrix<T> q = x * w_q_, k = x * w_k_, v = x * w_v_;
+    Matrix<T> q = x * w_q_, k = x * w_k_;
+    const Matrix<T> v = x * w_v_;
     check_projections(fn, q, k, v);  // before any head's state moves
+    // RoPE: the new rows continue the sequence at position tokens_seen.
+    if (cfg_.rope) {
+      const rope::Options ro = rope_options();
+      for (Index h = 0; h < cfg_.heads; ++h) {
+        rope::apply_in_place<T>(q.middleCols(h * r, r), state.tokens_seen, ro);
+        rope::apply_in_place<T>(k.middleCols(h * r, r), state.tokens_seen, ro);
+      }
+    }
     Matrix<T> mixed(n, cfg_.heads * d_v);
     const gma::Options gopt = gma_options();
     const reference::Options sopt = softmax_options();
@@ -696,6 +724,11 @@ class MultiHeadAttention {
     const std::size_t i = static_cast<std::size_t>(item), hi = static_cast<std::size_t>(h);
     const Index t0 = c.offsets[static_cast<std::size_t>(item / cfg_.heads)];
     const Index n = sequence_length(c.offsets, item);
+    if (cfg_.rope) {  // the item's own blocks, positions from 0: the cache keeps the rotated q, k
+      const rope::Options ro = rope_options();
+      rope::apply_in_place<T>(c.q.block(t0, h * r, n, r), 0, ro);
+      rope::apply_in_place<T>(c.k.block(t0, h * r, n, r), 0, ro);
+    }
     const ConstMatrixRef<T> qh = c.q.block(t0, h * r, n, r);
     const ConstMatrixRef<T> kh = c.k.block(t0, h * r, n, r);
     const ConstMatrixRef<T> vh = c.v.block(t0, h * d_v, n, d_v);
@@ -920,6 +953,11 @@ class MultiHeadAttention {
     g.dq.block(t0, h * r, n, r) = *gq;
     g.dk.block(t0, h * r, n, r) = *gk;
     g.dv.block(t0, h * d_v, n, d_v) = *gv;
+    if (cfg_.rope) {  // the mixer saw R q and R k: dq = R^T d(Rq), dk = R^T d(Rk) (SPEC 8.2)
+      const rope::Options ro = rope_options();
+      rope::backward_in_place<T>(g.dq.block(t0, h * r, n, r), 0, ro);
+      rope::backward_in_place<T>(g.dk.block(t0, h * r, n, r), 0, ro);
+    }
   }
 
   /// Per-head parameters' gradients: the items' summed in sequence order.
@@ -967,6 +1005,14 @@ class MultiHeadAttention {
             "OVQ attention is causal: set config.causal = true");
     require(std::isfinite(cfg_.gma_mean_scale), fn, "config.gma_mean_scale must be finite, got ",
             cfg_.gma_mean_scale);
+    if (cfg_.rope) {  // SPEC 8.3, before any call
+      require(cfg_.key_dim % 2 == 0, fn, "config.key_dim is ", cfg_.key_dim,
+              ": config.rope rotates column pairs (2i, 2i + 1) and needs an even key_dim");
+      ::mixattn::detail::rope_check_base(fn, "config.rope_options.base", cfg_.rope_options.base);
+      // theta_i itself finite (a position's angle p theta_i is checked per call, p unknown here)
+      ::mixattn::detail::rope_check_angles(fn, "config.rope_options.base", cfg_.rope_options.base,
+                                           cfg_.key_dim, 0);
+    }
     // The baselines' own options are checked here too, naming the field, before any call.
     const auto check_eps = [&](const char* field, double eps) {
       require(eps > 0 && std::isfinite(eps) && std::isfinite(static_cast<T>(eps)) &&
@@ -1094,6 +1140,11 @@ class MultiHeadAttention {
   linear::Options linear_options() const { return with_layer_causality(cfg_.linear); }
   performer::Options performer_options() const { return with_layer_causality(cfg_.performer); }
   vq::Options vq_options() const { return with_layer_causality(cfg_.vq); }
+  rope::Options rope_options() const {  // check_finite follows the layer's
+    rope::Options o = cfg_.rope_options;
+    o.check_finite = cfg_.check_finite;
+    return o;
+  }
 
   Matrix<T> head_responsibilities(const char* name, const ConstMatrixRef<T>& x, Index h,
                                   const Matrix<T>& w) const {

@@ -21,6 +21,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -40,14 +41,44 @@ struct Options {
 
 namespace detail {
 
-/// Validates x (N x r, r even and >= 2) and the options, once at the API boundary.
+/// Validates a base of the angles theta_i = base^(-2i/r); `field` names it in the message
+/// ("options.base", or the field of a caller's own configuration).
+inline void rope_check_base(const char* fn, const char* field, double base) {
+  require(std::isfinite(base) && base > 0, fn, field, " is ", base, ", must be finite and > 0");
+}
+
+/// Validates the angles p theta_i of positions |p| <= p_max in double, for a valid base and r
+/// (even, >= 2). The largest theta_i = base^(-2i/r), i < r/2, is base^(-(r - 2)/r) when base < 1
+/// (1 otherwise): a subnormal base makes it overflow for large r, and p_max theta_max may
+/// overflow where theta_max does not. Either would rotate by an infinite angle (a NaN sine and
+/// cosine, and 0 x inf at p = 0), so both are refused, naming `field`.
+inline void rope_check_angles(const char* fn, const char* field, double base, Index r,
+                              double p_max) {
+  const double theta_max =
+      base >= 1 ? 1.0 : std::pow(base, -static_cast<double>(r - 2) / static_cast<double>(r));
+  require(std::isfinite(theta_max), fn, field, " is ", base, ": theta_i = base^(-2i/r) overflows ",
+          "double for r = ", r, " (i up to ", r / 2 - 1, ")");
+  require(std::isfinite(p_max * theta_max), fn, field, " is ", base, ": the angle p theta_i at ",
+          "position |p| = ", p_max, " overflows double (r = ", r, ")");
+}
+
+/// Validates x (N x r, r even and >= 2), the positions start ... start + N - 1 (all of them
+/// Index values, their angles finite in double) and the options, once at the API boundary.
 template <class T>
-void rope_check(const char* fn, const char* arg, const ConstMatrixRef<T>& x,
+void rope_check(const char* fn, const char* arg, const ConstMatrixRef<T>& x, Index start,
                 const rope::Options& opt) {
   require(x.cols() >= 2 && x.cols() % 2 == 0, fn, arg, " is ", shape_str(x),
           ": r must be even and >= 2 (column pairs (2i, 2i + 1) are rotated)");
-  require(std::isfinite(opt.base) && opt.base > 0, fn, "options.base is ", opt.base,
-          ", must be finite and > 0");
+  require(x.rows() == 0 || start <= std::numeric_limits<Index>::max() - (x.rows() - 1), fn,
+          "start is ", start, ": the last position start + N - 1 (N = ", x.rows(),
+          ") exceeds the largest Index");
+  rope_check_base(fn, "options.base", opt.base);
+  if (x.rows() > 0) {  // the largest |p| is at the first or the last row
+    const double first = static_cast<double>(start);
+    const double last = static_cast<double>(start + (x.rows() - 1));
+    rope_check_angles(fn, "options.base", opt.base, x.cols(),
+                      std::max(std::abs(first), std::abs(last)));
+  }
   if (opt.check_finite) require_finite(x, fn, arg);
 }
 
@@ -101,12 +132,14 @@ namespace rope {
 /// RoPE forward (SPEC §8): x: N x r (r even, >= 2), row-major, row n at position start + n (any
 /// integer start, e.g. the number of tokens already decoded).  ->  N x r. T is not deduced:
 /// write rope::apply<float>(x, start).
-/// Throws std::invalid_argument for odd or zero r or a bad base; with check_finite,
+/// Throws std::invalid_argument for odd or zero r, a bad base, a last position start + N - 1
+/// beyond the largest Index, or an angle p theta_i that overflows double (a subnormal base);
+/// with check_finite,
 /// std::domain_error for non-finite x or an output that overflows T.
 template <class T, detail::enable_if_supported<T> = 0>
 Matrix<T> apply(const ConstMatrixRef<T>& x, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::apply";
-  detail::rope_check<T>(fn, "x", x, opt);
+  detail::rope_check<T>(fn, "x", x, start, opt);
   Matrix<T> out(x.rows(), x.cols());
   detail::rope_rotate<T>(fn, x, out, start, opt, 1.0);
   return out;
@@ -117,7 +150,7 @@ Matrix<T> apply(const ConstMatrixRef<T>& x, Index start = 0, const Options& opt 
 template <class T, detail::enable_if_supported<T> = 0>
 void apply_into(Matrix<T>& out, const ConstMatrixRef<T>& x, Index start, const Options& opt) {
   static constexpr const char* fn = "mixattn::rope::apply_into";
-  detail::rope_check<T>(fn, "x", x, opt);
+  detail::rope_check<T>(fn, "x", x, start, opt);
   out.resize(x.rows(), x.cols());
   detail::rope_rotate<T>(fn, x, out, start, opt, 1.0);
 }
@@ -128,7 +161,7 @@ void apply_into(Matrix<T>& out, const ConstMatrixRef<T>& x, Index start, const O
 template <class T, detail::enable_if_supported<T> = 0>
 void apply_in_place(MatrixRef<T> x, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::apply_in_place";
-  detail::rope_check<T>(fn, "x", x, opt);
+  detail::rope_check<T>(fn, "x", x, start, opt);
   detail::rope_rotate<T>(fn, x, x, start, opt, 1.0);
 }
 
@@ -138,7 +171,7 @@ void apply_in_place(MatrixRef<T> x, Index start = 0, const Options& opt = {}) {
 template <class T, detail::enable_if_supported<T> = 0>
 Matrix<T> backward(const ConstMatrixRef<T>& grad_out, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::backward";
-  detail::rope_check<T>(fn, "grad_out", grad_out, opt);
+  detail::rope_check<T>(fn, "grad_out", grad_out, start, opt);
   Matrix<T> grad(grad_out.rows(), grad_out.cols());
   detail::rope_rotate<T>(fn, grad_out, grad, start, opt, -1.0);
   return grad;
@@ -149,7 +182,7 @@ template <class T, detail::enable_if_supported<T> = 0>
 void backward_into(Matrix<T>& grad, const ConstMatrixRef<T>& grad_out, Index start,
                    const Options& opt) {
   static constexpr const char* fn = "mixattn::rope::backward_into";
-  detail::rope_check<T>(fn, "grad_out", grad_out, opt);
+  detail::rope_check<T>(fn, "grad_out", grad_out, start, opt);
   grad.resize(grad_out.rows(), grad_out.cols());
   detail::rope_rotate<T>(fn, grad_out, grad, start, opt, -1.0);
 }
@@ -158,7 +191,7 @@ void backward_into(Matrix<T>& grad, const ConstMatrixRef<T>& grad_out, Index sta
 template <class T, detail::enable_if_supported<T> = 0>
 void backward_in_place(MatrixRef<T> grad, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::backward_in_place";
-  detail::rope_check<T>(fn, "grad_out", grad, opt);
+  detail::rope_check<T>(fn, "grad_out", grad, start, opt);
   detail::rope_rotate<T>(fn, grad, grad, start, opt, -1.0);
 }
 
