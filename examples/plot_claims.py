@@ -7,7 +7,9 @@ Reads what `example_char_lm --out DIR` and `example_recall_length --out DIR` wri
   DIR/char_lm.png        held-out bits per character per mixer, one dot per seed, bar = mean;
   DIR/recall_length.png  MQAR accuracy against sequence length, one line per model;
   DIR/recall_dict.png    the OVQ model's accuracy against its dictionary size N_max set at test
-                         time, one line per sequence length.
+                         time, one line per sequence length;
+and the same for every other DIR/recall_length*.csv and DIR/recall_dict*.csv (runs of another
+configuration, e.g. recall_length_32pairs.csv).
 A missing CSV skips its plot. Needs matplotlib (Debian: python3-matplotlib); no display needed.
 """
 import csv
@@ -28,7 +30,13 @@ def read(path):
         return list(csv.DictReader(f))
 
 
-def plot_char_lm(rows, out):
+def suffix(name, stem):
+    """ "recall_length_32pairs" -> " (32pairs)"; the plain name -> "". """
+    rest = name[len(stem):].strip("_")
+    return f" ({rest.replace('pairs', ' pairs')})" if rest else ""
+
+
+def plot_char_lm(rows, out, name):
     mixers = list(dict.fromkeys(r["mixer"] for r in rows))
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for i, m in enumerate(mixers):
@@ -46,7 +54,7 @@ def plot_char_lm(rows, out):
     print(f"wrote {out}")
 
 
-def plot_recall(rows, out):
+def plot_recall(rows, out, name):
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for i, m in enumerate(dict.fromkeys(r["model"] for r in rows)):
         pts = sorted((int(r["length"]), float(r["accuracy"])) for r in rows if r["model"] == m)
@@ -56,13 +64,13 @@ def plot_recall(rows, out):
     ax.set_ylabel("held-out recall accuracy (%)")
     ax.set_ylim(0, 102)
     ax.legend(fontsize=8)
-    ax.set_title("multi-query associative recall vs length")
+    ax.set_title("multi-query associative recall vs length" + suffix(name, "recall_length"))
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
 
 
-def plot_dict(rows, out):
+def plot_dict(rows, out, name):
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for i, length in enumerate(sorted({int(r["length"]) for r in rows})):
         pts = sorted((int(r["dict_size"]), float(r["accuracy"])) for r in rows
@@ -74,7 +82,7 @@ def plot_dict(rows, out):
     ax.set_ylabel("held-out recall accuracy (%)")
     ax.set_ylim(0, 102)
     ax.legend(fontsize=8)
-    ax.set_title("OVQ + window: test-time dictionary size")
+    ax.set_title("OVQ + window: test-time dictionary size" + suffix(name, "recall_dict"))
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
@@ -83,11 +91,19 @@ def plot_dict(rows, out):
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     d = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "results")
-    for name, plot in (("char_lm", plot_char_lm), ("recall_length", plot_recall),
-                       ("recall_dict", plot_dict)):
+    # recall_length*.csv and recall_dict*.csv: one plot each (e.g. a run with more pairs written
+    # as recall_length_32pairs.csv).
+    names = [("char_lm", plot_char_lm)]
+    for f in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        stem, ext = os.path.splitext(f)
+        if ext == ".csv" and stem.startswith("recall_length"):
+            names.append((stem, plot_recall))
+        elif ext == ".csv" and stem.startswith("recall_dict"):
+            names.append((stem, plot_dict))
+    for name, plot in names:
         rows = read(os.path.join(d, name + ".csv"))
         if rows:
-            plot(rows, os.path.join(d, name + ".png"))
+            plot(rows, os.path.join(d, name + ".png"), name)
 
 
 if __name__ == "__main__":
