@@ -3,6 +3,7 @@
 #include <mixattn/adam.hpp>
 #include <mixattn/layer.hpp>
 
+#include "layer_checks.hpp"
 #include "test_util.hpp"
 
 #include <gtest/gtest.h>
@@ -205,23 +206,8 @@ TEST_P(CausalLayerCase, DecodingMatchesOneForward) {
   const Case c = GetParam();
   layer::Config cfg = small_config(c, 31);
   cfg.gma.chunk = 4;
-  layer::MultiHeadAttention<double> mha(cfg);
-  const Index n = 20;
-  const Matrix<double> x = random_matrix<double>(n, 5, 32);
-  const Matrix<double> whole = mha.forward(x);
-  const std::vector<std::vector<Index>> splits = {std::vector<Index>(n, 1), {7, 1, 9, 3}};
-  for (const auto& sizes : splits) {
-    layer::DecodeState<double> st = mha.begin_decoding();
-    Matrix<double> out(n, 5);
-    Index at = 0;
-    for (const Index p : sizes) {
-      out.middleRows(at, p) = mha.decode(x.middleRows(at, p), st);
-      at += p;
-    }
-    EXPECT_EQ(st.tokens_seen, n);
-    // double: the pieces reorder sums of <= 20 O(1) terms; 1e-12 leaves a margin of ~100.
-    EXPECT_TRUE(all_close(out, whole, 1e-12, 1e-13)) << c.name << ", " << sizes.size();
-  }
+  const layer::MultiHeadAttention<double> mha(cfg);
+  mixattn::testing::expect_decoding_matches_forward(mha, random_matrix<double>(20, 5, 32), c.name);
 }
 
 TEST(Layer, DecodingRejectsNonCausalLayersAndForeignStates) {

@@ -11,6 +11,7 @@
 #include <mixattn/rope.hpp>
 #include <mixattn/window.hpp>
 
+#include "layer_checks.hpp"
 #include "test_util.hpp"
 
 #include <gtest/gtest.h>
@@ -33,6 +34,8 @@ namespace rope = mixattn::rope;
 namespace vq = mixattn::vq;
 namespace window = mixattn::window;
 using mixattn::testing::all_close;
+using mixattn::testing::expect_decoding_matches_forward;
+using mixattn::testing::expect_packed_equals_separate;
 using mixattn::testing::numeric_gradient;
 using mixattn::testing::random_matrix;
 
@@ -314,27 +317,7 @@ TEST_P(MixerCase, PackedBatchEqualsSeparateCalls) {
   Matrix<double> y;
   layer::Cache<double> cache;
   layer::Gradients<double> g;
-  mha.forward_packed_into(y, x, off, cache);
-  mha.backward_into(g, x, dy, cache);
-  std::vector<Matrix<double>> sum;
-  for (std::size_t b = 0; b + 1 < off.size(); ++b) {
-    const Index t0 = off[b], n = off[b + 1] - t0;
-    layer::Cache<double> cb;
-    const Matrix<double> yb = mha.forward(x.middleRows(t0, n), &cb);
-    const layer::Gradients<double> gb = mha.backward(x.middleRows(t0, n), dy.middleRows(t0, n), cb);
-    EXPECT_TRUE(all_close(Matrix<double>(y.middleRows(t0, n)), yb, 1e-12, 1e-12))
-        << c.name << " sequence " << b;
-    EXPECT_TRUE(all_close(Matrix<double>(g.x.middleRows(t0, n)), gb.x, 1e-12, 1e-12))
-        << c.name << " sequence " << b;
-    if (b == 0) {
-      sum = gb.params;
-    } else {
-      for (std::size_t p = 0; p < sum.size(); ++p) sum[p] += gb.params[p];
-    }
-  }
-  ASSERT_EQ(g.params.size(), sum.size());
-  for (std::size_t p = 0; p < sum.size(); ++p)
-    EXPECT_TRUE(all_close(g.params[p], sum[p], 1e-11, 1e-12)) << c.name << " " << g.names[p];
+  expect_packed_equals_separate(mha, x, dy, off, c.name, y, cache, g, [](auto&&...) {});
   // The reused cache and gradients give the same again for a single sequence afterwards.
   mha.forward_into(y, x.middleRows(1, 7), cache);
   EXPECT_TRUE(y == mha.forward(x.middleRows(1, 7))) << c.name;
@@ -644,34 +627,18 @@ TEST_P(RopeCase, PackedBatchEqualsSeparateCalls) {
   Matrix<double> y;
   layer::Cache<double> cache;
   layer::Gradients<double> g;
-  mha.forward_packed_into(y, x, off, cache);
-  mha.backward_into(g, x, dy, cache);
-  std::vector<Matrix<double>> sum;
-  for (std::size_t b = 0; b + 1 < off.size(); ++b) {
-    const Index t0 = off[b], n = off[b + 1] - t0;
-    layer::Cache<double> cb;
-    const Matrix<double> yb = mha.forward(x.middleRows(t0, n), &cb);
-    const layer::Gradients<double> gb = mha.backward(x.middleRows(t0, n), dy.middleRows(t0, n), cb);
-    EXPECT_TRUE(Matrix<double>(cache.q.middleRows(t0, n)) == cb.q) << c.name << " sequence " << b;
-    EXPECT_TRUE(Matrix<double>(cache.k.middleRows(t0, n)) == cb.k) << c.name << " sequence " << b;
-    EXPECT_TRUE(Matrix<double>(cache.mixed.middleRows(t0, n)) == cb.mixed)
-        << c.name << " sequence " << b;
-    EXPECT_TRUE(Matrix<double>(g.dq.middleRows(t0, n)) == gb.dq) << c.name << " sequence " << b;
-    EXPECT_TRUE(Matrix<double>(g.dk.middleRows(t0, n)) == gb.dk) << c.name << " sequence " << b;
-    EXPECT_TRUE(Matrix<double>(g.dv.middleRows(t0, n)) == gb.dv) << c.name << " sequence " << b;
-    EXPECT_TRUE(all_close(Matrix<double>(y.middleRows(t0, n)), yb, 1e-12, 1e-12))
-        << c.name << " sequence " << b;
-    EXPECT_TRUE(all_close(Matrix<double>(g.x.middleRows(t0, n)), gb.x, 1e-12, 1e-12))
-        << c.name << " sequence " << b;
-    if (b == 0) {
-      sum = gb.params;
-    } else {
-      for (std::size_t p = 0; p < sum.size(); ++p) sum[p] += gb.params[p];
-    }
-  }
-  ASSERT_EQ(g.params.size(), sum.size());
-  for (std::size_t p = 0; p < sum.size(); ++p)
-    EXPECT_TRUE(all_close(g.params[p], sum[p], 1e-11, 1e-12)) << c.name << " " << g.names[p];
+  expect_packed_equals_separate(
+      mha, x, dy, off, c.name, y, cache, g,
+      [&](std::size_t b, Index t0, Index n, const layer::Cache<double>& cb,
+          const layer::Gradients<double>& gb) {
+        EXPECT_TRUE(Matrix<double>(cache.q.middleRows(t0, n)) == cb.q) << c.name << " sequence " << b;
+        EXPECT_TRUE(Matrix<double>(cache.k.middleRows(t0, n)) == cb.k) << c.name << " sequence " << b;
+        EXPECT_TRUE(Matrix<double>(cache.mixed.middleRows(t0, n)) == cb.mixed)
+            << c.name << " sequence " << b;
+        EXPECT_TRUE(Matrix<double>(g.dq.middleRows(t0, n)) == gb.dq) << c.name << " sequence " << b;
+        EXPECT_TRUE(Matrix<double>(g.dk.middleRows(t0, n)) == gb.dk) << c.name << " sequence " << b;
+        EXPECT_TRUE(Matrix<double>(g.dv.middleRows(t0, n)) == gb.dv) << c.name << " sequence " << b;
+      });
 }
 
 // Decoding token by token, or in uneven pieces, gives the rows of one forward over the whole
@@ -690,21 +657,7 @@ TEST(LayerRope, DecodingMatchesOneForward) {
     layer::Config cfg = rope_config(c, 31);
     cfg.gma.chunk = 4;
     const layer::MultiHeadAttention<double> mha(cfg);
-    const Index n = 20;
-    const Matrix<double> x = random_matrix<double>(n, 5, 32);
-    const Matrix<double> whole = mha.forward(x);
-    const std::vector<std::vector<Index>> splits = {std::vector<Index>(n, 1), {7, 1, 9, 3}};
-    for (const auto& sizes : splits) {
-      layer::DecodeState<double> st = mha.begin_decoding();
-      Matrix<double> out(n, 5);
-      Index at = 0;
-      for (const Index p : sizes) {
-        out.middleRows(at, p) = mha.decode(x.middleRows(at, p), st);
-        at += p;
-      }
-      EXPECT_EQ(st.tokens_seen, n);
-      EXPECT_TRUE(all_close(out, whole, 1e-12, 1e-13)) << c.name << ", " << sizes.size();
-    }
+    expect_decoding_matches_forward(mha, random_matrix<double>(20, 5, 32), c.name);
   }
 }
 

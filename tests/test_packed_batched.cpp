@@ -2,6 +2,7 @@
 // equals the separate single-sequence call bit for bit, on one thread and on several; shared
 // parameters' gradients equal the separate gradients summed in sequence order; grouped-query
 // heads read their shared key/value head; bad offsets are rejected.
+#include "layer_checks.hpp"
 #include "test_util.hpp"
 
 #include <mixattn/layer.hpp>
@@ -205,25 +206,8 @@ TEST(Packed, LayerEqualsPerSequenceCalls) {
     Matrix<double> y;
     layer::Cache<double> cache;
     layer::Gradients<double> g;
-    mha.forward_packed_into(y, x, off, cache);
-    mha.backward_into(g, x, dy, cache);
-    std::vector<Matrix<double>> sum;
-    for (std::size_t b = 0; b + 1 < off.size(); ++b) {
-      const Index t0 = off[b], n = off[b + 1] - t0;
-      layer::Cache<double> c;
-      const Matrix<double> yb = mha.forward(x.middleRows(t0, n), &c);
-      const layer::Gradients<double> gb = mha.backward(x.middleRows(t0, n), dy.middleRows(t0, n), c);
-      EXPECT_TRUE(mixattn::testing::all_close(Matrix<double>(y.middleRows(t0, n)), yb, 1e-12, 1e-12));
-      EXPECT_TRUE(mixattn::testing::all_close(Matrix<double>(g.x.middleRows(t0, n)), gb.x, 1e-12, 1e-12));
-      if (b == 0) {
-        sum = gb.params;
-      } else {
-        for (std::size_t p = 0; p < sum.size(); ++p) sum[p] += gb.params[p];
-      }
-    }
-    ASSERT_EQ(g.params.size(), sum.size());
-    for (std::size_t p = 0; p < sum.size(); ++p)
-      EXPECT_TRUE(mixattn::testing::all_close(g.params[p], sum[p], 1e-11, 1e-12)) << g.names[p];
+    mixattn::testing::expect_packed_equals_separate(mha, x, dy, off, layer::mixer_name(mixer), y,
+                                                    cache, g, [](auto&&...) {});
   }
   const layer::MultiHeadAttention<double> mha([] {
     layer::Config c;
