@@ -107,6 +107,30 @@ void mark_filled(vq::Saved<T>& saved) {
   mark_filled(saved.attn);
 }
 
+/// The backward call's mutation, backward_mode % 10: 0 a grad_out of the wrong shape (rows + 1 x
+/// cols), 1 an empty record in place of the forward's, 2 the other causality, 3 another eps;
+/// each makes the call invalid (returns true). Any other mode leaves g, sv and bopt as given.
+template <class T, class Saved, class Options>
+bool mutate_backward(std::uint8_t backward_mode, Index rows, Index cols, const Saved& empty,
+                     Matrix<T>& g, const Saved*& sv, Options& bopt) {
+  switch (backward_mode % 10) {
+    case 0:
+      g = Matrix<T>::Zero(rows + 1, cols);
+      return true;
+    case 1:
+      sv = &empty;
+      return true;
+    case 2:
+      bopt.causal = !bopt.causal;
+      return true;
+    case 3:
+      bopt.eps = bopt.eps * 2;
+      return true;
+    default:
+      return false;
+  }
+}
+
 /// A record marked filled, handed to a forward as its output.
 template <class S>
 S marked_record() {
@@ -371,26 +395,7 @@ void feature_case(const LinearCase<T>& c, const Op& op, typename Op::Options opt
   typename Op::Saved empty;
   const typename Op::Saved* sv = &saved;
   typename Op::Options bopt = opt;
-  switch (c.backward_mode % 10) {
-    case 0:
-      g = Matrix<T>::Zero(n + 1, dv);
-      bex.invalid = true;
-      break;
-    case 1:
-      sv = &empty;
-      bex.invalid = true;
-      break;
-    case 2:
-      bopt.causal = !opt.causal;
-      bex.invalid = true;
-      break;
-    case 3:
-      bopt.eps = opt.eps * 2;
-      bex.invalid = true;
-      break;
-    default:
-      break;
-  }
+  if (mutate_backward(c.backward_mode, n, dv, empty, g, sv, bopt)) bex.invalid = true;
   const fz::Strided<T> gs = fz::strided(g, c.padded);
   typename Op::Grad grad;
   const fz::Outcome bo = fz::run(bex, [&] { grad = op.backward(c.qs, c.ks, c.vs, gs, *sv, bopt); });
@@ -607,26 +612,7 @@ void run_case(fz::Bytes& in) {
   gma::Saved<T> empty;
   const gma::Saved<T>* sv = &saved;
   gma::Options bopt = opt;
-  switch (backward_mode % 10) {
-    case 0:
-      g = Matrix<T>::Zero(n + 1, dv);
-      bex.invalid = true;
-      break;
-    case 1:
-      sv = &empty;
-      bex.invalid = true;
-      break;
-    case 2:
-      bopt.causal = !opt.causal;
-      bex.invalid = true;
-      break;
-    case 3:
-      bopt.eps = opt.eps * 2;
-      bex.invalid = true;
-      break;
-    default:
-      break;
-  }
+  if (mutate_backward(backward_mode, n, dv, empty, g, sv, bopt)) bex.invalid = true;
   const fz::Strided<T> gs = fz::strided(g, padded);
   gma::Grad<T> grad;
   const fz::Outcome bo = fz::run(bex, [&] {
