@@ -200,6 +200,9 @@ int main(int argc, char** argv) {
   const long seeds = example::int_arg(argc, argv, "--seeds", ci ? 1 : 2);
   const std::string only = example::string_arg(argc, argv, "--only", "");
   const std::string out = example::string_arg(argc, argv, "--out", "");
+  FILE* csv = example::open_csv(  // before training: a bad --out fails at once
+      out, "char_lm.csv",
+      "mixer,seed,parameters,first_bits,train_bits,held_out_bits,chars_per_s,seconds");
   std::printf("character LM: %zu training and %zu held-out characters, alphabet of %zu, training "
               "unigram entropy %.3f bits/char%s\n",
               corpus.train.size(), corpus.held_out.size(), corpus.alphabet.size(),
@@ -242,20 +245,13 @@ int main(int argc, char** argv) {
       }
     if (n) std::printf("%-10s %10.3f %10.3f\n", name, sum / n, hi - lo);
   }
-  if (!out.empty()) {
-    const std::string path = out + "/char_lm.csv";
-    FILE* f = std::fopen(path.c_str(), "w");
-    if (!f) {
-      std::fprintf(stderr, "cannot write %s\n", path.c_str());
-      return 2;
-    }
-    std::fprintf(f, "mixer,seed,parameters,first_bits,train_bits,held_out_bits,chars_per_s,seconds\n");
+  if (csv) {
     for (const Result& r : results)
-      std::fprintf(f, "%s,%llu,%ld,%.4f,%.4f,%.4f,%.0f,%.1f\n", r.mixer.c_str(),
+      std::fprintf(csv, "%s,%llu,%ld,%.4f,%.4f,%.4f,%.0f,%.1f\n", r.mixer.c_str(),
                    static_cast<unsigned long long>(r.seed), r.parameters, r.first_bits,
                    r.train_bits, r.held_out_bits, r.tokens_per_s, r.seconds);
-    std::fclose(f);
-    std::printf("wrote %s\n", path.c_str());
+    std::fclose(csv);
+    std::printf("wrote %s/char_lm.csv\n", out.c_str());
   }
   return ok ? 0 : 1;
 }

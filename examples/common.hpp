@@ -385,6 +385,20 @@ inline mixattn::optim::Adam<float> adam_from_args(
   return mixattn::optim::Adam<float>(std::move(params), ao);
 }
 
+/// DIR/name opened for writing with its header line written, or nullptr when dir is empty (no
+/// --out given); exits with status 2 when the file cannot be created.
+inline FILE* open_csv(const std::string& dir, const char* name, const char* header) {
+  if (dir.empty()) return nullptr;
+  const std::string path = dir + "/" + name;
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) {
+    std::fprintf(stderr, "cannot write %s\n", path.c_str());
+    std::exit(2);
+  }
+  std::fprintf(f, "%s\n", header);
+  return f;
+}
+
 inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

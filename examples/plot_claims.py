@@ -54,38 +54,35 @@ def plot_char_lm(rows, out, name):
     print(f"wrote {out}")
 
 
-def plot_recall(rows, out, name):
+def plot_accuracy_lines(series, out, xlabel, title):
+    """One line per (label, [(x, accuracy)]) of `series`, accuracy in % against log2 x."""
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for i, m in enumerate(dict.fromkeys(r["model"] for r in rows)):
-        pts = sorted((int(r["length"]), float(r["accuracy"])) for r in rows if r["model"] == m)
-        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label=m, color=f"C{i}")
+    for i, (label, pts) in enumerate(series):
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label=label, color=f"C{i}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (trained at the first)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("held-out recall accuracy (%)")
     ax.set_ylim(0, 102)
     ax.legend(fontsize=8)
-    ax.set_title("multi-query associative recall vs length" + suffix(name, "recall_length"))
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
+
+
+def plot_recall(rows, out, name):
+    series = [(m, sorted((int(r["length"]), float(r["accuracy"])) for r in rows if r["model"] == m))
+              for m in dict.fromkeys(r["model"] for r in rows)]
+    plot_accuracy_lines(series, out, "sequence length (trained at the first)",
+                        "multi-query associative recall vs length" + suffix(name, "recall_length"))
 
 
 def plot_dict(rows, out, name):
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for i, length in enumerate(sorted({int(r["length"]) for r in rows})):
-        pts = sorted((int(r["dict_size"]), float(r["accuracy"])) for r in rows
-                     if int(r["length"]) == length)
-        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label=f"N = {length}",
-                color=f"C{i}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("OVQ dictionary size N_max at test time")
-    ax.set_ylabel("held-out recall accuracy (%)")
-    ax.set_ylim(0, 102)
-    ax.legend(fontsize=8)
-    ax.set_title("OVQ + window: test-time dictionary size" + suffix(name, "recall_dict"))
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
+    series = [(f"N = {length}", sorted((int(r["dict_size"]), float(r["accuracy"])) for r in rows
+                                       if int(r["length"]) == length))
+              for length in sorted({int(r["length"]) for r in rows})]
+    plot_accuracy_lines(series, out, "OVQ dictionary size N_max at test time",
+                        "OVQ + window: test-time dictionary size" + suffix(name, "recall_dict"))
 
 
 def main():

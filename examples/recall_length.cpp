@@ -190,18 +190,6 @@ Trained train(const Arch& arch, const Task& task, const Settings& s, int argc, c
   return out;
 }
 
-FILE* open_csv(const std::string& dir, const char* name, const char* header) {
-  if (dir.empty()) return nullptr;
-  const std::string path = dir + "/" + name;
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (!f) {
-    std::fprintf(stderr, "cannot write %s\n", path.c_str());
-    std::exit(2);
-  }
-  std::fprintf(f, "%s\n", header);
-  return f;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -247,8 +235,8 @@ int main(int argc, char** argv) {
       {"linear+window", layer::MixerKind::softmax, layer::MixerKind::linear, true},
       {"gma", layer::MixerKind::gma, layer::MixerKind::gma, false},
       {"vq", layer::MixerKind::vq, layer::MixerKind::vq, false}};
-  FILE* by_length = open_csv(out, "recall_length.csv", "model,length,accuracy,train_seconds");
-  FILE* by_dict = open_csv(out, "recall_dict.csv", "dict_size,length,accuracy");
+  FILE* by_length = example::open_csv(out, "recall_length.csv", "model,length,accuracy,train_seconds");
+  FILE* by_dict = example::open_csv(out, "recall_dict.csv", "dict_size,length,accuracy");
   const double chance = 1.0 / task.values;
   bool ok = true;
   int trained = 0;
