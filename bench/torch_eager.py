@@ -5,9 +5,10 @@ Every function works on one head (N x r) or on a batch of heads (..., N, r) with
 shape (..., K, r) broadcasting against it (e.g. q (B, H, N, r) with mean (H, K, r)).
 
 Two eager GMAs: gma, the paper's broadcast form (N x K x r differences; the side-by-side's
-baseline, one head at a time), and gma_chunked, the matmul form eager linear attention is
-written in (the extension's benchmark, whole batches: the broadcast form would form
-B H N K r floats per intermediate there).
+baseline, one head at a time; gma_per_head runs it over a batch of heads, the extension
+benchmark's "paper-style" baseline), and gma_chunked, the matmul form eager linear attention
+is written in (the extension benchmark's stronger eager baseline, whole batches: the broadcast
+form would form B H N K r floats per intermediate there).
 """
 
 import datetime
@@ -45,6 +46,17 @@ def gma(q, k, v, mix, causal):
         num = torch.einsum("...nk,...nkd->...nd", gq, state)
         den = (gq * torch.cumsum(gk, -2)).sum(-1, keepdim=True) + EPS
     return num / den
+
+
+def gma_per_head(q, k, v, mix, causal):
+    """gma(), the paper's broadcast form, on a batch (B, H, N, r) with a mixture (H, K, r), run one
+    (batch, head) pair at a time: its N x K x r intermediates are then N K r floats (32 MiB at
+    N = 2048, K = r = 64) instead of B H N K r (1 GiB for B H = 32), which is the form of the
+    paper's code that fits in memory and runs fastest here."""
+    b, h = q.shape[:2]
+    outs = [gma(q[i, j], k[i, j], v[i, j], tuple(t[j] for t in mix), causal)
+            for i in range(b) for j in range(h)]
+    return torch.stack(outs).reshape(b, h, *outs[0].shape)
 
 
 def gamma_matmul(x, mean, var_raw, prior_logit):

@@ -11,12 +11,14 @@ r = d_v = 64, K = 64:
         two matmuls per head, causal in 64-token chunks carrying the K x d_v prefix state, as
         eager linear attention is written; the broadcast form torch_eager.gma materialises
         B H N K r floats, 1 GiB per intermediate here, and took minutes per call),
+        eager_gma_paper (torch_eager.gma_per_head: the paper's broadcast form, one (batch, head)
+        pair at a time; fwd_bwd and the training step only, the two points with targets),
         softmax (scaled_dot_product_attention when torch has it, >= 2.0; else the eager
         softmax(Q K^T / sqrt(r) + mask) V)
   torch_ext_<impl>_step_causal/2048   one training step (forward, backward, Adam) of a
         2-layer causal language model, d_model 256, 4 heads (r = d_v = 64), K = 64, N = 2048,
         batch 4: the same model with mixattn.GaussianMixtureAttention, with eager GMA on the
-        same parameters, or with softmax attention.
+        same parameters (either form), or with softmax attention.
 Each thread count runs in its own process, with OMP/OpenBLAS threads set before torch loads
 and torch.set_num_threads; one thread is pinned to one core (MIXATTN_BENCH_CPU, default the
 last). Every point: one untimed call, then at least --min-calls (3) timed calls and --min-time
@@ -80,12 +82,15 @@ def child(threads, min_time, min_calls, quick):
     impls = {
         "mixattn": lambda q, k, v, mix, causal: mixattn.gma_attention(q, k, v, *mix, causal=causal),
         "eager_gma": torch_eager.gma_chunked,
+        "eager_gma_paper": torch_eager.gma_per_head,
         "softmax": torch_eager.softmax_attention,
     }
     for causal in (False, True):
         mode = "causal" if causal else "bidir"
         for impl, op in impls.items():
             for kind in ("forward", "fwd_bwd"):
+                if impl == "eager_gma_paper" and kind == "forward":
+                    continue  # seconds per call; measured where the targets are
                 leaves = [t.clone().requires_grad_(kind == "fwd_bwd") for t in (q, k, v, *mix)]
 
                 def call(op=op, leaves=leaves, kind=kind, causal=causal):
@@ -114,13 +119,19 @@ def training_step(impl, torch, mixattn, torch_eager):
             return self._merge(torch_eager.gma_chunked(q, k, v, (self.mean, self.var_raw,
                                                                  self.prior_logit), self.causal))
 
+    class EagerGmaPaper(mixattn.GaussianMixtureAttention):
+        def forward(self, x):
+            q, k, v = self._heads(x)
+            return self._merge(torch_eager.gma_per_head(q, k, v, (self.mean, self.var_raw,
+                                                                  self.prior_logit), self.causal))
+
     class Softmax(mixattn.GaussianMixtureAttention):  # the same projections, no mixture used
         def forward(self, x):
             q, k, v = self._heads(x)
             return self._merge(torch_eager.softmax_attention(q, k, v, None, True))
 
     attention = {"mixattn": mixattn.GaussianMixtureAttention, "eager_gma": EagerGma,
-                 "softmax": Softmax}[impl]
+                 "eager_gma_paper": EagerGmaPaper, "softmax": Softmax}[impl]
 
     class Block(nn.Module):
         def __init__(self):
