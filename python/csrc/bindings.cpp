@@ -89,11 +89,15 @@ Shape attention_shape(const std::string& fn, at::Tensor& q, at::Tensor& k,
   return s;
 }
 
+/// The batch dimension of the call's tensors: 1 for sequences packed along the tokens (Shape::
+/// offsets, where s.batch counts the sequences).
+int64_t tensor_batch(const Shape& s) { return s.offsets.empty() ? s.batch : 1; }
+
 /// grad_out (B, H, N, d_v), like the forward's output.
 at::Tensor checked_grad_out(const std::string& fn, const at::Tensor& grad_out, const Shape& s,
                             const at::Tensor& like) {
   at::Tensor g = checked(grad_out, fn, "grad_out", 4, like);
-  if (g.sizes() != at::IntArrayRef({s.batch, s.heads, s.queries, s.value_dim}))
+  if (g.sizes() != at::IntArrayRef({tensor_batch(s), s.heads, s.queries, s.value_dim}))
     fail(fn, "grad_out has shape " + shape_of(g) + ", not the output's");
   return g;
 }
@@ -237,18 +241,37 @@ SavedBox gma_prepare_py(at::Tensor mean, at::Tensor var_raw, at::Tensor prior_lo
   return box("gma-prepared", a.q, std::move(heads));
 }
 
+PackedShape packed_shape(const std::string& fn, const Shape& s, std::vector<int64_t> offsets);
+
+/// The state path's shape: as is without cu_seqlens (`offsets` empty); with them, (1, H, T, .)
+/// tensors holding offsets.size() - 1 sequences, one state each (Shape::offsets), the offsets
+/// checked here (0 first, T last, nondecreasing).
+Shape sequences_shape(const std::string& fn, Shape s, const std::vector<int64_t>& offsets) {
+  if (offsets.empty()) return s;
+  const PackedShape p = packed_shape(fn, s, offsets);  // batch 1, as many keys as queries
+  bool ok = p.offsets.size() >= 2 && p.offsets.front() == 0 && p.offsets.back() == p.rows;
+  for (std::size_t i = 1; ok && i < p.offsets.size(); ++i) ok = p.offsets[i - 1] <= p.offsets[i];
+  if (!ok)
+    fail(fn, "cu_seqlens must hold N + 1 >= 2 nondecreasing offsets from 0 to the " +
+                 std::to_string(p.rows) + " tokens of q");
+  s.batch = static_cast<Index>(p.offsets.size()) - 1;
+  s.offsets = p.offsets;
+  return s;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox, bool> gma_forward_state_py(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean, at::Tensor var_raw,
     at::Tensor prior_logit, at::Tensor S0, at::Tensor z0, double eps, double var_floor,
-    bool check_finite, const SavedBox* prepared, bool save) {
+    bool check_finite, const SavedBox* prepared, bool save,
+    const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.gma_attention";
   const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor,
                              check_finite);
-  const Shape& s = a.shape;
+  const Shape s = sequences_shape(fn, a.shape, offsets);
   const int64_t K = a.config.components;
   S0 = checked_state(fn, S0, "initial_state[0] (S)", {s.batch, s.heads, K, s.value_dim});
   z0 = checked_state(fn, z0, "initial_state[1] (z)", {s.batch, s.heads, K});
-  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
+  at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, a.q.options());
   at::Tensor S = at::empty_like(S0), z = at::empty_like(z0);
   const GmaStateIO io{S0.data_ptr<double>(), z0.data_ptr<double>(), S.data_ptr<double>(),
                       z.data_ptr<double>()};
@@ -268,11 +291,12 @@ std::vector<at::Tensor> gma_backward_state_py(at::Tensor q, at::Tensor k, at::Te
                                               at::Tensor prior_logit, at::Tensor grad_out,
                                               at::Tensor grad_S, at::Tensor grad_z,
                                               const SavedBox& saved, double eps,
-                                              double var_floor, bool check_finite) {
+                                              double var_floor, bool check_finite,
+                                              const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.gma_attention (backward)";
   const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor,
                              check_finite);
-  const Shape& s = a.shape;
+  const Shape s = sequences_shape(fn, a.shape, offsets);
   const int64_t K = a.config.components;
   grad_out = checked_grad_out(fn, grad_out, s, a.q);
   grad_S = checked_state(fn, grad_S, "grad of final_state[0] (S)",
@@ -416,9 +440,9 @@ struct OvqStateBox {
 
 std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor beta, const OvqConfig& c,
-    const OvqStateBox* start, bool save) {
+    const OvqStateBox* start, bool save, const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.ovq_attention";
-  const Shape s = ovq_shape(fn, q, k, v, beta);
+  const Shape s = sequences_shape(fn, ovq_shape(fn, q, k, v, beta), offsets);
   const std::string kind = "ovq-state/" + std::string(c10::toString(q.scalar_type()));
   if (start != nullptr) {
     const Shape& was = start->states.shape;
@@ -427,12 +451,14 @@ std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
                    std::string(c10::toString(q.scalar_type())));
     if (was.batch != s.batch || was.heads != s.heads || was.key_dim != s.key_dim ||
         was.value_dim != s.value_dim)
-      fail(fn, "initial_state was made for (batch, heads, key dim, value dim) = (" +
+      fail(fn, "initial_state was made for (batch or sequences, heads, key dim, value dim) = (" +
                    std::to_string(was.batch) + ", " + std::to_string(was.heads) + ", " +
                    std::to_string(was.key_dim) + ", " + std::to_string(was.value_dim) +
-                   ") but q has shape " + shape_of(q) + " and v has " + shape_of(v));
+                   ") but q has shape " + shape_of(q) + " and v has " + shape_of(v) +
+                   (offsets.empty() ? std::string()
+                                    : " with " + std::to_string(s.batch) + " sequences"));
   }
-  at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
+  at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, q.options());
   OvqStateBox end{kind, {}};
   SavedPtr rec = dispatch(q, [&](auto t) {
     using T = decltype(t);
@@ -445,9 +471,10 @@ std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
 
 std::vector<at::Tensor> ovq_backward_py(at::Tensor q, at::Tensor k, at::Tensor v,
                                            at::Tensor beta, at::Tensor grad_out,
-                                           const SavedBox& saved, const OvqConfig& c) {
+                                           const SavedBox& saved, const OvqConfig& c,
+                                           const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.ovq_attention (backward)";
-  const Shape s = ovq_shape(fn, q, k, v, beta);
+  const Shape s = sequences_shape(fn, ovq_shape(fn, q, k, v, beta), offsets);
   grad_out = checked_grad_out(fn, grad_out, s, q);
   const SavedPtr& rec = unbox(saved, "ovq", q, fn);
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
@@ -554,7 +581,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("kind", [](const mt::SavedBox& b) { return b.kind; });
   py::class_<mt::OvqStateBox>(m, "OvqState",
                               "The dictionaries an ovq_attention call ended with, one per "
-                              "(batch, head) (opaque; no gradient flows through it).")
+                              "(batch, head), or (sequence, head) of a packed call (opaque; no "
+                              "gradient flows through it).")
       .def_property_readonly("batch", [](const mt::OvqStateBox& b) { return b.states.shape.batch; })
       .def_property_readonly("heads", [](const mt::OvqStateBox& b) { return b.states.shape.heads; })
       .def_property_readonly("kind", [](const mt::OvqStateBox& b) { return b.kind; });
@@ -570,10 +598,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gma_forward_state", &mt::gma_forward_state_py, py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"), py::arg("S0"),
         py::arg("z0"), py::arg("eps"), py::arg("var_floor"), py::arg("check_finite"),
-        py::arg("prepared") = nullptr, py::arg("save") = true, nogil);
-  m.def("gma_backward_state", &mt::gma_backward_state_py, nogil);
-  m.def("ovq_forward", &mt::ovq_forward_py, nogil);
-  m.def("ovq_backward", &mt::ovq_backward_py, nogil);
+        py::arg("prepared") = nullptr, py::arg("save") = true,
+        py::arg("offsets") = std::vector<int64_t>{}, nogil);
+  m.def("gma_backward_state", &mt::gma_backward_state_py, py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"),
+        py::arg("grad_out"), py::arg("grad_S"), py::arg("grad_z"), py::arg("saved"),
+        py::arg("eps"), py::arg("var_floor"), py::arg("check_finite"),
+        py::arg("offsets") = std::vector<int64_t>{}, nogil);
+  m.def("ovq_forward", &mt::ovq_forward_py, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("beta"), py::arg("config"), py::arg("initial_state"), py::arg("save"),
+        py::arg("offsets") = std::vector<int64_t>{}, nogil);
+  m.def("ovq_backward", &mt::ovq_backward_py, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("beta"), py::arg("grad_out"), py::arg("saved"), py::arg("config"),
+        py::arg("offsets") = std::vector<int64_t>{}, nogil);
   m.def("flash_forward", &mt::flash_forward_py, nogil);
   m.def("flash_backward", &mt::flash_backward_py, nogil);
   m.def("gma_forward_packed", &mt::gma_forward_packed_py, nogil);

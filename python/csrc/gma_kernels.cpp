@@ -87,8 +87,8 @@ SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in,
     const auto& mix = mixtures[head];
     auto* saved = save ? &rec->pairs[static_cast<std::size_t>(pair)] : nullptr;
     auto& o = thread_scratch<mixattn::Matrix<T>>();
-    const auto q = slice(in.q, pair, N, r), k = slice(in.k, pair, M, r);
-    const auto v = slice(in.v, pair, M, dv);
+    const auto q = pair_rows(s, in.q, pair, N, r), k = pair_rows(s, in.k, pair, M, r);
+    const auto v = pair_rows(s, in.v, pair, M, dv);
     if (state == nullptr) {
       mixattn::gma::forward_into(o, mix, q, k, v, opt, saved);
     } else {
@@ -103,7 +103,7 @@ SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in,
       slice(state->S, pair, K, dv) = st.S;
       slice(state->z, pair, 1, K) = st.z.transpose();
     }
-    slice(out, pair, N, dv) = o;
+    pair_rows(s, out, pair, N, dv) = o;
   });
   if (save) rec->shared = std::move(mixtures);  // the backward's mixtures
   return rec;
@@ -122,8 +122,8 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
   for_each_pair(s, [&](Index pair) {
     const auto& mix = rec.shared[static_cast<std::size_t>(pair % s.heads)];
     auto& g = thread_scratch<mixattn::gma::Grad<T>>();
-    const auto q = slice(in.q, pair, N, r), k = slice(in.k, pair, M, r);
-    const auto v = slice(in.v, pair, M, d), go = slice(grad_out, pair, N, d);
+    const auto q = pair_rows(s, in.q, pair, N, r), k = pair_rows(s, in.k, pair, M, r);
+    const auto v = pair_rows(s, in.v, pair, M, d), go = pair_rows(s, grad_out, pair, N, d);
     const auto& one = rec.pairs[static_cast<std::size_t>(pair)];
     if (state != nullptr && state->dS != nullptr) {
       auto& end = thread_scratch<mixattn::gma::StateGrad<T>>();
@@ -134,9 +134,9 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
     } else {
       mixattn::gma::backward_into(g, mix, q, k, v, go, one, opt);
     }
-    slice(dq, pair, N, r) = g.q;
-    slice(dk, pair, M, r) = g.k;
-    slice(dv, pair, M, d) = g.v;
+    pair_rows(s, dq, pair, N, r) = g.q;
+    pair_rows(s, dk, pair, M, r) = g.k;
+    pair_rows(s, dv, pair, M, d) = g.v;
     if (state != nullptr) {
       slice(state->dS0, pair, K, d) = g.state.S;
       slice(state->dz0, pair, 1, K) = g.state.z.transpose();

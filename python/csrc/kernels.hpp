@@ -16,8 +16,14 @@ namespace mixattn_torch {
 using Index = std::int64_t;
 
 /// Sizes of one call: q (B, H, N, r), k (B, H, M, r), v (B, H, M, d_v).
+///
+/// With `offsets` (the state path of GMA, kernels that say so): the tensors are (1, H, T, .)
+/// with B sequences packed along the T tokens (queries = keys = T), sequence b being tokens
+/// [offsets[b], offsets[b + 1]); `batch` is then the number of sequences B, and pair b * H + h is
+/// sequence b of head h (pair_rows).
 struct Shape {
   Index batch = 0, heads = 0, queries = 0, keys = 0, key_dim = 0, value_dim = 0;
+  std::vector<Index> offsets;  // empty, or B + 1 entries, 0 first, T last, nondecreasing
 };
 
 /// What a forward keeps for its backward (the library's Saved records, one per (b, h)), owned
@@ -68,7 +74,8 @@ template <class T>
 SavedPtr gma_prepare(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in);
 
 /// Writes out (B, H, N, d_v); returns the record gma_backward needs. With `state` (causal only)
-/// every pair continues its start state and writes its end state; `prepared` (gma_prepare's, or
+/// every pair continues its start state and writes its end state (and `s` may be packed: one
+/// state per (sequence, head), S (B, H, K, d_v) and z (B, H, K) with B the sequences); `prepared` (gma_prepare's, or
 /// null) then replaces the per-pair reduction of the mixture (the decode path: one token per
 /// call would otherwise spend most of its time there), but only if every head's mixture in `in`
 /// still has the fingerprint it was prepared from; else the call prepares as without it.
@@ -131,7 +138,8 @@ struct OvqStates {
   std::shared_ptr<void> states;
 };
 
-/// q, k (B, H, T, r), v (B, H, T, d_v), beta (H). Every (b, h) starts from an empty state, or
+/// q, k (B, H, T, r), v (B, H, T, d_v), beta (H); `s` may be packed (Shape::offsets: one state
+/// per (sequence, head)). Every (b, h) starts from an empty state, or
 /// from `start`'s (copied: `start` is left as it was), and its end state goes to `end` if given.
 /// save = false keeps no record and returns null.
 template <class T>

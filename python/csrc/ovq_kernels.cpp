@@ -1,5 +1,6 @@
-// python/csrc/ovq_kernels.cpp — OVQ (SPEC 2) over (batch, head) pairs: every pair processes its
-// sequence from an empty state with its head's beta; dbeta of a head is summed over the batch.
+// python/csrc/ovq_kernels.cpp — OVQ (SPEC 2) over (batch, head) pairs, or (sequence, head) pairs
+// of a packed call: every pair processes its sequence from an empty state (or the one it is
+// given) with its head's beta; dbeta of a head is summed over the batch.
 #include "pairs.hpp"
 
 #include <mixattn/ovq.hpp>
@@ -40,10 +41,10 @@ SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k,
     state = from != nullptr ? (*from)[static_cast<std::size_t>(pair)]
                             : mixattn::ovq::State<T>::empty(r, dv);
     auto& o = thread_scratch<mixattn::Matrix<T>>();
-    mixattn::ovq::forward_into<T>(o, slice(q, pair, n, r), slice(k, pair, n, r),
-                                  slice(v, pair, n, dv), beta[pair % s.heads], opt, state,
+    mixattn::ovq::forward_into<T>(o, pair_rows(s, q, pair, n, r), pair_rows(s, k, pair, n, r),
+                                  pair_rows(s, v, pair, n, dv), beta[pair % s.heads], opt, state,
                                   save ? &rec->pairs[static_cast<std::size_t>(pair)] : nullptr);
-    slice(out, pair, n, dv) = o;
+    pair_rows(s, out, pair, n, dv) = o;
   });
   if (end != nullptr) {
     end->shape = s;
@@ -63,13 +64,13 @@ void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, co
   std::vector<T> beta_grads(static_cast<std::size_t>(s.batch * s.heads));
   for_each_pair(s, [&](Index pair) {
     auto& g = thread_scratch<mixattn::ovq::Grad<T>>();
-    mixattn::ovq::backward_into<T>(g, slice(q, pair, n, r), slice(k, pair, n, r),
-                                   slice(v, pair, n, d), beta[pair % s.heads],
-                                   slice(grad_out, pair, n, d),
+    mixattn::ovq::backward_into<T>(g, pair_rows(s, q, pair, n, r), pair_rows(s, k, pair, n, r),
+                                   pair_rows(s, v, pair, n, d), beta[pair % s.heads],
+                                   pair_rows(s, grad_out, pair, n, d),
                                    rec.pairs[static_cast<std::size_t>(pair)], opt);
-    slice(dq, pair, n, r) = g.q;
-    slice(dk, pair, n, r) = g.k;
-    slice(dv, pair, n, d) = g.v;
+    pair_rows(s, dq, pair, n, r) = g.q;
+    pair_rows(s, dk, pair, n, r) = g.k;
+    pair_rows(s, dv, pair, n, d) = g.v;
     beta_grads[static_cast<std::size_t>(pair)] = g.beta;
   });
   for (Index h = 0; h < s.heads; ++h) {  // batch order: the same bits for any thread count

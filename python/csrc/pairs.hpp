@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 namespace mixattn_torch {
@@ -30,6 +31,18 @@ ConstMap<T> slice(const T* base, Index pair, Index rows, Index cols) {
 template <class T>
 Map<T> slice(T* base, Index pair, Index rows, Index cols) {
   return Map<T>(base + pair * rows * cols, rows, cols);
+}
+
+/// Pair `pair`'s block of a (B, H, rows, cols) tensor, rows x cols row-major: slice(base, pair,
+/// rows, cols); for a packed shape (Shape::offsets) the tensor is (1, H, T, cols) and the block
+/// is sequence pair / H's tokens of head pair % H (`rows` is then T and not the block's).
+template <class T>
+auto pair_rows(const Shape& s, T* base, Index pair, Index rows, Index cols) {
+  using Block = std::conditional_t<std::is_const_v<T>, ConstMap<std::remove_const_t<T>>, Map<T>>;
+  if (s.offsets.empty()) return Block(base + pair * rows * cols, rows, cols);
+  const auto b = static_cast<std::size_t>(pair / s.heads);
+  const Index first = s.offsets[b], count = s.offsets[b + 1] - first;
+  return Block(base + ((pair % s.heads) * rows + first) * cols, count, cols);
 }
 
 /// fn(pair) for every (b, h) pair, split over torch.get_num_threads() threads (an exception is
@@ -144,7 +157,8 @@ const PairRecords<Pair, Shared>& records_for(const SavedPtr& saved, const Shape&
   const auto* r = static_cast<const PairRecords<Pair, Shared>*>(saved.get());
   const bool same = r && r->shape.batch == s.batch && r->shape.heads == s.heads &&
                     r->shape.queries == s.queries && r->shape.keys == s.keys &&
-                    r->shape.key_dim == s.key_dim && r->shape.value_dim == s.value_dim;
+                    r->shape.key_dim == s.key_dim && r->shape.value_dim == s.value_dim &&
+                    r->shape.offsets == s.offsets;
   if (!same)
     throw std::invalid_argument(std::string(fn) +
                                 ": saved was not made by the forward of these shapes");

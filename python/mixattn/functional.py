@@ -135,16 +135,16 @@ class _GmaStateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mean, var_raw, prior_logit, S0, z0, eps, var_floor, check_finite,
-                prepared, save):
+                prepared, save, offsets):
         inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
         out, S, z, saved, used = _C.gma_forward_state(*inputs, S0.contiguous(), z0.contiguous(),
                                                       eps, var_floor, check_finite, prepared,
-                                                      save)
+                                                      save, offsets)
         if prepared is not None and not used:
             _PREPARED.forget(prepared)
         ctx.save_for_backward(*inputs)
         ctx.record = saved
-        ctx.options = (eps, var_floor, check_finite)
+        ctx.options = (eps, var_floor, check_finite, offsets)
         return out, S, z
 
     @staticmethod
@@ -153,25 +153,26 @@ class _GmaStateFunction(torch.autograd.Function):
         grads = _C.gma_backward_state(*ctx.saved_tensors, grad_out.contiguous(),
                                       grad_S.contiguous(), grad_z.contiguous(), ctx.record,
                                       *ctx.options)
-        return _grads(ctx, grads) + (None,) * 5
+        return _grads(ctx, grads) + (None,) * 6
 
 
 class _OvqFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, beta, config, initial_state, final_state, save):
+    def forward(ctx, q, k, v, beta, config, initial_state, final_state, save, offsets):
         inputs = _contiguous(q, k, v, beta)
-        out, saved, end = _C.ovq_forward(*inputs, config, initial_state, save)
+        out, saved, end = _C.ovq_forward(*inputs, config, initial_state, save, offsets)
         ctx.save_for_backward(*inputs)
         ctx.record = saved
-        ctx.config = config
+        ctx.options = (config, offsets)
         final_state.append(end)  # an opaque object, not an autograd output: no gradient
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        grads = _C.ovq_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record, ctx.config)
-        return _grads(ctx, grads) + (None,) * 4
+        grads = _C.ovq_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
+                                *ctx.options)
+        return _grads(ctx, grads) + (None,) * 5
 
 
 class _GmaPackedFunction(torch.autograd.Function):
@@ -248,11 +249,14 @@ class _FlashFunction(torch.autograd.Function):
         return _grads(ctx, grads) + (None,) * 4
 
 
-def _gma_state(fn, initial_state, q, v, mean):
-    """initial_state as float64 (S, z), or zeros for None, checked against the call's shapes."""
+def _gma_state(fn, initial_state, q, v, mean, sequences=None):
+    """initial_state as float64 (S, z), or zeros for None, checked against the call's shapes
+    (one state per batch entry, or per sequence of a packed call: `sequences` of them)."""
     if q.dim() != 4 or v.dim() != 4 or mean.dim() != 3:
         return None  # the kernel's checks name the bad argument
     b, h, _, dv = v.shape
+    if sequences is not None:
+        b = sequences
     k = mean.shape[1]
     if initial_state is None:
         return (torch.zeros(b, h, k, dv, dtype=torch.float64),
@@ -267,8 +271,8 @@ def _gma_state(fn, initial_state, q, v, mean):
             raise ValueError(f"{fn}: {name} must be a tensor, got {type(t).__name__}")
         if tuple(t.shape) != want:
             raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)} but must be {want} "
-                             "(batch, heads, components" + (", value dim)" if len(want) == 4
-                                                             else ")"))
+                             f"({'sequences' if sequences is not None else 'batch'}, heads, "
+                             "components" + (", value dim)" if len(want) == 4 else ")"))
         if t.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"{fn}: {name} must be float32 or float64, got {t.dtype}")
         state.append(t.to(torch.float64))  # differentiable; a no-op for float64
@@ -305,17 +309,20 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
     v (1, H, T, d_v) holding N sequences one after another along T; sequence i is tokens
     [cu_seqlens[i], cu_seqlens[i+1]) and attends only within itself (causal or not). The result
     equals N separate calls (the library's packed.hpp; pairs on torch.get_num_threads()
-    threads). Not combined with initial_state / output_final_state.
+    threads). With initial_state / output_final_state as well (causal), every sequence has its
+    own state: S (N, H, K, d_v) and z (N, H, K), sequence i continuing initial_state[.][i] and
+    ending in final_state[.][i], as N separate streaming calls would (an empty sequence passes
+    its state through unchanged).
     """
     fn = "mixattn.gma_attention"
     streaming = initial_state is not None or output_final_state
+    offsets = []
     if cu_seqlens is not None:
-        if streaming:
-            raise ValueError(f"{fn}: cu_seqlens cannot be combined with initial_state or "
-                             "output_final_state")
-        return _GmaPackedFunction.apply(q, k, v, mean, var_raw, prior_logit,
-                                        _offsets(fn, cu_seqlens, q), bool(causal), float(eps),
-                                        float(var_floor), bool(check_finite))
+        offsets = _offsets(fn, cu_seqlens, q)
+        if not streaming:
+            return _GmaPackedFunction.apply(q, k, v, mean, var_raw, prior_logit, offsets,
+                                            bool(causal), float(eps), float(var_floor),
+                                            bool(check_finite))
     if not streaming:
         return _GmaFunction.apply(q, k, v, mean, var_raw, prior_logit, bool(causal), float(eps),
                                   float(var_floor), bool(check_finite),
@@ -323,7 +330,7 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
     if not causal:
         raise ValueError(f"{fn}: initial_state and output_final_state need causal=True (the "
                          "state is a causal prefix; a bidirectional call has none)")
-    state = _gma_state(fn, initial_state, q, v, mean)
+    state = _gma_state(fn, initial_state, q, v, mean, len(offsets) - 1 if offsets else None)
     if state is None:  # q, v or mean of the wrong rank: let the kernel name it
         state = (torch.zeros(0, dtype=torch.float64),) * 2
     prepared = None
@@ -333,14 +340,15 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
     out, S, z = _GmaStateFunction.apply(q, k, v, mean, var_raw, prior_logit, *state, float(eps),
                                         float(var_floor), bool(check_finite), prepared,
                                         _needs_record(q, k, v, mean, var_raw, prior_logit,
-                                                      *state))
+                                                      *state), offsets)
     return (out, (S, z)) if output_final_state else out
 
 
 def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau",
                   growth_alpha=0.0, seeding="greedy_dispersion", assignment="all_centroids",
                   count_bias=True, grad_through_dictionary=True, norm_eps=1e-5,
-                  check_finite=True, initial_state=None, output_final_state=False):
+                  check_finite=True, initial_state=None, output_final_state=False,
+                  cu_seqlens=None):
     """Online Vector-Quantized attention (SPEC.md section 2), causal, every sequence of the batch
     from an empty dictionary (or from ``initial_state``).
 
@@ -361,6 +369,10 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
     The state is forward only: NO gradient flows into or out of it (the library has no
     gradient with respect to a dictionary). Within a call, gradients still flow to q, k, v and
     beta, with the dictionary the call started from held constant.
+
+    ``cu_seqlens``: packed variable-length sequences along T of (1, H, T, .) tensors, as in
+    gma_attention; each sequence has its own dictionary (the state then holds one per
+    (sequence, head), and continues a packed or a batched call with as many sequences).
     """
     config = _C.OvqConfig(int(block), int(max_centroids), str(growth), float(growth_alpha),
                           str(seeding), str(assignment), bool(count_bias),
@@ -370,9 +382,10 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
         raise ValueError("mixattn.ovq_attention: initial_state must be the state an earlier "
                          "ovq_attention(..., output_final_state=True) returned, got "
                          f"{type(initial_state).__name__}")
+    offsets = [] if cu_seqlens is None else _offsets("mixattn.ovq_attention", cu_seqlens, q)
     final_state = []
     out = _OvqFunction.apply(q, k, v, beta, config, initial_state, final_state,
-                             _needs_record(q, k, v, beta))
+                             _needs_record(q, k, v, beta), offsets)
     return (out, final_state[0]) if output_final_state else out
 
 

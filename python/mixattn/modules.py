@@ -74,6 +74,9 @@ class GaussianMixtureAttention(_Projections):
     gma_attention: the state is the pair (S (batch, heads, K, value_dim), z (batch, heads, K)),
     float64; with output_final_state the module returns ``(y, (S, z))``. Gradients flow through
     the states.
+
+    Packed variable-length input: ``forward(x, cu_seqlens=...)`` with x (1, T, d_model) holding
+    the sequences one after another, as gma_attention (with a state: one per sequence).
     """
 
     def __init__(self, d_model, heads, components, causal=False, key_dim=None, value_dim=None,
@@ -88,11 +91,11 @@ class GaussianMixtureAttention(_Projections):
         self.var_raw = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
         self.prior_logit = nn.Parameter(torch.zeros(heads, components, device=device, dtype=dtype))
 
-    def forward(self, x, initial_state=None, output_final_state=False):
+    def forward(self, x, initial_state=None, output_final_state=False, cu_seqlens=None):
         q, k, v = self._heads(x)
         o = gma_attention(q, k, v, self.mean, self.var_raw, self.prior_logit, causal=self.causal,
                           eps=self.eps, var_floor=self.var_floor, initial_state=initial_state,
-                          output_final_state=output_final_state)
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         if output_final_state:
             return self._merge(o[0]), o[1]
         return self._merge(o)
@@ -112,6 +115,8 @@ class OnlineVQAttention(_Projections):
 
     Streaming: ``forward(x, initial_state=None, output_final_state=False)`` as ovq_attention (an
     opaque state, forward only); with output_final_state the module returns ``(y, state)``.
+    Packed variable-length input: ``forward(x, cu_seqlens=...)`` with x (1, T, d_model), as
+    ovq_attention (one dictionary per sequence).
     """
 
     def __init__(self, d_model, heads, key_dim=None, value_dim=None, device=None, dtype=None,
@@ -124,10 +129,11 @@ class OnlineVQAttention(_Projections):
         ovq_attention(q, q, q.new_zeros(1, heads, 0, self.value_dim), self.beta.detach().cpu(),
                       **self.ovq_options)
 
-    def forward(self, x, initial_state=None, output_final_state=False):
+    def forward(self, x, initial_state=None, output_final_state=False, cu_seqlens=None):
         q, k, v = self._heads(x)
         o = ovq_attention(q, k, v, self.beta, initial_state=initial_state,
-                          output_final_state=output_final_state, **self.ovq_options)
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                          **self.ovq_options)
         if output_final_state:
             return self._merge(o[0]), o[1]
         return self._merge(o)

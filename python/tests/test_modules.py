@@ -80,6 +80,30 @@ def test_ovq_module_matches_eager():
     assert (g1 - g2).abs().max() <= 1e-10 * g2.abs().max()
 
 
+def test_modules_take_packed_sequences():
+    # x (1, T, d_model) with cu_seqlens equals the module on each sequence alone; GMA causal with
+    # a state per sequence too.
+    torch.manual_seed(3)
+    cu = [0, 7, 7, 8, 20]
+    x = torch.randn(1, cu[-1], 8, dtype=DOUBLE)
+    parts = [x[:, a:b] for a, b in zip(cu[:-1], cu[1:])]
+    layers = (mixattn.GaussianMixtureAttention(8, heads=2, components=3, causal=True,
+                                               dtype=DOUBLE),
+              mixattn.OnlineVQAttention(8, heads=2, dtype=DOUBLE, block=4, max_centroids=5))
+    for layer in layers:
+        got = layer(x, cu_seqlens=cu)
+        expected = torch.cat([layer(p) for p in parts], 1)
+        assert got.shape == x.shape
+        assert (got - expected).abs().max() <= 1e-12 * expected.abs().max(), type(layer)
+    gma = layers[0]
+    y, (S, z) = gma(x, cu_seqlens=cu, output_final_state=True)
+    assert S.shape == (len(cu) - 1, 2, 3, 4) and z.shape == (len(cu) - 1, 2, 3)
+    for i, p in enumerate(parts):
+        _, (S_i, z_i) = gma(p, output_final_state=True)
+        assert (S[i] - S_i[0]).abs().max() <= 1e-12 * (1 + S_i.abs().max())
+        assert (z[i] - z_i[0]).abs().max() <= 1e-12 * (1 + z_i.abs().max())
+
+
 class TinyModel(torch.nn.Module):
     """features -> causal GMA -> OVQ -> readout, with residuals; the DDP test uses it too."""
 

@@ -261,8 +261,8 @@ def test_ovq_state_rejections():
     q, k, v, beta = inputs
     with pytest.raises(ValueError, match=r"initial_state must be the state an earlier"):
         mixattn.ovq_attention(q, k, v, beta, initial_state=(q, k), **OVQ_STREAM)
-    with pytest.raises(ValueError, match=r"initial_state was made for \(batch, heads, key dim, "
-                                         r"value dim\) = \(2, 2, 3, 2\)"):
+    with pytest.raises(ValueError, match=r"initial_state was made for \(batch or sequences, heads, "
+                                         r"key dim, value dim\) = \(2, 2, 3, 2\)"):
         mixattn.ovq_attention(q[:1], k[:1], v[:1], beta, initial_state=state, **OVQ_STREAM)
     with pytest.raises(ValueError, match=r"initial_state holds ovq-state/Double dictionaries "
                                          r"but q is Float"):
