@@ -9,6 +9,7 @@ the extension, not installed. Compiler flags: -O3, OpenMP (PyTorch's intra-op po
 -march=native by default, since the extension is built on the machine that runs it. Set
 MIXATTN_TORCH_ARCH to another flag (e.g. "-march=x86-64-v3") to build for other machines, or to
 "" for the compiler's baseline. MAX_JOBS bounds parallel compilation (PyTorch's ninja build).
+MIXATTN_TORCH_SANITIZE (e.g. "address,undefined") builds it under the compiler's sanitizers.
 """
 
 import os
@@ -37,6 +38,18 @@ def library_version():
 
 arch = os.environ.get("MIXATTN_TORCH_ARCH", "-march=native").split()
 cxx_flags = ["-std=c++17", "-O3", "-g0", "-fopenmp", "-DEIGEN_DONT_PARALLELIZE"] + arch
+link_flags = ["-fopenmp"]
+build_base = "build"
+# MIXATTN_TORCH_SANITIZE=address,undefined (tests/sanitize.sh): the extension under the compiler's
+# sanitizers, -O1 with frame pointers, built in its own directory (build/sanitize) so that it
+# never mixes objects with the normal build. The interpreter must then preload the runtime
+# (LD_PRELOAD=$(c++ -print-file-name=libasan.so)).
+sanitize = os.environ.get("MIXATTN_TORCH_SANITIZE", "")
+if sanitize:
+    flags = [f"-fsanitize={sanitize}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+    cxx_flags = [f for f in cxx_flags if f not in ("-O3", "-g0")] + ["-O1", "-g1"] + flags
+    link_flags += flags
+    build_base = os.path.join("build", "sanitize")
 
 setup(
     name="mixattn",
@@ -50,9 +63,10 @@ setup(
                      ("bindings.cpp", "gma_kernels.cpp", "ovq_kernels.cpp", "flash_kernels.cpp")],
             include_dirs=[library_include, "/usr/include/eigen3"],
             extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link_flags,
         )
     ],
     cmdclass={"build_ext": BuildExtension},
+    options={"build": {"build_base": build_base}},
     python_requires=">=3.8",
 )

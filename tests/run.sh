@@ -12,7 +12,8 @@
 #      costs the most: argument validation, thread, exception, diagnostics and stress files, the
 #      consumer.* projects (they test packaging, not kernels) and the examples;
 #   3. builds and runs the whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
-#      and the threaded tests under ThreadSanitizer (tests/sanitize.sh);
+#      the threaded tests under ThreadSanitizer, and the PyTorch extension's tests with the
+#      extension built under ASan + UBSan (tests/sanitize.sh);
 #   4. builds the libFuzzer targets and runs each for a bounded time (tests/fuzz/run.sh).
 # Environment: MIXATTN_JOBS (default nproc), MIXATTN_FUZZ_SECONDS (default 60 per target),
 # MIXATTN_SKIP_ISA=1 / MIXATTN_SKIP_SANITIZERS=1 / MIXATTN_SKIP_FUZZ=1 to skip step 2, 3 or 4,

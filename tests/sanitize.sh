@@ -2,14 +2,17 @@
 # Builds the whole test suite with AddressSanitizer + UndefinedBehaviorSanitizer and runs it under
 # ctest; any sanitizer report fails the run (no recovery, leaks included). Then, when
 # include/mixattn/batched.hpp exists (a multi-threaded entry point), builds test_thread_safety and
-# the batched tests with ThreadSanitizer and runs them.
+# the batched tests with ThreadSanitizer and runs them. Then, where PyTorch is installed, builds
+# the PyTorch extension with ASan+UBSan and runs its tests (leaks not checked there).
 #
-#   tests/sanitize.sh            ASan+UBSan pass, then the TSan pass
+#   tests/sanitize.sh            ASan+UBSan pass, the TSan pass, the extension's pass
 #   tests/sanitize.sh asan       ASan+UBSan only
 #   tests/sanitize.sh tsan       TSan only
+#   tests/sanitize.sh python     the PyTorch extension only
 #
 # Environment: CXX (default clang++: its -fsanitize=undefined also covers float-cast-overflow),
-# MIXATTN_JOBS (default nproc), MIXATTN_SANITIZE_DIR (default build/asan and build/tsan).
+# MIXATTN_JOBS (default nproc), MIXATTN_SANITIZE_DIR (default build: build/asan, build/tsan and
+# build/asan-python), MIXATTN_SKIP_PYTHON=1 (leave the extension out of the default pass).
 #
 # Skipped under the sanitizers (ctest -E):
 #   - StressTest.*      the million-token stress runs (test_stress_*.cpp): ~10x slower under
@@ -84,6 +87,28 @@ if [[ $what == all || $what == tsan ]]; then
     echo "== TSan: $((SECONDS - t0)) s"
   else
     echo "== TSan: include/mixattn/batched.hpp not present, skipped"
+  fi
+fi
+if [[ $what == python || ($what == all && ${MIXATTN_SKIP_PYTHON:-0} != 1) ]]; then
+  # The PyTorch extension (python/) built with g++'s ASan+UBSan (PyTorch builds extensions with
+  # the compiler it was built with) and its pytest suite run in that interpreter. The runtime
+  # must come first: LD_PRELOAD puts libasan (and libstdc++, whose __cxa_throw ASan intercepts:
+  # PyTorch's threads throw and catch internally) ahead of python3, which links neither. Leak
+  # checking is off: the interpreter and PyTorch keep their allocations until exit by design.
+  # --capture=sys leaves file descriptor 2 alone, so that a report reaches the log.
+  if /usr/bin/python3 -c "import torch" 2>/dev/null; then
+    t0=$SECONDS
+    venv=$base/asan-python
+    echo "== ASan+UBSan, PyTorch extension: building into $venv"
+    MIXATTN_TORCH_SANITIZE=address,undefined bash python/venv.sh "$venv"
+    echo "== ASan+UBSan, PyTorch extension: pytest python/tests"
+    LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so)" \
+      ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+      UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+      "$venv/bin/python" -m pytest -q -p no:cacheprovider --capture=sys python/tests || status=1
+    echo "== ASan+UBSan, PyTorch extension: $((SECONDS - t0)) s"
+  else
+    echo "== ASan+UBSan, PyTorch extension: SKIPPED (no PyTorch for /usr/bin/python3)"
   fi
 fi
 echo "== sanitizers: $([[ $status == 0 ]] && echo clean || echo FAILED) in $((SECONDS - start)) s"
