@@ -176,6 +176,51 @@ TYPED_TEST(Performer, LargeExponentsStayExact) {
   }
 }
 
+// The stabilisers' positions (Saved::q_at, k_row, k_col), which the backward differentiates
+// through: with exact ties, the first maximum of a query's row (least l) and, over the keys, the
+// least column and then the least row. r = 16 makes s = r^(-1/4) = 1/2, and small integer
+// entries make every exponent exact in float and double: w_l = 2 e_l (l < 4); keys 2 and 5 are
+// 4 e_1 and 4 e_0, whose exponents s w_l . k - s^2 |k|^2 / 2 reach the largest possible value,
+// 4 - 2 = 2, at (2, 1) and (5, 0) only (the others are at most 0.875): the answer is (5, 0),
+// where the first maximum in row order would be (2, 1). Query rows tie at l = 0, 1 or at 2, 3
+// (first: 0, 2) or have one maximum.
+TYPED_TEST(Performer, StabiliserPositionsAreTheFirstMaxima) {
+  using T = TypeParam;
+  const Index m = 4, r = 16, n = 8;
+  performer::Features<T> f;
+  f.w = Matrix<T>::Zero(m, r);
+  for (Index l = 0; l < m; ++l) f.w(l, l) = 2;
+  Matrix<T> q = Matrix<T>::Zero(n, r), k = Matrix<T>::Zero(n, r);
+  for (Index j = 0; j < n; ++j)
+    for (Index c = 4; c < r; ++c) k(j, c) = static_cast<T>((j * 7 + c * 3) % 3 - 1);
+  k.row(2).setZero();
+  k.row(5).setZero();
+  k(2, 1) = 4;
+  k(5, 0) = 4;
+  for (Index j : {0, 3, 6}) k(j, (j / 3) % 4) = 1;  // lower exponents elsewhere
+  const Index ties[][2] = {{0, 1}, {2, 3}};
+  for (Index i = 0; i < n; ++i) {
+    if (i < 2) {
+      q(i, ties[i][0]) = q(i, ties[i][1]) = 4;
+    } else {
+      q(i, i % 4) = static_cast<T>(1 + i);
+      q(i, (i + 1) % 4) = static_cast<T>(i % 3);
+    }
+  }
+  const Matrix<T> v = random_matrix<T>(n, 3, 53);
+  const Index want_q[] = {0, 2, 2, 3, 0, 1, 2, 3};
+  for (bool causal : {false, true}) {
+    performer::Options o;
+    o.causal = causal;
+    performer::Saved<T> saved;
+    performer::forward<T>(q, k, v, f, o, &saved);
+    for (Index i = 0; i < n; ++i)
+      EXPECT_EQ(saved.q_at[i], want_q[i]) << "query " << i << " causal " << causal;
+    EXPECT_EQ(saved.k_row, 5) << "causal " << causal;
+    EXPECT_EQ(saved.k_col, 0) << "causal " << causal;
+  }
+}
+
 // The estimator's purpose: with many features phi(q) . phi(k) estimates exp(q . k / sqrt(r)),
 // so the output approaches softmax attention's. r = 4, entries N(0, 0.5^2), m = 65536: the
 // relative standard deviation of one pair's estimate is sqrt((e^(s^2 |q + k|^2) - 1) / m)

@@ -22,6 +22,7 @@
 #include <Eigen/Core>
 #include <Eigen/QR>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -180,18 +181,33 @@ void performer_features_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s
   if (n == 0) return;
   product_into<T>(phi, plain<T>(x), transposed<T>(w), T(1), false, scratch.gemm);
   phi *= s;
+  // The maxima by Eigen's vectorised reduction, then their first position by a scan in storage
+  // order: maxCoeff(&index) is a scalar visitor, which walks a row-major matrix column by column
+  // (a cache line per coefficient), most of the forward's time. The positions are those the
+  // visitor gives: the first maximum of a row; over all of phi the first in column-major order
+  // (least column, then least row). Every entry is finite (the inputs are checked).
   if (per_row) {
     at->resize(n);
     for (Index i = 0; i < n; ++i) {
-      Index l = 0;
-      const T c = phi.row(i).maxCoeff(&l);
-      (*at)[i] = l;
+      const T* p = phi.row(i).data();
+      const T c = phi.row(i).maxCoeff();
+      (*at)[i] = static_cast<Index>(std::find(p, p + m, c) - p);
       phi.row(i).array() -= c;
     }
   } else {
     scratch.norms = (s * s / T(2)) * x.rowwise().squaredNorm();
     phi.array().colwise() -= scratch.norms.array();
-    const T c = phi.maxCoeff(row, col);
+    const T c = phi.maxCoeff();
+    *row = 0;
+    *col = m;
+    for (Index i = 0; i < n && *col > 0; ++i) {
+      const T* p = phi.row(i).data();
+      const Index j = static_cast<Index>(std::find(p, p + *col, c) - p);
+      if (j < *col) {
+        *row = i;
+        *col = j;
+      }
+    }
     phi.array() -= c;
   }
   phi = phi.array().exp() * static_cast<T>(1.0 / std::sqrt(static_cast<double>(m)));
