@@ -30,9 +30,10 @@ CPU tensors (inputs, outputs, every eager intermediate) and the extension's work
 come from glibc malloc, with GLIBC_TUNABLES as bench/run.sh sets it for every other benchmark
 (glibc's defaults unless MIXATTN_BENCH_MALLOC=keep; recorded in the context as "malloc").
 Writes Google-Benchmark-style JSON for bench/summary.py. Exits 0 with a message when torch or
-mixattn is missing. About 5 minutes on an idle 2-core machine (an estimate from per-call CPU
-times), most of it in eager softmax, whose N x N float tensors are 512 MiB each: where page
-faults are slow, every fresh one costs a large part of a second.
+mixattn is missing. About 13 minutes on an idle 2-core machine (measured on the one the
+summary comes from), 9 of them in the paper's broadcast-form eager GMA (14 to 28 s per
+forward+backward call on one thread) and most of the rest in eager softmax, whose N x N float
+tensors are 512 MiB each.
 """
 
 import argparse

@@ -128,17 +128,25 @@ class SummaryRules(unittest.TestCase):
         self.assertIn("FAILED", out)
 
     def test_median_above_bound_within_its_spread_gives_no_verdict(self):
-        # 22 ms × 1.16 / 12.6 ms = 2.03× on 2 threads, but the slowest 2-thread repetition against
-        # the fastest 1-thread one gives 22 × 1.16 × 0.98 / (12.6 × 1.03) = 1.93×: noise around
-        # perfect scaling, not an impossible measurement.
+        # The bound on 2 threads is 2 × 1.05 = 2.1× (private caches). 22 ms × 1.22 / 12.6 ms =
+        # 2.13× on 2 threads, but the slowest 2-thread repetition against the fastest 1-thread one
+        # gives 22 × 1.22 × 0.98 / (12.6 × 1.03) = 2.03×: noise around the bound, not an
+        # impossible measurement.
+        doc = base()
+        scale_times(doc, FWD_1T, 1.22)
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertTrue(verdict(md, FWD_ROW).startswith("at the physical bound"), md)
+        # 2.03× with its whole spread within the bound: judged (a few percent above 2 is what two
+        # cores' private caches allow).
         doc = base()
         scale_times(doc, FWD_1T, 1.16)
         rc, out, md = run(doc)
         self.assertEqual(rc, 0, out)
-        self.assertTrue(verdict(md, FWD_ROW).startswith("at the physical bound"), md)
-        # The whole spread above the bound: 22 × 1.25 × 0.98 / (12.6 × 1.03) = 2.08× at least.
+        self.assertEqual(verdict(md, FWD_ROW), "met", md)
+        # The whole spread above the bound: 22 × 1.30 × 0.98 / (12.6 × 1.03) = 2.16× at least.
         doc = base()
-        scale_times(doc, FWD_1T, 1.25)
+        scale_times(doc, FWD_1T, 1.30)
         rc, out, md = run(doc)
         self.assertEqual(rc, 1, out)
         self.assertTrue(verdict(md, FWD_ROW).startswith("impossible: measurement error"), md)
