@@ -185,19 +185,23 @@ void performer_features_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s
   // order: maxCoeff(&index) is a scalar visitor, which walks a row-major matrix column by column
   // (a cache line per coefficient), most of the forward's time. The positions are those the
   // visitor gives: the first maximum of a row; over all of phi the first in column-major order
-  // (least column, then least row). Every entry is finite (the inputs are checked).
+  // (least column, then least row). When the scan finds no entry equal to the maximum (a NaN,
+  // possible only with check_finite off), the visitor decides, as before: the positions are
+  // then always in range.
   if (per_row) {
     at->resize(n);
     for (Index i = 0; i < n; ++i) {
       const T* p = phi.row(i).data();
-      const T c = phi.row(i).maxCoeff();
-      (*at)[i] = static_cast<Index>(std::find(p, p + m, c) - p);
+      T c = phi.row(i).maxCoeff();
+      Index l = static_cast<Index>(std::find(p, p + m, c) - p);
+      if (l == m) c = phi.row(i).maxCoeff(&l);
+      (*at)[i] = l;
       phi.row(i).array() -= c;
     }
   } else {
     scratch.norms = (s * s / T(2)) * x.rowwise().squaredNorm();
     phi.array().colwise() -= scratch.norms.array();
-    const T c = phi.maxCoeff();
+    T c = phi.maxCoeff();
     *row = 0;
     *col = m;
     for (Index i = 0; i < n && *col > 0; ++i) {
@@ -208,6 +212,7 @@ void performer_features_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s
         *col = j;
       }
     }
+    if (*col == m) c = phi.maxCoeff(row, col);
     phi.array() -= c;
   }
   phi = phi.array().exp() * static_cast<T>(1.0 / std::sqrt(static_cast<double>(m)));
