@@ -75,10 +75,11 @@ SavedPtr gma_prepare(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in)
 
 /// Writes out (B, H, N, d_v); returns the record gma_backward needs. With `state` (causal only)
 /// every pair continues its start state and writes its end state (and `s` may be packed: one
-/// state per (sequence, head), S (B, H, K, d_v) and z (B, H, K) with B the sequences); `prepared` (gma_prepare's, or
-/// null) then replaces the per-pair reduction of the mixture (the decode path: one token per
-/// call would otherwise spend most of its time there), but only if every head's mixture in `in`
-/// still has the fingerprint it was prepared from; else the call prepares as without it.
+/// state per (sequence, head), S (B, H, K, d_v) and z (B, H, K) with B the sequences);
+/// `prepared` (gma_prepare's, or null) then replaces the per-pair reduction of the mixture (the
+/// decode path: one token per call would otherwise spend most of its time there), but only if
+/// every head's mixture in `in` still has the fingerprint it was prepared from; else the call
+/// prepares as without it.
 /// *used_prepared (if given) says which happened. save = false (no gradient will be asked for)
 /// keeps no record and returns null.
 template <class T>

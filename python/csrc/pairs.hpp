@@ -13,7 +13,6 @@
 #include <mutex>
 #include <string>
 #include <stdexcept>
-#include <type_traits>
 #include <vector>
 
 namespace mixattn_torch {
@@ -38,11 +37,10 @@ Map<T> slice(T* base, Index pair, Index rows, Index cols) {
 /// is sequence pair / H's tokens of head pair % H (`rows` is then T and not the block's).
 template <class T>
 auto pair_rows(const Shape& s, T* base, Index pair, Index rows, Index cols) {
-  using Block = std::conditional_t<std::is_const_v<T>, ConstMap<std::remove_const_t<T>>, Map<T>>;
-  if (s.offsets.empty()) return Block(base + pair * rows * cols, rows, cols);
+  if (s.offsets.empty()) return slice(base, pair, rows, cols);
   const auto b = static_cast<std::size_t>(pair / s.heads);
   const Index first = s.offsets[b], count = s.offsets[b + 1] - first;
-  return Block(base + ((pair % s.heads) * rows + first) * cols, count, cols);
+  return slice(base + ((pair % s.heads) * rows + first) * cols, 0, count, cols);
 }
 
 /// fn(pair) for every (b, h) pair, split over torch.get_num_threads() threads (an exception is
