@@ -144,6 +144,41 @@ TYPED_TEST(GmaForward, BidirectionalMatchesExplicitFormula) {
   }
 }
 
+// The bidirectional forward writes each block of Gamma_K rows into [Vt | z] and reads each block
+// of Gamma_Q rows out while they are in L1 (detail::gma_bidirectional_fused); the scalar build
+// takes the GEMM path. Shapes that reach every branch of the fused tiles: value widths with full
+// 4-register tiles, single registers and a scalar tail, token counts off the 5-row tile, K whose
+// row fits the density tile (the fused softmax) and K that does not (the scores path).
+TYPED_TEST(GmaForward, FusedReadWriteMatchesGemmPathAndExplicitFormula) {
+  using T = TypeParam;
+  for (const Shape s : {Shape{23, 37, 9, 64, 83}, Shape{12, 8, 5, 70, 64}, Shape{7, 11, 3, 20, 35},
+                        Shape{6, 1, 4, 33, 131}, Shape{1, 5, 2, 1, 17}}) {
+    const std::uint64_t seed = s.n * 13 + s.m * 17 + s.K + s.dv;
+    SCOPED_TRACE(::testing::Message() << "N " << s.n << " M " << s.m << " K " << s.K << " d_v "
+                                      << s.dv << " seed " << seed);
+    const gma::Mixture<T> mix = test_mixture<T>(s.K, s.r, seed);
+    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1), k = random_matrix<T>(s.m, s.r, seed + 2);
+    const Matrix<T> v = random_matrix<T>(s.m, s.dv, seed + 3);
+    gma::Saved<T> fast_saved, slow_saved;
+    const Matrix<T> fast = gma::forward(mix, q, k, v, {}, &fast_saved);
+    const Matrix<T> slow = gma::forward<T, detail::scalar_arch>(mix, q, k, v, {}, &slow_saved);
+    const Matrix<double> ref =
+        explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k), v.template cast<double>(),
+                           false, 1e-6);
+    // the same tolerance as BidirectionalMatchesExplicitFormula: Gamma's error, then sums of
+    // M <= 37 products in T
+    EXPECT_TRUE(mixattn::testing::all_close(fast, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
+    EXPECT_TRUE(mixattn::testing::all_close(fast, slow, Tol<T>::rtol * 5, Tol<T>::atol * 10));
+    // what backward reads from the record: Vt, z and the denominators
+    EXPECT_TRUE(mixattn::testing::all_close(fast_saved.vt, slow_saved.vt, Tol<T>::rtol * 5,
+                                            Tol<T>::atol * 10));
+    EXPECT_TRUE(mixattn::testing::all_close(fast_saved.z, slow_saved.z, Tol<T>::rtol * 5,
+                                            Tol<T>::atol * 10));
+    EXPECT_TRUE(mixattn::testing::all_close(fast_saved.den, slow_saved.den, Tol<T>::rtol * 5,
+                                            Tol<T>::atol * 10));
+  }
+}
+
 TYPED_TEST(GmaForward, CausalMatchesExplicitFormulaForEveryChunkLength) {
   using T = TypeParam;
   for (const Shape s : {Shape{1, 1, 2, 3, 2}, Shape{13, 13, 3, 5, 2}, Shape{40, 40, 6, 17, 7}}) {

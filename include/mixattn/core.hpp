@@ -47,6 +47,14 @@
 #endif
 #endif
 
+// Register-tile helpers whose arrays of vectors must stay in registers across the call: a kernel
+// split into an accumulation and several epilogues is inlined whole.
+#if defined(__GNUC__) || defined(__clang__)
+#define MIXATTN_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define MIXATTN_ALWAYS_INLINE inline
+#endif
+
 // Every mixattn symbol carries the instruction set its translation unit is compiled for: all of
 // the library lives in an inline namespace named after it (mixattn::arch_avx512bw::gma::forward
 // is spelled mixattn::gma::forward), so TUs built with different -march flags get different

@@ -129,14 +129,16 @@ inline Index gma_chunk(const gma::Options& opt) {
 }
 
 /// Gamma of the n rows of x (N x r view) into out (N x K), for a mixture already reduced to its
-/// packed constants; `scores` (optional) keeps the kernel's score rows between calls. A row that
+/// packed constants; `scores` (optional) keeps the kernel's score rows between calls, and
+/// `rows_done` sees each finished block of rows (responsibilities_into). A row that
 /// overflows even in the wide fallback is reported (with checks on) as std::domain_error naming
 /// `arg`.
-template <class Arch, class T>
+template <class Arch, class T, class Hook = NoRowsHook>
 void gma_gamma_into(const PackedDensity<T>& p, const ConstMatrixRef<T>& x, T* out, bool check,
-                    const char* fn, const char* arg, std::vector<T>* scores = nullptr) {
+                    const char* fn, const char* arg, std::vector<T>* scores = nullptr,
+                    Hook&& rows_done = Hook{}) {
   const Index bad = responsibilities_into(Arch{}, p, x.data(), x.outerStride(), x.rows(), out,
-                                          p.components, scores);
+                                          p.components, scores, std::forward<Hook>(rows_done));
   if (bad >= 0 && check)
     raise_domain_error(concat(fn, ": ", arg, " row ", bad, " (largest magnitude ",
                               x.row(bad).cwiseAbs().maxCoeff(),

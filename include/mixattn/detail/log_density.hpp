@@ -131,15 +131,15 @@ PackedDensity<T> pack_density(const Matrix<T>& mean, const MixtureConstants<W>& 
 }
 
 #if MIXATTN_HAS_SIMD
-/// s = offset - sum_m (x_m a - b)^2 for TI tokens (rows of x, stride ldx) and TK component
-/// vectors starting at vector kv0; writes rows of `s` (stride lds, padded component index).
+/// acc[i][j] = sum_m (x_im a - b)^2 for TI tokens (rows of x, stride ldx) and TK component
+/// vectors starting at vector kv0: the register tile the log-density and the fused
+/// responsibilities share.
 template <int TI, int TK, class Arch, class T>
-inline void log_density_tile(Arch, const PackedDensity<T>& p, const T* x, Index ldx, Index kv0,
-                             T* s, Index lds) {
+MIXATTN_ALWAYS_INLINE void log_density_acc(const PackedDensity<T>& p, const T* x, Index ldx,
+                                           Index kv0, xsimd::batch<T, Arch> (&acc)[TI][TK]) {
   using B = xsimd::batch<T, Arch>;
   constexpr Index Wd = static_cast<Index>(B::size);
   const Index r = p.dim, kv = p.padded / Wd;
-  B acc[TI][TK];
   for (int i = 0; i < TI; ++i)
     for (int j = 0; j < TK; ++j) acc[i][j] = B(T(0));
   const T* ab = p.ab.data() + kv0 * 2 * Wd;
@@ -157,6 +157,17 @@ inline void log_density_tile(Arch, const PackedDensity<T>& p, const T* x, Index 
       }
     }
   }
+}
+
+/// s = offset - sum_m (x_m a - b)^2 for TI tokens (rows of x, stride ldx) and TK component
+/// vectors starting at vector kv0; writes rows of `s` (stride lds, padded component index).
+template <int TI, int TK, class Arch, class T>
+inline void log_density_tile(Arch, const PackedDensity<T>& p, const T* x, Index ldx, Index kv0,
+                             T* s, Index lds) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  B acc[TI][TK];
+  log_density_acc<TI, TK, Arch>(p, x, ldx, kv0, acc);
   for (int j = 0; j < TK; ++j) {
     const B off = B::load_unaligned(p.offset.data() + (kv0 + j) * Wd);
     for (int i = 0; i < TI; ++i) (off - acc[i][j]).store_unaligned(s + i * lds + (kv0 + j) * Wd);
@@ -174,6 +185,81 @@ inline void log_density_rows(Arch arch, const PackedDensity<T>& p, const T* x, I
     for (; v + 2 <= kv; v += 2) log_density_tile<TI, 2>(arch, p, x, ldx, v, s, lds);
   if constexpr (TK > 1)
     for (; v < kv; ++v) log_density_tile<TI, 1>(arch, p, x, ldx, v, s, lds);
+}
+
+/// Responsibilities of TI tokens when the whole padded row is TK registers (K <= TK lanes): the
+/// log-density tile's accumulators go through the softmax (softmax.hpp's row, same exp, same
+/// exact max, the sum in W) without leaving registers, and gamma goes straight to out (stride
+/// ldo, K entries a row). The arithmetic of a token does not depend on TI (bitwise), so the tile
+/// a token falls in does not matter. Returns a bit mask of the tokens whose softmax failed (no
+/// finite max, or a NaN logit, padding included), for the caller's retry in a wider type; their
+/// rows of out are not written.
+template <int TI, int TK, class Arch, class T>
+inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* x, Index ldx,
+                                      T* out, Index ldo) {
+  using B = xsimd::batch<T, Arch>;
+  using W = wide_t<T>;
+  using BW = xsimd::batch<W, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  static_assert(TI <= 32, "the failure mask has 32 bits");
+  const Index K = p.components;
+  B acc[TI][TK];
+  log_density_acc<TI, TK, Arch>(p, x, ldx, 0, acc);
+  // Stage by stage over the TI tokens, so that their reductions' latency chains overlap; acc
+  // becomes the logits, then the exponentials.
+  for (int j = 0; j < TK; ++j) {
+    const B off = B::load_unaligned(p.offset.data() + j * Wd);
+    for (int i = 0; i < TI; ++i) acc[i][j] = off - acc[i][j];
+  }
+  unsigned failed = 0;
+  B shift[TI];
+  for (int i = 0; i < TI; ++i) {
+    B mx = acc[i][0];
+    auto bad = xsimd::isnan(acc[i][0]);
+    for (int j = 1; j < TK; ++j) {
+      mx = xsimd::max(mx, acc[i][j]);
+      bad = bad | xsimd::isnan(acc[i][j]);
+    }
+    const T m = reduce_max(mx);
+    // A failed token's stages below run on NaN or -inf harmlessly (exp_shifted is NaN-safe) and
+    // its row is not written.
+    if (xsimd::any(bad) || m == -std::numeric_limits<T>::infinity()) failed |= 1u << i;
+    shift[i] = B(m);
+  }
+  BW sum[TI];
+  for (int i = 0; i < TI; ++i) {
+    sum[i] = BW(W(0));
+    for (int j = 0; j < TK; ++j) {
+      acc[i][j] = exp_shifted(acc[i][j], shift[i]);
+      add_wide(sum[i], acc[i][j]);
+    }
+  }
+  alignas(64) T lanes[Wd];
+  for (int i = 0; i < TI; ++i) {
+    if (failed & (1u << i)) continue;
+    // sum >= 1: the max contributes exp(0)
+    const B inv(static_cast<T>(W(1) / xsimd::hadd(sum[i])));
+    T* o = out + i * ldo;
+    for (int j = 0; j < TK; ++j) {
+      const B g = acc[i][j] * inv;
+      if ((j + 1) * Wd <= K) {
+        g.store_unaligned(o + j * Wd);
+      } else {  // the last, partial register: padding lanes are not written
+        g.store_aligned(lanes);
+        std::copy(lanes, lanes + (K - j * Wd), o + j * Wd);
+      }
+    }
+  }
+  return failed;
+}
+
+/// responsibilities_tile for a row of kv <= TK registers (a run-time count).
+template <int TI, int TK, class Arch, class T>
+inline unsigned responsibilities_rows(Arch arch, const PackedDensity<T>& p, Index kv, const T* x,
+                                      Index ldx, T* out, Index ldo) {
+  if constexpr (TK > 1)
+    if (kv < TK) return responsibilities_rows<TI, TK - 1>(arch, p, kv, x, ldx, out, ldo);
+  return responsibilities_tile<TI, TK>(arch, p, x, ldx, out, ldo);
 }
 
 #endif
@@ -237,9 +323,18 @@ struct DensityTile {
 /// log-densities all overflow T are recomputed in a wider type (responsibilities_row_wide).
 /// Returns the first row that overflows even there (its gamma is left NaN), or -1. `reuse`
 /// (optional) holds the score rows between calls, so that repeated calls allocate nothing.
-template <class Arch, class T>
+/// `rows_done(i0, count)` is called as soon as rows [i0, i0 + count) of out are final (blocks of
+/// at most DensityTile::tokens rows, in order), so that a consumer can use them while they are
+/// still in L1.
+/// What responsibilities_into calls after each finished block of rows: nothing.
+struct NoRowsHook {
+  void operator()(Index, Index) const {}
+};
+
+template <class Arch, class T, class Hook = NoRowsHook>
 inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T* x, Index ldx,
-                                   Index n, T* out, Index ldo, std::vector<T>* reuse = nullptr) {
+                                   Index n, T* out, Index ldo, std::vector<T>* reuse = nullptr,
+                                   Hook&& rows_done = Hook{}) {
   const Index K = p.components, P = p.padded;
   std::vector<T> own;
   std::vector<T>& scratch = reuse != nullptr ? *reuse : own;
@@ -257,16 +352,35 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
     constexpr int TI = DensityTile<Arch>::tokens, TK = DensityTile<Arch>::vectors;
+    const Index kv = P / p.width;
+    if (kv <= TK) {  // the whole row fits the tile: scores stay in registers
+      const auto retry = [&](unsigned bad, Index i0) {
+        for (int t = 0; bad != 0; ++t, bad >>= 1)
+          if (bad & 1u) settle(false, i0 + t);
+      };
+      Index i = 0;
+      for (; i + TI <= n; i += TI) {
+        retry(responsibilities_rows<TI, TK>(arch, p, kv, x + i * ldx, ldx, out + i * ldo, ldo), i);
+        rows_done(i, Index(TI));
+      }
+      for (; i < n; ++i) {
+        retry(responsibilities_rows<1, TK>(arch, p, kv, x + i * ldx, ldx, out + i * ldo, ldo), i);
+        rows_done(i, Index(1));
+      }
+      return failed;
+    }
     scratch.resize(static_cast<std::size_t>(TI * P));
     Index i = 0;
     for (; i + TI <= n; i += TI) {
       log_density_rows<TI, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
       for (int t = 0; t < TI; ++t)
         settle(softmax_row(arch, scratch.data() + t * P, P, K, out + (i + t) * ldo), i + t);
+      rows_done(i, Index(TI));
     }
     for (; i < n; ++i) {  // token tail: one row at a time
       log_density_rows<1, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
       settle(softmax_row(arch, scratch.data(), P, K, out + i * ldo), i);
+      rows_done(i, Index(1));
     }
     return failed;
   }
@@ -276,6 +390,7 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
   for (Index i = 0; i < n; ++i) {
     log_density_row_scalar(p, x + i * ldx, scratch.data());
     settle(softmax_row(scalar_arch{}, scratch.data(), K, K, out + i * ldo), i);
+    rows_done(i, Index(1));
   }
   return failed;
 }

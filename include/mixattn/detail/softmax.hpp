@@ -55,6 +55,95 @@ inline xsimd::batch<T, Arch> exp_shifted(const xsimd::batch<T, Arch>& s,
 }
 #endif
 
+#if MIXATTN_HAS_SIMD
+/// Largest lane of v, exactly (a max is exact in any order); a NaN lane may or may not win, so
+/// callers test for NaN themselves. In-register reductions where the ISA has them (xsimd 8.1 has
+/// no horizontal max), else through memory.
+template <class Arch, class T>
+inline T reduce_max(const xsimd::batch<T, Arch>& v) {
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value) {
+    if constexpr (std::is_same<T, float>::value)
+      return _mm512_reduce_max_ps(v);
+    else
+      return _mm512_reduce_max_pd(v);
+  }
+#endif
+#if XSIMD_WITH_AVX
+  if constexpr (std::is_base_of<xsimd::avx, Arch>::value) {
+    if constexpr (std::is_same<T, float>::value) {
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    } else {
+      const __m128d m = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+      return _mm_cvtsd_f64(_mm_max_sd(m, _mm_unpackhi_pd(m, m)));
+    }
+  }
+#endif
+  constexpr std::size_t Wd = xsimd::batch<T, Arch>::size;
+  alignas(64) T lanes[Wd];
+  v.store_aligned(lanes);
+  T m = lanes[0];
+  for (std::size_t l = 1; l < Wd; ++l) m = std::max(m, lanes[l]);
+  return m;
+}
+
+/// The batch of wide_t<T> holding p[0 .. size) converted: the same values as
+/// batch<W>::load_unaligned(p), whose float-to-double form in xsimd 8.1 converts lane by lane
+/// through memory; here one conversion instruction where the ISA has it.
+template <class Arch, class T>
+inline xsimd::batch<wide_t<T>, Arch> load_wide(const T* p) {
+  using BW = xsimd::batch<wide_t<T>, Arch>;
+  if constexpr (std::is_same<T, float>::value) {
+#if XSIMD_WITH_AVX512F
+    if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value)
+      return BW(_mm512_cvtps_pd(_mm256_loadu_ps(p)));
+#endif
+#if XSIMD_WITH_AVX
+    if constexpr (std::is_base_of<xsimd::avx, Arch>::value)
+      return BW(_mm256_cvtps_pd(_mm_loadu_ps(p)));
+#endif
+#if XSIMD_WITH_SSE2
+    if constexpr (std::is_base_of<xsimd::sse2, Arch>::value)
+      return BW(_mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#endif
+  }
+  return BW::load_unaligned(p);
+}
+
+/// acc += the lanes of v widened to wide_t<T> (for float, the two halves of v as doubles; for
+/// double, v itself): a register's worth of a wide sum without a trip through memory.
+template <class Arch, class T>
+inline void add_wide(xsimd::batch<wide_t<T>, Arch>& acc, const xsimd::batch<T, Arch>& v) {
+  if constexpr (std::is_same<T, wide_t<T>>::value) {
+    acc += v;
+  } else {
+#if XSIMD_WITH_AVX512F
+    if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value) {
+      const __m512 r = v;
+      acc += xsimd::batch<double, Arch>(_mm512_cvtps_pd(_mm512_castps512_ps256(r)));
+      acc += xsimd::batch<double, Arch>(_mm512_cvtps_pd(
+          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1))));
+      return;
+    }
+#endif
+#if XSIMD_WITH_AVX
+    if constexpr (std::is_base_of<xsimd::avx, Arch>::value) {
+      const __m256 r = v;
+      acc += xsimd::batch<double, Arch>(_mm256_cvtps_pd(_mm256_castps256_ps128(r)));
+      acc += xsimd::batch<double, Arch>(_mm256_cvtps_pd(_mm256_extractf128_ps(r, 1)));
+      return;
+    }
+#endif
+    constexpr std::size_t Wd = xsimd::batch<T, Arch>::size, WW = xsimd::batch<double, Arch>::size;
+    alignas(64) T lanes[Wd];
+    v.store_aligned(lanes);
+    for (std::size_t h = 0; h < Wd; h += WW) acc += load_wide<Arch>(lanes + h);
+  }
+}
+#endif
+
 /// Largest of s[0..n); -inf when n == 0; NaN when any entry is NaN. (A max that skipped a NaN
 /// could also skip the true max, since the vector max returns its second operand when either is
 /// NaN: the shifted logits would then be positive and exp's exponent out of range.)
@@ -76,9 +165,7 @@ inline T row_max(Arch, const T* s, Index n) {
         mx = xsimd::max(mx, v);
       }
       nan = xsimd::any(bad);
-      alignas(64) T lanes[Wd];  // xsimd 8.1 has no horizontal max
-      mx.store_aligned(lanes);
-      for (Index l = 0; l < Wd; ++l) m = std::max(m, lanes[l]);
+      m = reduce_max(mx);
     }
   }
 #endif
@@ -123,7 +210,7 @@ inline wide_t<T> wide_sum(Arch, const T* a, const T* b, Index n, F f) {
     using BW = xsimd::batch<W, Arch>;  // float: half a register of T per register of W
     BW acc(W(0));
     for (; j + static_cast<Index>(BW::size) <= n; j += static_cast<Index>(BW::size))
-      acc += f(BW::load_unaligned(a + j), BW::load_unaligned(b + j));
+      acc += f(load_wide<Arch>(a + j), load_wide<Arch>(b + j));
     sum = xsimd::hadd(acc);
   }
 #endif
