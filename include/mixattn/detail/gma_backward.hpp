@@ -153,6 +153,11 @@ void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
   s.vz.leftCols(d_v) = saved.vt;
   s.vz.col(d_v) = saved.z;
   s.dvz_wide.setZero(K, d_v + 1);
+  // SIMD builds run the four products on row_tiles.hpp's register tiles (no packing; the K x
+  // (d_v + 1) operands stay in L1), with the two that contract over value columns reading a
+  // transposed copy; the scalar build uses Eigen's GEMM.
+  constexpr bool tiles = MIXATTN_HAS_SIMD && !std::is_same<Arch, scalar_arch>::value;
+  if constexpr (tiles) s.vzt = s.vz.transpose();
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);
     Eigen::Map<Matrix<T>> gh(s.gh.data(), n, d_v + 1), ds(s.ds.data(), n, K);
@@ -161,21 +166,46 @@ void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
       gh.row(i).head(d_v) = grad_out.row(i0 + i) * inv;
       gh(i, d_v) = -grad_out.row(i0 + i).dot(saved.out.row(i0 + i)) * inv;
     }
-    gemm<T>(s.upd, transposed<T>(saved.gamma_q.middleRows(i0, n)), plain<T>(gh), T(1), false,
-            s.gemm);
+    const T* gq = saved.gamma_q.data() + i0 * K;
+#if MIXATTN_HAS_SIMD
+    if constexpr (tiles) {
+      s.upd.setZero();
+      write_block<Arch>(gq, K, gh.data(), d_v + 1, n, K, d_v + 1, s.upd.data(), d_v + 1);
+      read_block<Arch, T>(ReadSources<T>{gh.data(), d_v + 1, s.vzt.data(), K, d_v + 1}, n, K,
+                          nullptr, ds.data(), K);
+    }
+#endif
+    if constexpr (!tiles) {
+      gemm<T>(s.upd, transposed<T>(saved.gamma_q.middleRows(i0, n)), plain<T>(gh), T(1), false,
+              s.gemm);
+      gemm<T>(ds, plain<T>(gh), transposed<T>(s.vz), T(1), false, s.gemm);
+    }
     s.dvz_wide += s.upd.template cast<wide_t<T>>();
-    gemm<T>(ds, plain<T>(gh), transposed<T>(s.vz), T(1), false, s.gemm);
-    gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),
-                              saved.gamma_q.data() + i0 * K, K, ds.data(), K, n, s, s.sums,
-                              grad.q.data() + i0 * r, r);
+    gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(), gq, K,
+                              ds.data(), K, n, s, s.sums, grad.q.data() + i0 * r, r);
   }
   s.dvz = s.dvz_wide.template cast<T>();
-  gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz.leftCols(d_v)), T(1), false, s.gemm);
+#if MIXATTN_HAS_SIMD
+  if constexpr (tiles) {
+    s.dvt = s.dvz.leftCols(d_v).transpose();
+    read_block<Arch, T>(ReadSources<T>{saved.gamma_k.data(), K, s.dvz.data(), d_v + 1, K}, M, d_v,
+                        nullptr, grad.v.data(), d_v);
+  }
+#endif
+  if constexpr (!tiles)
+    gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz.leftCols(d_v)), T(1), false, s.gemm);
   for (Index j0 = 0; j0 < M; j0 += panel) {
     const Index n = std::min(panel, M - j0);
     Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
-    gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz.leftCols(d_v)), T(1), false,
-            s.gemm);
+#if MIXATTN_HAS_SIMD
+    if constexpr (tiles)
+      read_block<Arch, T>(ReadSources<T>{v.data() + j0 * v.outerStride(), v.outerStride(),
+                                         s.dvt.data(), K, d_v},
+                          n, K, nullptr, ds.data(), K);
+#endif
+    if constexpr (!tiles)
+      gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz.leftCols(d_v)), T(1), false,
+              s.gemm);
     ds.rowwise() += s.dvz.col(d_v).transpose();
     gma_density_backward_rows(Arch{}, p, k.data() + j0 * k.outerStride(), k.outerStride(),
                               saved.gamma_k.data() + j0 * K, K, ds.data(), K, n, s, s.sums,

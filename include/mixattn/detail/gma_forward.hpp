@@ -38,99 +38,6 @@ void gma_bidirectional_forward(const Matrix<T>& gq, const Matrix<T>& gk, const C
 }
 
 #if MIXATTN_HAS_SIMD
-/// Columns of the value side that one register tile of the fused read/write covers: NV
-/// registers for each of R tokens, plus NV for the memory row and R broadcasts (R = 5, NV = 4:
-/// 29 of AVX-512's 32 registers).
-template <class Arch>
-constexpr int gma_rows_vectors() {
-  return simd_registers<Arch>() >= 32 ? 4 : 2;
-}
-
-/// Write (SPEC 1.3) for R tokens and the NV registers of value columns from c0:
-///   vt[k, c0 ..] += sum_i gamma_ik v_i[c0 ..]   for every component k
-/// with the R value slices in registers and vt's row (in L1: K x d_v) loaded and stored once
-/// per k. g: R x K (stride ldg), v: R rows (stride ldv), vt: K x d_v (stride ldvt).
-template <int R, int NV, class Arch, class T>
-inline void gma_write_tile(const T* g, Index ldg, const T* v, Index ldv, Index K, Index c0,
-                           T* vt, Index ldvt) {
-  using B = xsimd::batch<T, Arch>;
-  constexpr Index Wd = static_cast<Index>(B::size);
-  B vr[R][NV];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NV; ++j) vr[i][j] = B::load_unaligned(v + i * ldv + c0 + j * Wd);
-  for (Index k = 0; k < K; ++k) {
-    T* row = vt + k * ldvt + c0;
-    B acc[NV];
-    for (int j = 0; j < NV; ++j) acc[j] = B::load_unaligned(row + j * Wd);
-    for (int i = 0; i < R; ++i) {
-      const B gik(g[i * ldg + k]);
-      for (int j = 0; j < NV; ++j) acc[j] = xsimd::fma(gik, vr[i][j], acc[j]);
-    }
-    for (int j = 0; j < NV; ++j) acc[j].store_unaligned(row + j * Wd);
-  }
-}
-
-/// Read (SPEC 1.3) for R tokens and the NV registers of value columns from c0:
-///   out_i[c0 ..] = (sum_k gamma_ik vt[k, c0 ..]) / den_i
-template <int R, int NV, class Arch, class T>
-inline void gma_read_tile(const T* g, Index ldg, const T* vt, Index ldvt, Index K, Index c0,
-                          const T* den, T* out, Index ldo) {
-  using B = xsimd::batch<T, Arch>;
-  constexpr Index Wd = static_cast<Index>(B::size);
-  B acc[R][NV];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = B(T(0));
-  for (Index k = 0; k < K; ++k) {
-    B m[NV];
-    for (int j = 0; j < NV; ++j) m[j] = B::load_unaligned(vt + k * ldvt + c0 + j * Wd);
-    for (int i = 0; i < R; ++i) {
-      const B gik(g[i * ldg + k]);
-      for (int j = 0; j < NV; ++j) acc[i][j] = xsimd::fma(gik, m[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    const B d(den[i]);
-    for (int j = 0; j < NV; ++j) (acc[i][j] / d).store_unaligned(out + i * ldo + c0 + j * Wd);
-  }
-}
-
-/// The write or the read for R tokens over all d_v value columns: tiles of NV registers, then
-/// single registers, then the last columns one by one.
-template <bool Write, int R, int NV, class Arch, class T>
-inline void gma_rows_columns(const T* g, Index ldg, const T* v, Index ldv, Index K, Index d_v,
-                             T* vt, const T* den, T* out, Index ldo) {
-  constexpr Index Wd = static_cast<Index>(simd_width<Arch, T>::value);
-  Index c0 = 0;
-  const auto run = [&](auto nv) {
-    constexpr int n = decltype(nv)::value;
-    for (; c0 + n * Wd <= d_v; c0 += n * Wd) {
-      if constexpr (Write)
-        gma_write_tile<R, n, Arch>(g, ldg, v, ldv, K, c0, vt, d_v);
-      else
-        gma_read_tile<R, n, Arch>(g, ldg, vt, d_v, K, c0, den, out, ldo);
-    }
-  };
-  run(std::integral_constant<int, NV>{});
-  if constexpr (NV > 1) run(std::integral_constant<int, 1>{});
-  for (; c0 < d_v; ++c0)
-    for (int i = 0; i < R; ++i) {
-      if constexpr (Write) {
-        for (Index k = 0; k < K; ++k) vt[k * d_v + c0] += g[i * ldg + k] * v[i * ldv + c0];
-      } else {
-        T sum = 0;
-        for (Index k = 0; k < K; ++k) sum = std::fma(g[i * ldg + k], vt[k * d_v + c0], sum);
-        out[i * ldo + c0] = sum / den[i];
-      }
-    }
-}
-
-/// z += sum_i gamma_i for `rows` tokens (the key side's column sums, SPEC 1.3).
-template <class Arch, class T>
-inline void gma_add_rows(const T* g, Index ldg, Index rows, Index K, T* z) {
-  for (Index i = 0; i < rows; ++i)
-    zip_rows(Arch{}, z, g + i * ldg, z, K, [](auto a, auto b) { return a + b; });
-}
-
 /// Bidirectional forward (SPEC 1.3) fused with the responsibilities: each block of Gamma_K rows
 /// goes into [Vt | z] while it is still in L1, then each block of Gamma_Q rows is read out at
 /// once, so neither product packs or re-reads Gamma from memory. Gamma_Q and Gamma_K are still
@@ -141,35 +48,23 @@ void gma_bidirectional_fused(const PackedDensity<T>& p, const ConstMatrixRef<T>&
                              bool check, const char* fn, Matrix<T>& gq, Matrix<T>& gk,
                              Matrix<T>& vt, Vector<T>& z, Matrix<T>& out, Vector<T>& den,
                              GmaForwardScratch<T>& s) {
-  constexpr int R = DensityTile<Arch>::tokens, NV = gma_rows_vectors<Arch>();
-  const Index K = p.components, d_v = v.cols();
+  static_assert(row_tile_tokens<Arch>() == DensityTile<Arch>::tokens,
+                "a block of density rows is one read/write tile");
+  const Index K = p.components, d_v = v.cols(), ldv = v.outerStride();
   vt.setZero(K, d_v);
   z.setZero(K);
   gma_gamma_into<Arch, T>(p, k, gk.data(), check, fn, "k", &s.scores, [&](Index i0, Index n) {
     const T* g = gk.data() + i0 * K;
-    const T* vi = v.data() + i0 * v.outerStride();
-    if (n == R)
-      gma_rows_columns<true, R, NV, Arch, T>(g, K, vi, v.outerStride(), K, d_v, vt.data(), nullptr,
-                                          nullptr, 0);
-    else
-      for (Index i = 0; i < n; ++i)
-        gma_rows_columns<true, 1, NV, Arch, T>(g + i * K, K, vi + i * v.outerStride(),
-                                            v.outerStride(), K, d_v, vt.data(), nullptr, nullptr,
-                                            0);
-    gma_add_rows<Arch>(g, K, n, K, z.data());
+    write_block<Arch>(g, K, v.data() + i0 * ldv, ldv, n, K, d_v, vt.data(), d_v);
+    for (Index i = 0; i < n; ++i)
+      zip_rows(Arch{}, z.data(), g + i * K, z.data(), K, [](auto a, auto b) { return a + b; });
   });
   gma_gamma_into<Arch, T>(p, q, gq.data(), check, fn, "q", &s.scores, [&](Index i0, Index n) {
     const T* g = gq.data() + i0 * K;
     for (Index i = 0; i < n; ++i)
       den(i0 + i) = static_cast<T>(Eigen::Map<const Vector<T>>(g + i * K, K).dot(z)) + eps;
-    T* o = out.data() + i0 * d_v;
-    if (n == R)
-      gma_rows_columns<false, R, NV, Arch, T>(g, K, nullptr, 0, K, d_v, vt.data(), den.data() + i0,
-                                           o, d_v);
-    else
-      for (Index i = 0; i < n; ++i)
-        gma_rows_columns<false, 1, NV, Arch, T>(g + i * K, K, nullptr, 0, K, d_v, vt.data(),
-                                             den.data() + i0 + i, o + i * d_v, d_v);
+    read_block<Arch>(ReadSources<T>{g, K, vt.data(), d_v, K}, n, d_v, den.data() + i0,
+                     out.data() + i0 * d_v, d_v);
   });
 }
 #endif
@@ -261,7 +156,8 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
   if (opt.causal) {
     s.scan.S.setZero(K, d_v);
     s.scan.z.setZero(K);
-    gma_causal_forward<T>(gq, gk, v, eps, gma_chunk(opt), out, den, s.scan.S, s.scan.z, s.scan);
+    gma_causal_forward<T, Arch>(gq, gk, v, eps, gma_chunk(opt), out, den, s.scan.S, s.scan.z,
+                                  s.scan);
   } else {
     gma_bidirectional_forward<T>(gq, gk, v, eps, saved ? saved->vt : s.vt, saved ? saved->z : s.z,
                                  out, den, s);
@@ -347,7 +243,8 @@ void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T
     gma_causal_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, d_v,
                          static_cast<T>(opt.eps), st.S, st.z, w, out.data(), d_v, den.data());
   } else {
-    gma_causal_forward<T>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z, s.scan);
+    gma_causal_forward<T, Arch>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z,
+                                s.scan);
   }
   st.tokens_seen += N;
   if (opt.check_finite)

@@ -14,6 +14,8 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/row_tiles.hpp"
+#include "mixattn/detail/simd.hpp"
 
 #include <Eigen/Core>
 
@@ -48,7 +50,10 @@ struct GmaScanScratch {
 /// Causal forward (SPEC 1.4). gq, gk: N x K responsibilities; v: N x d_v. [S | z] (K x d_v, K,
 /// wide) is the prefix state before the first token on entry (zero for a whole sequence) and
 /// after the last on exit. Writes out (N x d_v) and den (N) = gamma_q,i . z_i + eps.
-template <class T>
+/// SIMD builds read each chunk out and write its state update with row_tiles.hpp's register
+/// tiles (the state and the chunk's values stream through L1, nothing is packed); the scalar
+/// build, and the C x C block in both, use Eigen's products.
+template <class T, class Arch = simd_arch>
 void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v, T eps,
                         Index chunk, Matrix<T>& out, Vector<T>& den, Matrix<wide_t<T>>& S,
                         Vector<wide_t<T>>& z, GmaScanScratch<T>& scratch) {
@@ -66,6 +71,33 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
     const ConstMatrixRef<T> gqc = gq.middleRows(s, c), gkc = gk.middleRows(s, c);
     const ConstMatrixRef<T> vc = v.middleRows(s, c);
     Eigen::Map<Matrix<T>> a(a_buf.data(), c, c);
+#if MIXATTN_HAS_SIMD
+    if constexpr (!std::is_same<Arch, scalar_arch>::value) {
+      // A = Gamma_Q,R Gamma_K,R^T as a read of the chunk's Gamma_K^T (K x c), undivided
+      Eigen::Map<Matrix<T>> gkt(update.data(), K, c);  // update is K x d_v: room enough iff c <= d_v
+      if (c <= d_v) {
+        gkt = gkc.transpose();
+        read_block<Arch, T>(ReadSources<T>{gqc.data(), K, gkt.data(), c, K}, c, c, nullptr, a.data(),
+                         c);
+      } else {
+        a.noalias() = gqc * gkc.transpose();
+      }
+      a.template triangularView<Eigen::StrictlyUpper>().setZero();  // token i sees j <= i
+      den.segment(s, c).noalias() = gqc * z_t;
+      den.segment(s, c).array() += a.rowwise().sum().array() + eps;
+      const Index ldv = v.outerStride();
+      read_block<Arch, T>(ReadSources<T>{gqc.data(), K, s_t.data(), d_v, K, a.data(), c, vc.data(),
+                                      ldv, c},
+                       c, d_v, den.data() + s, out.data() + s * d_v, d_v);
+      update.setZero();
+      write_block<Arch>(gkc.data(), K, vc.data(), ldv, c, K, d_v, update.data(), d_v);
+      S += update.template cast<W>();
+      z += gkc.colwise().sum().transpose().template cast<W>();
+      s_t = S.template cast<T>();
+      z_t = z.template cast<T>();
+      continue;
+    }
+#endif
     a.noalias() = gqc * gkc.transpose();
     a.template triangularView<Eigen::StrictlyUpper>().setZero();  // token i sees j <= i
     MatrixRef<T> oc = out.middleRows(s, c);

@@ -47,6 +47,7 @@ struct GmaBackwardScratch {
   Matrix<T> acc;      // panel x padded r: -dx / 2
   Matrix<T> upd;      // K x (d_v + 1): one panel's [dVt | dZ]
   Matrix<T> vz, dvz;  // K x (d_v + 1): [Vt | Z] and the summed [dVt | dZ]
+  Matrix<T> vzt, dvt;  // SIMD builds: (d_v + 1) x K and d_v x K, the two transposed
   Matrix<W> dvz_wide;
   Matrix<T> g, dgq, dgk;  // causal: N x d_v, N x K, M x K
   Vector<T> h, inv_den;   // causal: N

@@ -1,0 +1,197 @@
+// mixattn/detail/row_tiles.hpp — register-tiled rank updates and read-outs over a K x d_v
+// memory, the write and read of the linear-attention family (SPEC 1.3, 1.4):
+//
+//   write:  M[k, :] += sum_i g_ik v_i           (M = Gamma_K^T V, a chunk's state update)
+//   read:   out_i    = (sum_k g_ik M[k, :] + sum_j a_ij b_j) / den_i
+//
+// for a block of R tokens at a time, as their rows of g come out of the responsibilities kernel
+// (still in L1) or a chunk of the causal scan. A tile keeps R x NV registers of the value side
+// (the R value slices for the write, the R output slices for the read) while the K rows of M
+// stream through, so M (K x d_v, 16 KiB at K = d_v = 64 in float) is read from L1 once per R
+// tokens and nothing is packed. The read's second sum is the causal chunk's own
+// lower-triangular block (a: R x J, b: J x d_v). Sums are in T and in k order, as a GEMM's are
+// in some order; callers that carry a long sum (the causal state) widen it themselves.
+//
+// Internal: SIMD builds only (the scalar build uses Eigen's products instead).
+#pragma once
+
+#include "mixattn/detail/internal_header_check.hpp"
+
+#include "mixattn/core.hpp"
+#include "mixattn/detail/simd.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <utility>
+
+MIXATTN_BEGIN_NAMESPACE
+namespace detail {
+
+#if MIXATTN_HAS_SIMD
+/// Value-side registers of one tile: R x NV accumulators or slices, plus NV for the memory row
+/// and R broadcasts (R = 5, NV = 4: 29 of AVX-512's 32 registers).
+template <class Arch>
+constexpr int row_tile_vectors() {
+  return simd_registers<Arch>() >= 32 ? 4 : 2;
+}
+
+/// Tokens per tile: as many as the density kernel's tile (DensityTile::tokens), so a block of
+/// its rows is one tile.
+template <class Arch>
+constexpr int row_tile_tokens() {
+  return simd_registers<Arch>() >= 32 ? 5 : 3;
+}
+
+/// Write for R tokens and the NV registers of value columns from c0:
+///   m[k, c0 ..] += sum_i g_ik v_i[c0 ..]   for every k < K.
+/// g: R x K (stride ldg), v: R rows (stride ldv), m: K rows (stride ldm).
+template <int R, int NV, class Arch, class T>
+inline void write_tile(const T* g, Index ldg, const T* v, Index ldv, Index K, Index c0, T* m,
+                       Index ldm) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  B vr[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) vr[i][j] = B::load_unaligned(v + i * ldv + c0 + j * Wd);
+  for (Index k = 0; k < K; ++k) {
+    T* row = m + k * ldm + c0;
+    B acc[NV];
+    for (int j = 0; j < NV; ++j) acc[j] = B::load_unaligned(row + j * Wd);
+    for (int i = 0; i < R; ++i) {
+      const B gik(g[i * ldg + k]);
+      for (int j = 0; j < NV; ++j) acc[j] = xsimd::fma(gik, vr[i][j], acc[j]);
+    }
+    for (int j = 0; j < NV; ++j) acc[j].store_unaligned(row + j * Wd);
+  }
+}
+
+/// The two operands of a read: out_i = (sum_k g_ik m[k] + sum_j a_ij b[j]) / den_i. Without the
+/// second sum, J = 0.
+template <class T>
+struct ReadSources {
+  const T* g;
+  Index ldg;
+  const T* m;
+  Index ldm, K;
+  const T* a = nullptr;
+  Index lda = 0;
+  const T* b = nullptr;
+  Index ldb = 0, J = 0;
+};
+
+/// Read for R tokens and the NV registers of value columns from c0 (out: stride ldo). With
+/// den == nullptr the sums are stored undivided (a plain product).
+template <int R, int NV, class Arch, class T>
+inline void read_tile(const ReadSources<T>& s, Index c0, const T* den, T* out, Index ldo) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  B acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = B(T(0));
+  const auto add = [&](const T* w, Index ldw, const T* src, Index lds, Index depth) {
+    for (Index k = 0; k < depth; ++k) {
+      B m[NV];
+      for (int j = 0; j < NV; ++j) m[j] = B::load_unaligned(src + k * lds + c0 + j * Wd);
+      for (int i = 0; i < R; ++i) {
+        const B wik(w[i * ldw + k]);
+        for (int j = 0; j < NV; ++j) acc[i][j] = xsimd::fma(wik, m[j], acc[i][j]);
+      }
+    }
+  };
+  add(s.g, s.ldg, s.m, s.ldm, s.K);
+  add(s.a, s.lda, s.b, s.ldb, s.J);
+  for (int i = 0; i < R; ++i) {
+    if (den == nullptr) {
+      for (int j = 0; j < NV; ++j) acc[i][j].store_unaligned(out + i * ldo + c0 + j * Wd);
+      continue;
+    }
+    const B d(den[i]);
+    for (int j = 0; j < NV; ++j) (acc[i][j] / d).store_unaligned(out + i * ldo + c0 + j * Wd);
+  }
+}
+
+/// Runs tile(c0, nv) over the d_v value columns: tiles of NV registers, then one of 2 (a row of
+/// 2 registers, such as a causal chunk's 32 float columns, is one tile), then single registers;
+/// returns the first column left for the scalar tail.
+template <int NV, class Arch, class T, class Tile>
+inline Index over_column_tiles(Index d_v, Tile&& tile) {
+  constexpr Index Wd = static_cast<Index>(simd_width<Arch, T>::value);
+  Index c0 = 0;
+  for (; c0 + NV * Wd <= d_v; c0 += NV * Wd) tile(c0, std::integral_constant<int, NV>{});
+  if constexpr (NV > 2)
+    if (c0 + 2 * Wd <= d_v) {
+      tile(c0, std::integral_constant<int, 2>{});
+      c0 += 2 * Wd;
+    }
+  if constexpr (NV > 1)
+    for (; c0 + Wd <= d_v; c0 += Wd) tile(c0, std::integral_constant<int, 1>{});
+  return c0;
+}
+
+/// Write for R tokens over all d_v columns of m (stride ldm).
+template <int R, class Arch, class T>
+inline void write_rows(const T* g, Index ldg, const T* v, Index ldv, Index K, Index d_v, T* m,
+                       Index ldm) {
+  constexpr int NV = row_tile_vectors<Arch>();
+  const Index tail = over_column_tiles<NV, Arch, T>(d_v, [&](Index c0, auto nv) {
+    write_tile<R, decltype(nv)::value, Arch>(g, ldg, v, ldv, K, c0, m, ldm);
+  });
+  for (Index c = tail; c < d_v; ++c)
+    for (int i = 0; i < R; ++i)
+      for (Index k = 0; k < K; ++k) m[k * ldm + c] += g[i * ldg + k] * v[i * ldv + c];
+}
+
+/// Read for R tokens over all d_v columns (den: R entries, out: stride ldo).
+template <int R, class Arch, class T>
+inline void read_rows(const ReadSources<T>& s, Index d_v, const T* den, T* out, Index ldo) {
+  constexpr int NV = row_tile_vectors<Arch>();
+  const Index tail = over_column_tiles<NV, Arch, T>(d_v, [&](Index c0, auto nv) {
+    read_tile<R, decltype(nv)::value, Arch>(s, c0, den, out, ldo);
+  });
+  for (Index c = tail; c < d_v; ++c)
+    for (int i = 0; i < R; ++i) {
+      T sum = 0;
+      for (Index k = 0; k < s.K; ++k) sum = std::fma(s.g[i * s.ldg + k], s.m[k * s.ldm + c], sum);
+      for (Index j = 0; j < s.J; ++j) sum = std::fma(s.a[i * s.lda + j], s.b[j * s.ldb + c], sum);
+      out[i * ldo + c] = den != nullptr ? sum / den[i] : sum;
+    }
+}
+
+/// f(std::integral_constant<int, rows>) for a run-time rows in [1, R].
+template <int R, class F>
+inline void with_rows(Index rows, F&& f) {
+  if constexpr (R > 1)
+    if (rows < R) return with_rows<R - 1>(rows, std::forward<F>(f));
+  f(std::integral_constant<int, R>{});
+}
+
+/// The write for n tokens: tiles of row_tile_tokens rows, then one tile of the rest.
+template <class Arch, class T>
+inline void write_block(const T* g, Index ldg, const T* v, Index ldv, Index n, Index K, Index d_v,
+                        T* m, Index ldm) {
+  constexpr int R = row_tile_tokens<Arch>();
+  for (Index i = 0; i < n; i += R)
+    with_rows<R>(std::min<Index>(R, n - i), [&](auto rows) {
+      write_rows<decltype(rows)::value, Arch>(g + i * ldg, ldg, v + i * ldv, ldv, K, d_v, m, ldm);
+    });
+}
+
+/// The read for n tokens: tiles of row_tile_tokens rows, then one tile of the rest (the rows of
+/// s.g, s.a, den and out advance together; den may be null, read_tile).
+template <class Arch, class T>
+inline void read_block(ReadSources<T> s, Index n, Index d_v, const T* den, T* out, Index ldo) {
+  constexpr int R = row_tile_tokens<Arch>();
+  for (Index i = 0; i < n; i += R) {
+    with_rows<R>(std::min<Index>(R, n - i), [&](auto rows) {
+      read_rows<decltype(rows)::value, Arch>(s, d_v, den != nullptr ? den + i : nullptr,
+                                             out + i * ldo, ldo);
+    });
+    s.g += R * s.ldg;
+    if (s.J > 0) s.a += R * s.lda;
+  }
+}
+#endif
+
+}  // namespace detail
+MIXATTN_END_NAMESPACE
