@@ -295,7 +295,23 @@ inline void require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, c
   // stride). The locating scan below runs only when something is wrong.
   using S = typename Derived::Scalar;
   S probe = S(0);
-  for (Index i = 0; i < x.rows(); ++i) probe += (x.derived().row(i).array() * S(0)).sum();
+  bool whole = false;
+  if constexpr (bool(Derived::Flags & Eigen::DirectAccessBit) &&
+                (bool(Derived::IsRowMajor) || bool(Derived::IsVectorAtCompileTime))) {
+    // Contiguous storage (a Matrix or Vector, a Ref/Map without padding): one long SIMD sum,
+    // whose several accumulators hide the add latency that a sum per row exposes.
+    const bool contiguous = Derived::IsVectorAtCompileTime
+                                ? x.derived().innerStride() == 1
+                                : x.derived().outerStride() == x.cols() || x.rows() <= 1;
+    if (contiguous) {
+      probe = (Eigen::Map<const Eigen::Array<S, Eigen::Dynamic, 1>>(x.derived().data(), x.size()) *
+               S(0))
+                  .sum();
+      whole = true;
+    }
+  }
+  if (!whole)
+    for (Index i = 0; i < x.rows(); ++i) probe += (x.derived().row(i).array() * S(0)).sum();
   if (probe == S(0)) return;
   const Index rows = x.rows(), cols = x.cols();
   for (Index i = 0; i < rows; ++i)
