@@ -19,13 +19,16 @@ MIXATTN_BEGIN_NAMESPACE
 namespace detail {
 
 /// Tile sizes, fixed at compile time. A query tile of `queries` rows meets a key tile of `keys`
-/// rows; the score tile (queries x keys) and its operand tiles stay in L2, and every tile product
-/// is large enough (>= 64 on each side) for Eigen's GEMM kernel to run near its peak; double's
-/// backward prefers the shorter key tile, whose dK/dV accumulators stay resident (the sweep:
-/// bench/results/tuning.md, "Flash attention tiles").
+/// rows; the score tile (queries x keys) and its operand tiles stay in L2. The forward's query
+/// tile is a whole number of its register tiles (6 rows with AVX-512, 4 otherwise); from 96 to
+/// 192 queries and 256 or 512 keys its rate is flat within noise (N = 4096, r = d_v = 64, float,
+/// AVX-512), 64 queries ~5% slower. The backward's tile products are Eigen GEMMs, each large
+/// enough (>= 64 on each side) to run near their peak; double's backward prefers the shorter key
+/// tile, whose dK/dV accumulators stay resident (the sweep: bench/results/tuning.md, "Flash
+/// attention tiles").
 template <class T>
 struct FlashTiles {
-  static constexpr Index forward_queries = 64;
+  static constexpr Index forward_queries = 96;
   static constexpr Index forward_keys = 256;
   static constexpr Index backward_queries = 64;
   static constexpr Index backward_keys = std::is_same<T, double>::value ? 128 : 256;
@@ -39,6 +42,10 @@ struct FlashScratch {
   Vector<T> row_max;  // forward: per row of a query tile
   Vector<mixattn::detail::wide_t<T>> row_sum;  // forward: per row of a query tile
   Vector<T> delta;                             // backward: D_i = dO_i . O_i (N)
+  // SIMD forward only: K^T (r x ldk) and, when d_v is not a whole number of registers, V padded
+  // with zero dims, both laid out once per call; the output tile and the rescale of each row.
+  Matrix<T> kt, vp, o;
+  Vector<T> alpha;
 };
 
 /// Columns c of a score tile whose key j0 + c lies after query i (causal mask, inclusive j <= i)
@@ -54,23 +61,12 @@ inline Index window_first_column(Index i, Index j0, Index window, Index visible)
   return std::clamp<Index>(i - window + 1 - j0, 0, visible);
 }
 
-/// Forward over all query tiles. q: N x r, k: M x r, v: M x d_v; out: N x d_v and lse: N are
-/// sized by the caller and overwritten. out = softmax(scale q k^T + mask) v, lse_i = log sum_j
-/// exp(scale q_i . k_j) over the visible j.
-///
-/// Per query tile, a running max m and running sum l per row (online softmax): when a key tile
-/// raises the max from m to m', the earlier sum and output row are rescaled by exp(m - m'), so
-/// the N x M score matrix is never formed. Scratch is allocated once per call.
-///
-/// window > 0 (causal only, SPEC §7): query i sees keys i - window < j <= i. Key tiles start at
-/// the query tile's first window key, so keys before it cost nothing (O(N (window + tiles)) work);
-/// the rows of a tile that reaches before a later row's window are masked there as well.
-/// window == 0 runs the plain causal or bidirectional schedule unchanged, and so does any
-/// window >= N (it starts every key range at 0 and masks nothing more): the same bits.
+/// The forward's schedule and masks, with Eigen products on every tile: the kernel of builds
+/// without SIMD (scalar_arch). Same contract as flash_forward_tiles below.
 template <class T, Index BlockQ, Index BlockK>
-void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                         const ConstMatrixRef<T>& v, T scale, bool causal, Matrix<T>& out,
-                         Vector<T>& lse, FlashScratch<T>& scratch, Index window = 0) {
+void flash_forward_tiles_eigen(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                               const ConstMatrixRef<T>& v, T scale, bool causal, Matrix<T>& out,
+                               Vector<T>& lse, FlashScratch<T>& scratch, Index window = 0) {
   const Index n = q.rows(), m_keys = k.rows(), r = q.cols();
   const T neg_inf = -std::numeric_limits<T>::infinity();
   MIXATTN_ASSERT(out.rows() == n && out.cols() == v.cols() && lse.size() == n);
@@ -142,6 +138,284 @@ void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
       lse[i0 + t] = static_cast<T>(static_cast<W>(row_max[t]) + std::log(row_sum[t]));
     }
   }
+}
+
+#if MIXATTN_HAS_SIMD
+/// Register tile of the forward's two tile products for Arch: `rows` query rows by `vectors`
+/// registers of columns (keys for S, output dims for P V) of accumulators, plus `vectors` loads
+/// and a broadcast, must fit the register file (AVX-512: 6 x 4 + 5 of 32; AVX2/SSE: 4 x 3 + 4
+/// of 16).
+template <class Arch>
+struct FlashRegisterTile {
+  static constexpr int rows = simd_registers<Arch>() >= 32 ? 6 : 4;
+  static constexpr int vectors = simd_registers<Arch>() >= 32 ? 4 : 3;
+};
+
+/// s[m][c] = sum_l qs[m][l] k[c][l] for m < MR, c < NV registers of keys: one register tile of
+/// S = Qs K^T, the reduction over l < r kept in registers. qs: MR rows of stride ldq; kt: NV
+/// consecutive key blocks of flash_forward_tiles_simd's K^T layout (block c, lane e, dim l at
+/// kt[(c r + l) Wd + e]); s: stride lds.
+template <int MR, int NV, class Arch, class T>
+MIXATTN_ALWAYS_INLINE void flash_score_tile(Arch, const T* qs, Index ldq, const T* kt, Index r,
+                                            T* s, Index lds) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  B acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NV; ++c) acc[m][c] = B(T(0));
+  const Index block = r * Wd;
+  for (Index l = 0; l < r; ++l) {
+    B b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = B::load_unaligned(kt + c * block + l * Wd);
+    for (int m = 0; m < MR; ++m) {
+      const B a(qs[m * ldq + l]);
+      for (int c = 0; c < NV; ++c) acc[m][c] = xsimd::fma(a, b[c], acc[m][c]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NV; ++c) acc[m][c].store_unaligned(s + m * lds + c * Wd);
+}
+
+/// o[m][d] = alpha[m] o[m][d] + sum_{j < kc} p[m][j] v[j][d] for m < MR, d < NV registers of
+/// dims (alpha == nullptr: no rescale): one register tile of O = diag(alpha) O + P V. p: stride
+/// ldp; v: rows of stride ldv (dims contiguous); o: stride ldo.
+template <int MR, int NV, class Arch, class T>
+MIXATTN_ALWAYS_INLINE void flash_pv_tile(Arch, const T* p, Index ldp, const T* v, Index ldv,
+                                         Index kc, T* o, Index ldo, const T* alpha) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  B acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int d = 0; d < NV; ++d) acc[m][d] = B::load_unaligned(o + m * ldo + d * Wd);
+  if (alpha != nullptr)
+    for (int m = 0; m < MR; ++m) {
+      const B a(alpha[m]);
+      for (int d = 0; d < NV; ++d) acc[m][d] *= a;
+    }
+  for (Index j = 0; j < kc; ++j) {
+    B b[NV];
+    for (int d = 0; d < NV; ++d) b[d] = B::load_unaligned(v + j * ldv + d * Wd);
+    for (int m = 0; m < MR; ++m) {
+      const B a(p[m * ldp + j]);
+      for (int d = 0; d < NV; ++d) acc[m][d] = xsimd::fma(a, b[d], acc[m][d]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int d = 0; d < NV; ++d) acc[m][d].store_unaligned(o + m * ldo + d * Wd);
+}
+
+/// s[j] = exp(s[j] - shift) in place for j < n, and their sum in wide_t<T>: softmax.hpp's
+/// exp_shifted_sum in one pass (each exponential widened from its register as it is made).
+template <class Arch, class T>
+inline wide_t<T> flash_exp_sum(Arch, T* s, Index n, T shift) {
+  using W = wide_t<T>;
+  using B = xsimd::batch<T, Arch>;
+  using BW = xsimd::batch<W, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  const B sh(shift);
+  BW lo(W(0)), hi(W(0));
+  Index j = 0;
+  for (; j + Wd <= n; j += Wd) {
+    const B e = exp_shifted(B::load_unaligned(s + j), sh);
+    e.store_unaligned(s + j);
+    add_wide<Arch, T>(lo, hi, e);
+  }
+  W sum = xsimd::hadd(lo + hi);
+  for (; j < n; ++j) {
+    s[j] = std::exp(std::max(s[j] - shift, T(-800)));  // clamped as exp_shifted is
+    sum += static_cast<W>(s[j]);
+  }
+  return sum;
+}
+
+/// The SIMD forward (flash_forward_tiles' contract). Both tile products run on register tiles
+/// (flash_score_tile, flash_pv_tile) over operands laid out once per call, instead of a GEMM
+/// call per tile that packs its operands again each time (K and V are re-read by every query
+/// tile):
+/// - K^T in key blocks of one register width (see below): a score tile's columns are one load
+///   per register for any first key (a tile starting off a block computes up to Wd - 1 keys
+///   before it, never read: windows and small tiles).
+/// - V as given when d_v is a multiple of the register width, else a copy padded with zero dims.
+/// The query tile (scaled, padded with zero rows to a multiple of the register tile) and its
+/// score tile (padded to whole register tiles of keys) live in scratch; the output tile is
+/// accumulated in scratch and rescaled by exp(m - m') inside the P V tile, on its first chunk
+/// of keys. Keys beyond a tile's bc are computed in S but never read (max, exp and P V stop at
+/// bc); padded query rows get zero scores and are never written out.
+template <class Arch, class T, Index BlockQ, Index BlockK, Index KC = 128>
+void flash_forward_tiles_simd(Arch arch, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                              const ConstMatrixRef<T>& v, T scale, bool causal, Matrix<T>& out,
+                              Vector<T>& lse, FlashScratch<T>& scratch, Index window) {
+  const Index n = q.rows(), m_keys = k.rows(), r = q.cols(), dv = v.cols();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  using RowMap = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
+  using W = mixattn::detail::wide_t<T>;
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  constexpr int MR = FlashRegisterTile<Arch>::rows, NV = FlashRegisterTile<Arch>::vectors;
+  constexpr Index P = NV * Wd;                        // keys of one score register tile
+  constexpr Index BQp = (BlockQ + MR - 1) / MR * MR;  // query tile in whole register tiles
+  // Key tile in whole register tiles, from the register block of its first key (up to Wd - 1
+  // keys before it, when the tile starts off a block: windows and small tiles).
+  constexpr Index BKp = (BlockK + Wd - 1 + P - 1) / P * P;
+  // KC: keys per chunk of the P V product, whose V rows (KC x d_v) stay in L1 across the row
+  // tiles; 128 beat 64 and 256 by ~5% at d_v = 64.
+  const Index dvp = (dv + Wd - 1) / Wd * Wd;
+
+  // K^T in key blocks of one register: block b holds keys [b Wd, (b + 1) Wd) as r rows of Wd
+  // lanes (r Wd contiguous values), zero beyond M. A score register tile's NV blocks are then one
+  // contiguous stretch of NV r Wd values, streamed in order (no 4 KiB strides, few pages). A tile
+  // of keys from j0 reads blocks from j0 / Wd up to column j0 + bc - 1 + P - 1 <= M + P - 2.
+  Matrix<T>& kt = scratch.kt;
+  const Index key_blocks = (m_keys + P + Wd - 1) / Wd;
+  kt.resize(key_blocks, r * Wd);
+  for (Index b = 0; b < key_blocks; ++b) {
+    T* dst = kt.data() + b * r * Wd;
+    const Index lanes = std::clamp<Index>(m_keys - b * Wd, 0, Wd);
+    for (Index c = 0; c < lanes; ++c) {
+      const T* src = k.data() + (b * Wd + c) * k.outerStride();
+      for (Index l = 0; l < r; ++l) dst[l * Wd + c] = src[l];
+    }
+    for (Index c = lanes; c < Wd; ++c)
+      for (Index l = 0; l < r; ++l) dst[l * Wd + c] = T(0);
+  }
+  const T* vp = v.data();
+  Index ldv = v.outerStride();
+  if (dv != dvp) {
+    scratch.vp.resize(m_keys, dvp);
+    scratch.vp.leftCols(dv) = v;
+    scratch.vp.rightCols(dvp - dv).setZero();
+    vp = scratch.vp.data();
+    ldv = dvp;
+  }
+
+  Matrix<T>& qs = scratch.qs;  // scale * query tile, so the score tile needs no rescale
+  Matrix<T>& s = scratch.s;    // scores, then probabilities, of one tile
+  Matrix<T>& o = scratch.o;    // unnormalised output of one query tile
+  Vector<T>& row_max = scratch.row_max;
+  Vector<W>& row_sum = scratch.row_sum;
+  Vector<T>& alpha = scratch.alpha;  // exp(m - m') of each row for the current key tile
+  qs.resize(BQp, r);
+  s.resize(BQp, BKp);
+  o.resize(BQp, dvp);
+  row_max.resize(BQp);
+  row_sum.resize(BQp);
+  alpha.resize(BQp);
+
+  // P V over the columns [d0, d0 + nb registers) for one chunk of keys, nb <= NV dispatched to
+  // a register tile of that width.
+  const auto pv_rows = [&](Index brp, const T* p, const T* vc, Index kc, Index d0, Index nb,
+                           const T* al) {
+    for (Index m0 = 0; m0 < brp; m0 += MR) {
+      const T* pm = p + m0 * BKp;
+      T* om = o.data() + m0 * dvp + d0;
+      const T* am = al != nullptr ? al + m0 : nullptr;
+      if (nb == NV)
+        flash_pv_tile<MR, NV>(arch, pm, BKp, vc + d0, ldv, kc, om, dvp, am);
+      else if (NV > 2 && nb == 2)
+        flash_pv_tile<MR, (NV > 2 ? 2 : NV)>(arch, pm, BKp, vc + d0, ldv, kc, om, dvp, am);
+      else if (NV > 3 && nb == 3)
+        flash_pv_tile<MR, (NV > 3 ? 3 : NV)>(arch, pm, BKp, vc + d0, ldv, kc, om, dvp, am);
+      else
+        flash_pv_tile<MR, 1>(arch, pm, BKp, vc + d0, ldv, kc, om, dvp, am);
+    }
+  };
+
+  for (Index i0 = 0; i0 < n; i0 += BlockQ) {
+    const Index br = std::min(BlockQ, n - i0);
+    const Index brp = (br + MR - 1) / MR * MR;
+    qs.topRows(br) = scale * q.middleRows(i0, br);
+    qs.middleRows(br, brp - br).setZero();
+    row_max.head(br).setConstant(neg_inf);
+    row_sum.head(br).setZero();
+    alpha.segment(br, brp - br).setOnes();  // padded rows: zero scores, never read
+    o.topRows(brp).setZero();
+
+    // Causal: key tiles wholly after the tile's last query are skipped; the last tile is cut
+    // at the tile's last query, so only the diagonal tile needs a mask.
+    const Index key_end = causal ? i0 + br : m_keys;
+    // Sliding window: keys before the tile's first query's window are skipped.
+    const Index key_begin = window > 0 ? std::max<Index>(0, i0 - window + 1) : 0;
+    for (Index j0 = key_begin; j0 < key_end; j0 += BlockK) {
+      const Index bc = std::min(BlockK, key_end - j0);
+      const Index off = j0 % Wd;  // score column c is key j0 - off + c
+      const T* ktb = kt.data() + (j0 - off) * r;
+      for (Index c0 = 0; c0 < off + bc; c0 += P)
+        for (Index m0 = 0; m0 < brp; m0 += MR)
+          flash_score_tile<MR, NV>(arch, qs.data() + m0 * r, r, ktb + c0 * r, r,
+                                   s.data() + m0 * BKp + c0, BKp);
+      const bool diagonal = causal && j0 + bc - 1 > i0;
+      // Sliding window: the tile holds keys before the window of the tile's last query.
+      const bool trailing = window > 0 && j0 < i0 + br - window;
+
+      for (Index t = 0; t < br; ++t) {
+        const Index visible = diagonal ? visible_columns(i0 + t, j0, bc) : bc;
+        const Index first = trailing ? window_first_column(i0 + t, j0, window, visible) : 0;
+        T* st = s.data() + t * BKp + off;
+        // Masked keys get probability 0 in the tile that feeds the P V product (set, not
+        // computed: exp(-inf) must not reach the vectorised exp).
+        RowMap(st + visible, bc - visible).setZero();
+        if (first > 0) RowMap(st, first).setZero();
+        alpha[t] = T(1);
+        if (visible == first) continue;  // nothing visible in this tile: state unchanged
+        T* seen = st + first;
+        const Index count = visible - first;
+        const T new_max =
+            mixattn::detail::max_keep_nan(row_max[t], mixattn::detail::row_max(arch, seen, count));
+        // new_max is finite (finite scores); the old max may still be -inf on the first visible
+        // tile, where exp(-inf - finite) = 0 correctly discards the empty history and no
+        // -inf - -inf can arise.
+        alpha[t] = std::exp(row_max[t] - new_max);
+        row_sum[t] =
+            static_cast<W>(alpha[t]) * row_sum[t] + flash_exp_sum(arch, seen, count, new_max);
+        row_max[t] = new_max;
+      }
+
+      // O = diag(alpha) O + P V: the rescale rides on the first chunk of keys.
+      for (Index d0 = 0; d0 < dvp; d0 += P) {
+        const Index nb = std::min<Index>(NV, (dvp - d0) / Wd);
+        for (Index c0 = 0; c0 < bc; c0 += KC)
+          pv_rows(brp, s.data() + off + c0, vp + (j0 + c0) * ldv, std::min(KC, bc - c0), d0, nb,
+                  c0 == 0 ? alpha.data() : nullptr);
+      }
+    }
+
+    for (Index t = 0; t < br; ++t) {
+      // row_sum >= 1 (the max term contributes exp(0)) whenever a key was visible; NaN only
+      // from non-finite input the caller chose not to check.
+      MIXATTN_ASSERT(!(row_sum[t] < W(1)));
+      out.row(i0 + t) = o.row(t).head(dv) * static_cast<T>(W(1) / row_sum[t]);
+      lse[i0 + t] = static_cast<T>(static_cast<W>(row_max[t]) + std::log(row_sum[t]));
+    }
+  }
+}
+#endif
+
+/// Forward over all query tiles. q: N x r, k: M x r, v: M x d_v; out: N x d_v and lse: N are
+/// sized by the caller and overwritten. out = softmax(scale q k^T + mask) v, lse_i = log sum_j
+/// exp(scale q_i . k_j) over the visible j.
+///
+/// Per query tile, a running max m and running sum l per row (online softmax): when a key tile
+/// raises the max from m to m', the earlier sum and output row are rescaled by exp(m - m'), so
+/// the N x M score matrix is never formed. Scratch is allocated once per call.
+///
+/// window > 0 (causal only, SPEC §7): query i sees keys i - window < j <= i. Key tiles start at
+/// the query tile's first window key, so keys before it cost nothing (O(N (window + tiles)) work);
+/// the rows of a tile that reaches before a later row's window are masked there as well.
+/// window == 0 runs the plain causal or bidirectional schedule unchanged, and so does any
+/// window >= N (it starts every key range at 0 and masks nothing more): the same bits.
+template <class T, Index BlockQ, Index BlockK>
+void flash_forward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                         const ConstMatrixRef<T>& v, T scale, bool causal, Matrix<T>& out,
+                         Vector<T>& lse, FlashScratch<T>& scratch, Index window = 0) {
+  MIXATTN_ASSERT(out.rows() == q.rows() && out.cols() == v.cols() && lse.size() == q.rows());
+  MIXATTN_ASSERT(!causal || q.rows() == k.rows());
+  MIXATTN_ASSERT(window >= 0 && (window == 0 || causal));
+#if MIXATTN_HAS_SIMD
+  flash_forward_tiles_simd<simd_arch, T, BlockQ, BlockK>(simd_arch{}, q, k, v, scale, causal, out,
+                                                         lse, scratch, window);
+#else
+  flash_forward_tiles_eigen<T, BlockQ, BlockK>(q, k, v, scale, causal, out, lse, scratch, window);
+#endif
 }
 
 /// Backward over all key tiles (outer) and query tiles (inner), recomputing every probability

@@ -112,35 +112,54 @@ inline xsimd::batch<wide_t<T>, Arch> load_wide(const T* p) {
   return BW::load_unaligned(p);
 }
 
-/// acc += the lanes of v widened to wide_t<T> (for float, the two halves of v as doubles; for
-/// double, v itself): a register's worth of a wide sum without a trip through memory.
+/// lo += the lanes of x widened to wide_t<T>: for float the low and high halves of x go to lo
+/// and hi, as doubles (one conversion instruction each where the ISA has it); for double, all of
+/// x goes to lo. Two accumulators let a long sum overlap its adds; one (add_wide(acc, x)) keeps
+/// a short sum in lane order.
 template <class Arch, class T>
-inline void add_wide(xsimd::batch<wide_t<T>, Arch>& acc, const xsimd::batch<T, Arch>& v) {
+MIXATTN_ALWAYS_INLINE void add_wide(xsimd::batch<wide_t<T>, Arch>& lo,
+                                    xsimd::batch<wide_t<T>, Arch>& hi,
+                                    const xsimd::batch<T, Arch>& x) {
   if constexpr (std::is_same<T, wide_t<T>>::value) {
-    acc += v;
+    (void)hi;
+    lo += x;
   } else {
+    using BW = xsimd::batch<wide_t<T>, Arch>;
 #if XSIMD_WITH_AVX512F
     if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value) {
-      const __m512 r = v;
-      acc += xsimd::batch<double, Arch>(_mm512_cvtps_pd(_mm512_castps512_ps256(r)));
-      acc += xsimd::batch<double, Arch>(_mm512_cvtps_pd(
-          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1))));
+      const __m512 v = x;
+      lo += BW(_mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+      hi += BW(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
       return;
     }
 #endif
 #if XSIMD_WITH_AVX
     if constexpr (std::is_base_of<xsimd::avx, Arch>::value) {
-      const __m256 r = v;
-      acc += xsimd::batch<double, Arch>(_mm256_cvtps_pd(_mm256_castps256_ps128(r)));
-      acc += xsimd::batch<double, Arch>(_mm256_cvtps_pd(_mm256_extractf128_ps(r, 1)));
+      const __m256 v = x;
+      lo += BW(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+      hi += BW(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
       return;
     }
 #endif
-    constexpr std::size_t Wd = xsimd::batch<T, Arch>::size, WW = xsimd::batch<double, Arch>::size;
+#if XSIMD_WITH_SSE2
+    if constexpr (std::is_base_of<xsimd::sse2, Arch>::value) {
+      const __m128 v = x;
+      lo += BW(_mm_cvtps_pd(v));
+      hi += BW(_mm_cvtps_pd(_mm_movehl_ps(v, v)));
+      return;
+    }
+#endif
+    constexpr std::size_t Wd = xsimd::batch<T, Arch>::size, WW = BW::size;
     alignas(64) T lanes[Wd];
-    v.store_aligned(lanes);
-    for (std::size_t h = 0; h < Wd; h += WW) acc += load_wide<Arch>(lanes + h);
+    x.store_aligned(lanes);
+    for (std::size_t h = 0; h < Wd; h += WW) ((h / WW) % 2 == 0 ? lo : hi) += load_wide<Arch>(lanes + h);
   }
+}
+
+template <class Arch, class T>
+MIXATTN_ALWAYS_INLINE void add_wide(xsimd::batch<wide_t<T>, Arch>& acc,
+                                    const xsimd::batch<T, Arch>& x) {
+  add_wide<Arch, T>(acc, acc, x);
 }
 #endif
 
