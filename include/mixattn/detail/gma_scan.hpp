@@ -36,6 +36,7 @@ struct GmaScanScratch {
   Matrix<T> s_t, update;    // K x d_v: the state in T, one chunk's contribution
   Vector<T> z_t, z_update;  // K
   Matrix<T> a_buf, b_buf;   // chunk x chunk
+  Matrix<T> gkt;            // K x chunk: a chunk's Gamma_K transposed (SIMD forward)
   /// Sizes the T buffers (the wide states are set by the callers).
   void reset(Index K, Index d_v, Index chunk) {
     s_t.resize(K, d_v);
@@ -44,6 +45,7 @@ struct GmaScanScratch {
     z_update.resize(K);
     a_buf.resize(chunk, chunk);
     b_buf.resize(chunk, chunk);
+    gkt.resize(K, chunk);
   }
 };
 
@@ -66,6 +68,7 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
   Matrix<T>& a_buf = scratch.a_buf;
   s_t = S.template cast<T>();
   z_t = z.template cast<T>();
+  if constexpr (!std::is_same<Arch, scalar_arch>::value) update.setZero();  // written by adding
   for (Index s = 0; s < N; s += chunk) {
     const Index c = std::min(chunk, N - s);
     const ConstMatrixRef<T> gqc = gq.middleRows(s, c), gkc = gk.middleRows(s, c);
@@ -74,14 +77,10 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
 #if MIXATTN_HAS_SIMD
     if constexpr (!std::is_same<Arch, scalar_arch>::value) {
       // A = Gamma_Q,R Gamma_K,R^T as a read of the chunk's Gamma_K^T (K x c), undivided
-      Eigen::Map<Matrix<T>> gkt(update.data(), K, c);  // update is K x d_v: room enough iff c <= d_v
-      if (c <= d_v) {
-        gkt = gkc.transpose();
-        read_block<Arch, T>(ReadSources<T>{gqc.data(), K, gkt.data(), c, K}, c, c, nullptr, a.data(),
-                         c);
-      } else {
-        a.noalias() = gqc * gkc.transpose();
-      }
+      Eigen::Map<Matrix<T>> gkt(scratch.gkt.data(), K, c);
+      gkt = gkc.transpose();
+      read_block<Arch, T>(ReadSources<T>{gqc.data(), K, gkt.data(), c, K}, c, c, nullptr, a.data(),
+                          c);
       a.template triangularView<Eigen::StrictlyUpper>().setZero();  // token i sees j <= i
       den.segment(s, c).noalias() = gqc * z_t;
       den.segment(s, c).array() += a.rowwise().sum().array() + eps;
@@ -89,11 +88,19 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
       read_block<Arch, T>(ReadSources<T>{gqc.data(), K, s_t.data(), d_v, K, a.data(), c, vc.data(),
                                       ldv, c},
                        c, d_v, den.data() + s, out.data() + s * d_v, d_v);
-      update.setZero();
       write_block<Arch>(gkc.data(), K, vc.data(), ldv, c, K, d_v, update.data(), d_v);
-      S += update.template cast<W>();
+      // S += update in W, its T copy for the next chunk's read, and update zeroed for the next
+      // chunk's write: one pass (a loop the compiler vectorises) instead of three
+      W* sw = S.data();
+      T* st = s_t.data();
+      T* up = update.data();
+      for (Index e = 0; e < K * d_v; ++e) {
+        const W x = sw[e] + static_cast<W>(up[e]);
+        sw[e] = x;
+        st[e] = static_cast<T>(x);
+        up[e] = T(0);
+      }
       z += gkc.colwise().sum().transpose().template cast<W>();
-      s_t = S.template cast<T>();
       z_t = z.template cast<T>();
       continue;
     }

@@ -47,7 +47,7 @@ constexpr int row_tile_tokens() {
 ///   m[k, c0 ..] += sum_i g_ik v_i[c0 ..]   for every k < K.
 /// g: R x K (stride ldg), v: R rows (stride ldv), m: K rows (stride ldm).
 template <int R, int NV, class Arch, class T>
-inline void write_tile(const T* g, Index ldg, const T* v, Index ldv, Index K, Index c0, T* m,
+MIXATTN_ALWAYS_INLINE void write_tile(const T* g, Index ldg, const T* v, Index ldv, Index K, Index c0, T* m,
                        Index ldm) {
   using B = xsimd::batch<T, Arch>;
   constexpr Index Wd = static_cast<Index>(B::size);
@@ -80,32 +80,41 @@ struct ReadSources {
   Index ldb = 0, J = 0;
 };
 
+/// acc[i][:] += sum_k w_ik src[k, c0 ..] for R rows of w (stride ldw) over `depth` rows of src.
+template <int R, int NV, class Arch, class T>
+MIXATTN_ALWAYS_INLINE void read_accumulate(xsimd::batch<T, Arch> (&acc)[R][NV], const T* w,
+                                           Index ldw, const T* src, Index lds, Index depth,
+                                           Index c0) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  for (Index k = 0; k < depth; ++k) {
+    B m[NV];
+    for (int j = 0; j < NV; ++j) m[j] = B::load_unaligned(src + k * lds + c0 + j * Wd);
+    for (int i = 0; i < R; ++i) {
+      const B wik(w[i * ldw + k]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = xsimd::fma(wik, m[j], acc[i][j]);
+    }
+  }
+}
+
 /// Read for R tokens and the NV registers of value columns from c0 (out: stride ldo). With
 /// den == nullptr the sums are stored undivided (a plain product).
 template <int R, int NV, class Arch, class T>
-inline void read_tile(const ReadSources<T>& s, Index c0, const T* den, T* out, Index ldo) {
+MIXATTN_ALWAYS_INLINE void read_tile(const ReadSources<T>& s, Index c0, const T* den, T* out,
+                                     Index ldo) {
   using B = xsimd::batch<T, Arch>;
   constexpr Index Wd = static_cast<Index>(B::size);
   B acc[R][NV];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NV; ++j) acc[i][j] = B(T(0));
-  const auto add = [&](const T* w, Index ldw, const T* src, Index lds, Index depth) {
-    for (Index k = 0; k < depth; ++k) {
-      B m[NV];
-      for (int j = 0; j < NV; ++j) m[j] = B::load_unaligned(src + k * lds + c0 + j * Wd);
-      for (int i = 0; i < R; ++i) {
-        const B wik(w[i * ldw + k]);
-        for (int j = 0; j < NV; ++j) acc[i][j] = xsimd::fma(wik, m[j], acc[i][j]);
-      }
-    }
-  };
-  add(s.g, s.ldg, s.m, s.ldm, s.K);
-  add(s.a, s.lda, s.b, s.ldb, s.J);
-  for (int i = 0; i < R; ++i) {
-    if (den == nullptr) {
+  read_accumulate<R, NV, Arch>(acc, s.g, s.ldg, s.m, s.ldm, s.K, c0);
+  if (s.J > 0) read_accumulate<R, NV, Arch>(acc, s.a, s.lda, s.b, s.ldb, s.J, c0);
+  if (den == nullptr) {
+    for (int i = 0; i < R; ++i)
       for (int j = 0; j < NV; ++j) acc[i][j].store_unaligned(out + i * ldo + c0 + j * Wd);
-      continue;
-    }
+    return;
+  }
+  for (int i = 0; i < R; ++i) {
     const B d(den[i]);
     for (int j = 0; j < NV; ++j) (acc[i][j] / d).store_unaligned(out + i * ldo + c0 + j * Wd);
   }
