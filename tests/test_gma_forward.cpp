@@ -179,6 +179,39 @@ TYPED_TEST(GmaForward, FusedReadWriteMatchesGemmPathAndExplicitFormula) {
   }
 }
 
+#if defined(__SSE2__)
+// The kernels flush subnormals while they run (detail::FlushSubnormals) and give the caller's
+// floating-point mode back, after a return and after a throw alike.
+TEST(GmaForwardFloatingPointMode, CallersModeIsRestored) {
+  const gma::Mixture<float> mix = test_mixture<float>(8, 4, 5);
+  const Matrix<float> x = random_matrix<float>(12, 4, 6), v = random_matrix<float>(12, 3, 7);
+  const unsigned original = _mm_getcsr();
+  for (const unsigned mode : {original & ~0x8040u, original | 0x8040u}) {
+    _mm_setcsr(mode);
+    gma::Options opt;
+    for (const bool causal : {false, true}) {
+      opt.causal = causal;
+      gma::Saved<float> saved;
+      const Matrix<float> o = gma::forward(mix, x, x, v, opt, &saved);
+      EXPECT_EQ(_mm_getcsr(), mode) << "forward, causal " << causal;
+      gma::backward(mix, x, x, v, Matrix<float>::Ones(12, 3), saved, opt);
+      EXPECT_EQ(_mm_getcsr(), mode) << "backward, causal " << causal;
+    }
+    gma::State<float> st = gma::State<float>::empty(8, 3);
+    opt.causal = true;
+    gma::forward(mix, x, x, v, opt, st);
+    EXPECT_EQ(_mm_getcsr(), mode) << "continued forward";
+    // finite values whose sums over 12 keys overflow float: the output check throws after the
+    // kernels ran
+    const Matrix<float> huge = Matrix<float>::Constant(12, 3, 3e38f);
+    opt.causal = false;
+    EXPECT_THROW(gma::forward(mix, x, x, huge, opt), std::domain_error);
+    EXPECT_EQ(_mm_getcsr(), mode) << "forward that threw";
+  }
+  _mm_setcsr(original);
+}
+#endif
+
 TYPED_TEST(GmaForward, CausalMatchesExplicitFormulaForEveryChunkLength) {
   using T = TypeParam;
   for (const Shape s : {Shape{1, 1, 2, 3, 2}, Shape{13, 13, 3, 5, 2}, Shape{40, 40, 6, 17, 7}}) {

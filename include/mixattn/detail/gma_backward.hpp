@@ -221,6 +221,7 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
                   const gma::Saved<T>& saved, const gma::Options& opt,
                   const gma::StateGrad<T>* grad_state_out) {
   gma_check_backward(fn, mix, q, k, v, grad_out, saved, opt, grad_state_out);
+  const FlushSubnormals flush;
   using W = wide_t<T>;
   const Index N = q.rows(), M = k.rows(), K = mix.components(), d_v = v.cols(), r = mix.dim();
   GmaBackwardScratch<T>& s = grad.scratch;

@@ -124,6 +124,7 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
                  const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                  const gma::Options& opt, gma::Saved<T>* saved) {
   gma_check_inputs(fn, mix, q, k, v, opt);
+  const FlushSubnormals flush;
   using W = wide_t<T>;
   const Index N = q.rows(), K = mix.components(), d_v = v.cols();
   const T eps = static_cast<T>(opt.eps);
@@ -213,6 +214,7 @@ void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T
                            const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                            const ConstMatrixRef<T>& v, const gma::Options& opt, gma::State<T>& st,
                            gma::Saved<T>* saved, std::uint64_t mixture_fingerprint) {
+  const FlushSubnormals flush;
   using W = wide_t<T>;
   const Index N = q.rows(), K = p.components, d_v = v.cols(), chunk = gma_chunk(opt);
   GmaForwardScratch<T>& s = saved ? saved->scratch : gma_thread_scratch<T>();
