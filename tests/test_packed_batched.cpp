@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -84,6 +86,57 @@ TYPED_TEST(PackedTyped, GmaEqualsSeparateCalls) {
         EXPECT_EQ(grad.mixtures[h].var_raw, sum.var_raw);
         EXPECT_EQ(grad.mixtures[h].prior_logit, sum.prior_logit);
       }
+    }
+  }
+}
+
+// Large packed results reach their blocks through stores that bypass the caches
+// (detail::copy_block_into, stream = true, used above detail::packed_stream_bytes, which these
+// small shapes stay under): the same bits as the block assignment, whatever the alignment of the
+// block's rows and the width of the tail, and nothing outside the block touched.
+TYPED_TEST(PackedTyped, StreamedBlockCopyEqualsAssignment) {
+  using T = TypeParam;
+  for (const Index cols : {Index(1), Index(3), Index(8), Index(17), Index(64), Index(67)}) {
+    for (const Index col0 : {Index(0), Index(1), Index(5), Index(16)}) {
+      const Matrix<T> src = random_matrix<T>(13, cols, 50 + cols);
+      const Matrix<T> start = random_matrix<T>(20, col0 + cols + 3, 60 + col0);
+      Matrix<T> streamed = start, assigned = start;
+      mixattn::detail::copy_block_into<mixattn::detail::simd_arch>(streamed, 4, col0, src, true);
+      assigned.block(4, col0, src.rows(), cols) = src;
+      EXPECT_EQ(streamed, assigned) << "cols " << cols << " col0 " << col0;
+      Matrix<T> plain = start;
+      mixattn::detail::copy_block_into<mixattn::detail::simd_arch>(plain, 4, col0, src, false);
+      EXPECT_EQ(plain, assigned) << "cols " << cols << " col0 " << col0;
+    }
+  }
+}
+
+// The packed backward leaves q, k, v to the forward's finite checks (the records' fingerprints
+// tie them to it) but still checks grad_out and, with checks off, checks nothing.
+TEST(Packed, GmaBackwardChecksGradOut) {
+  namespace gma = mixattn::gma;
+  const std::vector<gma::Mixture<double>> mix = {gma::Mixture<double>::random(4, 3, 1),
+                                                 gma::Mixture<double>::random(4, 3, 2)};
+  const Offsets off = offsets_of({6, 1, 9});
+  const Matrix<double> x = random_matrix<double>(off.back(), 6, 3);
+  Matrix<double> dout = random_matrix<double>(off.back(), 6, 4);
+  dout(8, 4) = std::numeric_limits<double>::quiet_NaN();  // sequence 2, head 1
+  for (const bool check : {true, false}) {
+    gma::Options opt;
+    opt.check_finite = check;
+    Matrix<double> out;
+    gma::PackedSaved<double> saved;
+    gma::PackedGrad<double> grad;
+    gma::forward_packed_into(out, mix, x, x, x, off, off, opt, &saved);
+    if (check) {
+      try {
+        gma::backward_packed_into(grad, mix, x, x, x, dout, off, off, saved, opt);
+        ADD_FAILURE() << "a NaN in grad_out must throw";
+      } catch (const std::domain_error& e) {
+        EXPECT_NE(std::string(e.what()).find("grad_out"), std::string::npos) << e.what();
+      }
+    } else {
+      EXPECT_NO_THROW(gma::backward_packed_into(grad, mix, x, x, x, dout, off, off, saved, opt));
     }
   }
 }

@@ -19,7 +19,15 @@
 //
 // Records (PackedSaved, PackedGrad) keep one record per pair and are reused: with the same
 // offsets and shapes, a step allocates nothing in steady state (one thread; the pool's
-// scheduling aside).
+// scheduling aside). An item's output and (GMA) its dq, dk, dv pass through a buffer of the
+// running thread for the item's sequence, reused by the sequence's heads while it is in cache,
+// into their blocks, large ones by stores that bypass the caches (copy_block_into); on one
+// thread a forward runs the cheapest pairs first, so that its backward, most expensive first,
+// starts with the records still in cache. The packed GMA backward leaves q, k, v to the finite
+// checks of the forward that filled its records (each item's backward still compares them with
+// its record's fingerprints). Measured in bench_batched (gma_packed_fwd_bwd against
+// gma_separate_fwd_then_bwd, one thread): the copies into place through the cache and the cold
+// per-pair records made the packed call 1.13x the separate calls.
 #pragma once
 
 #include "mixattn/core.hpp"
@@ -27,9 +35,13 @@
 #include "mixattn/ovq.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/reference.hpp"
+#include "mixattn/detail/simd.hpp"
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
@@ -50,6 +62,79 @@ inline void check_offsets(const char* fn, const char* name, const Offsets& offse
             offsets[b + 1]);
   require(offsets.back() == rows, fn, name, " ends at ", offsets.back(), " but the input has ",
           rows, " rows");
+}
+
+/// Destinations of at least this many bytes receive the items' blocks through stores that
+/// bypass the caches. Such a destination is several times a core's L2 (2 MiB here): it is
+/// evicted before the caller reads it back anyway, and an ordinary store first reads every
+/// destination line it writes (a read for ownership), which doubled the memory traffic of the
+/// copies and cost the packed GMA fwd+bwd of bench_batched ~7 ms of ~200 (a 4096-row item
+/// block: 2.5 us per 64 KiB through the cache, 0.9 us streamed).
+constexpr std::size_t packed_stream_bytes = std::size_t(8) << 20;
+
+/// One vector store of v at p (aligned to the vector's size) that bypasses the caches where
+/// the instruction set has one, an ordinary aligned store otherwise.
+template <class Arch, class T>
+inline void stream_store(T* p, const xsimd::batch<T, Arch>& v) {
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value) {
+    if constexpr (std::is_same<T, float>::value)
+      return _mm512_stream_ps(p, v);
+    else
+      return _mm512_stream_pd(p, v);
+  }
+#endif
+#if XSIMD_WITH_AVX
+  if constexpr (std::is_base_of<xsimd::avx, Arch>::value) {
+    if constexpr (std::is_same<T, float>::value)
+      return _mm256_stream_ps(p, v);
+    else
+      return _mm256_stream_pd(p, v);
+  }
+#endif
+#if XSIMD_WITH_SSE2
+  if constexpr (std::is_base_of<xsimd::sse2, Arch>::value) {
+    if constexpr (std::is_same<T, float>::value)
+      return _mm_stream_ps(p, v);
+    else
+      return _mm_stream_pd(p, v);
+  }
+#endif
+  v.store_aligned(p);
+}
+
+/// dst.block(row0, col0, src.rows(), src.cols()) = src, bit for bit; with `stream`, through
+/// stream_store (unaligned heads and tails of rows by scalar stores), then a store fence so
+/// that the block is visible to whichever thread reads it after this one's next
+/// synchronisation.
+template <class Arch, class T>
+void copy_block_into(Matrix<T>& dst, Index row0, Index col0, const Matrix<T>& src, bool stream) {
+  const Index rows = src.rows(), cols = src.cols();
+  MIXATTN_ASSERT(row0 >= 0 && col0 >= 0 && row0 + rows <= dst.rows() && col0 + cols <= dst.cols());
+#if MIXATTN_HAS_SIMD
+  if constexpr (!std::is_same<Arch, scalar_arch>::value &&
+                (std::is_same<T, float>::value || std::is_same<T, double>::value)) {
+    if (stream) {
+      using B = xsimd::batch<T, Arch>;
+      constexpr Index W = static_cast<Index>(B::size);
+      constexpr std::uintptr_t bytes = sizeof(T) * B::size;
+      for (Index i = 0; i < rows; ++i) {
+        T* d = dst.data() + (row0 + i) * dst.outerStride() + col0;
+        const T* s = src.data() + i * src.outerStride();
+        Index j = 0;
+        for (; j < cols && reinterpret_cast<std::uintptr_t>(d + j) % bytes != 0; ++j) d[j] = s[j];
+        for (; j + W <= cols; j += W) stream_store<Arch>(d + j, B::load_unaligned(s + j));
+        for (; j < cols; ++j) d[j] = s[j];
+      }
+#if XSIMD_WITH_SSE2
+      _mm_sfence();
+#endif
+      return;
+    }
+  }
+#endif
+  (void)stream;
+  dst.block(row0, col0, rows, cols) = src;
 }
 
 /// Head layout of a packed call: H_q query heads of width r and H_kv key/value heads.
@@ -104,31 +189,59 @@ void packed_sum_kv(const std::vector<Grad>& items, const PackedHeads& ph, const 
   });
 }
 
-/// Runs fn(item) for every item in [0, count), the largest cost(item) first (ties by index),
-/// on up to `threads` threads that each take the next item when done. `order` is scratch.
+/// Threads parallel_largest_first_on_workers runs `count` items on: worker indices are
+/// [0, this).
+inline Index largest_first_workers(Index count, int threads) {
+  return std::max<Index>(1, std::min<Index>(resolve_threads(threads), count));
+}
+
+/// Runs fn(item, worker) for every item in [0, count), the largest cost(item) first (ties by
+/// index), on up to `threads` threads that each take the next item when done. `worker`, in
+/// [0, largest_first_workers(count, threads)), is the same for every item one thread runs, so
+/// fn may index per-thread scratch by it. With serial_reversed and one thread, the order runs
+/// backwards (smallest first): nothing is left to balance, and a forward that ends with the
+/// largest items leaves their records in cache for a backward that starts with them. `order`
+/// is scratch.
 template <class Cost, class Fn>
-void parallel_largest_first(Index count, int threads, Cost&& cost, Fn&& fn,
-                            std::vector<Index>& order) {
+void parallel_largest_first_on_workers(Index count, int threads, Cost&& cost, Fn&& fn,
+                                       std::vector<Index>& order, bool serial_reversed = false) {
   order.resize(static_cast<std::size_t>(count));
   for (Index i = 0; i < count; ++i) order[static_cast<std::size_t>(i)] = i;
   std::sort(order.begin(), order.end(), [&](Index a, Index b) {
     const Index ca = cost(a), cb = cost(b);
     return ca != cb ? ca > cb : a < b;
   });
+  const Index workers = largest_first_workers(count, threads);
+  if (workers == 1 && serial_reversed) std::reverse(order.begin(), order.end());
   std::atomic<Index> next{0};
-  const Index workers = std::min<Index>(threads == 0 ? Index(1) << 20 : threads, count);
-  parallel_for(workers, threads, [&](Index) {
-    for (Index i = next++; i < count; i = next++) fn(order[static_cast<std::size_t>(i)]);
+  parallel_for(workers, threads, [&](Index w) {
+    for (Index i = next++; i < count; i = next++) fn(order[static_cast<std::size_t>(i)], w);
   });
+}
+
+/// Runs fn(item) for every item in [0, count), the largest cost(item) first (ties by index),
+/// on up to `threads` threads that each take the next item when done. `order` is scratch.
+template <class Cost, class Fn>
+void parallel_largest_first(Index count, int threads, Cost&& cost, Fn&& fn,
+                            std::vector<Index>& order) {
+  parallel_largest_first_on_workers(
+      count, threads, std::forward<Cost>(cost), [&](Index i, Index) { fn(i); }, order);
 }
 
 /// Records of a packed call: one per (sequence b, query head h), item b H + h.
 template <class T, class Record>
 struct PackedRecords {
   std::vector<Record> items;
-  std::vector<Matrix<T>> outs;  // forward: each item's output before it is copied into place
-  std::vector<Index> order;     // scratch of the largest-first schedule
+  // forward: an item's output before it is copied into place, one per (thread w, sequence b),
+  // index w B + b (work_slot): the H items of a sequence, run one after another, reuse one
+  // buffer of their size while it is in cache, and no buffer changes size between steps.
+  std::vector<Matrix<T>> outs;
+  std::vector<Index> order;  // scratch of the largest-first schedule
   Offsets q_offsets, k_offsets;
+  // Set by a forward that checked q, k, v and the parameters for finite values (GMA): its
+  // backward, which finds by the records' fingerprints that it has the same data, need not
+  // check them again.
+  bool finite_checked = false;
 };
 
 /// Gradients of a packed call: q, k, v like the inputs and one record per item.
@@ -164,37 +277,57 @@ inline Index pair_cost(const PackedHeads& ph, const Offsets& q_offsets, const Of
   return quadratic ? p.nq * p.nk : p.nq + p.nk;
 }
 
-/// Runs fn(rows, item) for every (sequence, head) item of a packed call on up to `threads`
-/// threads, the most expensive first (parallel_largest_first; `order` is its scratch).
+/// Runs fn(rows, item, worker) for every (sequence, head) item of a packed call on up to
+/// `threads` threads, the most expensive first (parallel_largest_first_on_workers; `order` is
+/// its scratch). A forward passes forward = true: on one thread it then runs the cheapest
+/// first, so that the backward, most expensive first, starts where the forward ended.
 template <class Fn>
 void packed_items(const PackedHeads& ph, const Offsets& q_offsets, const Offsets& k_offsets,
-                  int threads, bool quadratic, std::vector<Index>& order, Fn&& fn) {
-  parallel_largest_first(
+                  int threads, bool quadratic, std::vector<Index>& order, Fn&& fn,
+                  bool forward = false) {
+  parallel_largest_first_on_workers(
       ph.items(), threads,
       [&](Index i) { return pair_cost(ph, q_offsets, k_offsets, i, quadratic); },
-      [&](Index i) { fn(pair_rows(ph, q_offsets, k_offsets, i), static_cast<std::size_t>(i)); },
-      order);
+      [&](Index i, Index w) {
+        fn(pair_rows(ph, q_offsets, k_offsets, i), static_cast<std::size_t>(i), w);
+      },
+      order, forward);
+}
+
+/// Slots of per-(thread, sequence) working records: workers x B.
+inline std::size_t work_slots(const PackedHeads& ph, int threads) {
+  return static_cast<std::size_t>(largest_first_workers(ph.items(), threads) * ph.batch);
+}
+
+/// The per-(thread, sequence) record of item rows p run by worker w.
+inline std::size_t work_slot(const PackedHeads& ph, const PairRows& p, Index w) {
+  return static_cast<std::size_t>(w * ph.batch + p.b);
 }
 
 /// A packed forward: sizes `rec` (and out: total_q x H d_v), then runs
 /// item(rows, out_item, record or nullptr) for every item, largest first, and copies each item's
-/// output into its block of out.
+/// output into its block of out while it is in cache. out_item is a buffer of the running
+/// thread for the item's sequence (PackedRecords::outs), not one per item: a step writes each
+/// output twice (buffer, block) and touches no more memory than the separate calls would.
 template <class T, class Record, class Item>
 void packed_forward(Matrix<T>& out, const PackedHeads& ph, const Offsets& q_offsets,
                     const Offsets& k_offsets, PackedRecords<T, Record>& rec, bool keep, int threads,
                     bool quadratic, Item&& item) {
   const std::size_t items = static_cast<std::size_t>(ph.items());
   rec.items.resize(keep ? items : 0);
-  rec.outs.resize(items);
+  rec.outs.resize(work_slots(ph, threads));
   rec.q_offsets = q_offsets;
   rec.k_offsets = k_offsets;
+  rec.finite_checked = false;
   out.resize(q_offsets.back(), ph.heads * ph.d_v);
+  const bool stream = static_cast<std::size_t>(out.size()) * sizeof(T) >= packed_stream_bytes;
   packed_items(ph, q_offsets, k_offsets, threads, quadratic, rec.order,
-               [&](const PairRows& p, std::size_t i) {
-                 Matrix<T>& o = rec.outs[i];
+               [&](const PairRows& p, std::size_t i, Index w) {
+                 Matrix<T>& o = rec.outs[work_slot(ph, p, w)];
                  item(p, o, keep ? &rec.items[i] : nullptr);
-                 out.block(p.q0, p.h * ph.d_v, p.nq, ph.d_v) = o;
-               });
+                 copy_block_into<simd_arch>(out, p.q0, p.h * ph.d_v, o, stream);
+               },
+               true);
 }
 
 /// Checks a packed backward's grad_out and records against the call.
@@ -223,14 +356,18 @@ void packed_backward(PackedGrads<T, GradRecord>& grad, const PackedHeads& ph,
   grad.q.resize(q_offsets.back(), ph.heads * ph.r);
   grad.k.resize(k_offsets.back(), ph.kv_heads * ph.r);
   grad.v.resize(k_offsets.back(), ph.kv_heads * ph.d_v);
+  const auto streams = [](const Matrix<T>& m) {
+    return static_cast<std::size_t>(m.size()) * sizeof(T) >= packed_stream_bytes;
+  };
+  const bool stream_q = streams(grad.q), stream_k = streams(grad.k), stream_v = streams(grad.v);
   packed_items(ph, q_offsets, k_offsets, threads, quadratic, grad.order,
-               [&](const PairRows& p, std::size_t i) {
+               [&](const PairRows& p, std::size_t i, Index) {
                  GradRecord& g = grad.items[i];
                  item(p, g, saved.items[i]);
-                 grad.q.block(p.q0, p.h * ph.r, p.nq, ph.r) = g.q;
+                 copy_block_into<simd_arch>(grad.q, p.q0, p.h * ph.r, g.q, stream_q);
                  if (grouped) return;
-                 grad.k.block(p.k0, p.g * ph.r, p.nk, ph.r) = g.k;
-                 grad.v.block(p.k0, p.g * ph.d_v, p.nk, ph.d_v) = g.v;
+                 copy_block_into<simd_arch>(grad.k, p.k0, p.g * ph.r, g.k, stream_k);
+                 copy_block_into<simd_arch>(grad.v, p.k0, p.g * ph.d_v, g.v, stream_v);
                });
   if (grouped)
     packed_sum_kv(grad.items, ph, k_offsets, ph.kv_heads * ph.r, ph.kv_heads * ph.d_v, grad.k,
@@ -247,10 +384,15 @@ template <class T>
 using PackedSaved = detail::PackedRecords<T, Saved<T>>;
 
 /// Gradients of forward_packed_into: q, k, v like the inputs, one MixtureGrad per head (summed
-/// over the sequences in order), and the per-item records kept for reuse.
+/// over the sequences in order), and the working records kept for reuse. Unlike the other
+/// packed gradients, `items` stays empty: each item's dq, dk, dv go straight into place from a
+/// record of the running thread for the item's sequence (`work`, index w B + b), and only the
+/// item's mixture gradient is kept (item_mixtures, item b H + h) for the sums over sequences.
 template <class T>
 struct PackedGrad : detail::PackedGrads<T, Grad<T>> {
   std::vector<MixtureGrad<T>> mixtures;
+  std::vector<MixtureGrad<T>> item_mixtures;  // one per (sequence b, head h), item b H + h
+  std::vector<Grad<T>> work;                  // per (thread w, sequence b), index w B + b
 };
 
 /// Packed GMA forward. mixtures: H mixtures of dimension r (one per head); q: total_q x (H r),
@@ -277,6 +419,7 @@ void forward_packed_into(Matrix<T>& out, const std::vector<Mixture<T>>& mixtures
         forward_into(o, mixtures[static_cast<std::size_t>(p.h)], q.block(p.q0, p.h * r, p.nq, r),
                      k.block(p.k0, p.h * r, p.nk, r), v.block(p.k0, p.h * d_v, p.nk, d_v), opt, s);
       });
+  if (saved) saved->finite_checked = opt.check_finite;  // every item's forward checked them
 }
 
 /// Packed GMA backward; grad_out: total_q x (H d_v); saved from forward_packed_into with the
@@ -295,18 +438,51 @@ void backward_packed_into(PackedGrad<T>& grad, const std::vector<Mixture<T>>& mi
                            v.rows(), q_offsets, k_offsets, threads);
   detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, q_offsets, k_offsets, saved);
   const Index r = ph.r, d_v = ph.d_v;
-  detail::packed_backward(
-      grad, ph, q_offsets, k_offsets, saved, threads, false,
-      [&](const detail::PairRows& p, Grad<T>& g, const Saved<T>& s) {
+  // The per-item Grad records of detail::packed_backward would hold dq, dk, dv of every item
+  // (as much memory again as the packed gradients) and copy each from its own cold record; a
+  // record per (thread, sequence) is reused by the sequence's H heads while it is in cache and
+  // keeps its size from step to step (no allocation in steady state).
+  grad.items.clear();
+  grad.item_mixtures.resize(static_cast<std::size_t>(ph.items()));
+  grad.work.resize(detail::work_slots(ph, threads));
+  grad.q.resize(q_offsets.back(), heads * r);
+  grad.k.resize(k_offsets.back(), heads * r);
+  grad.v.resize(k_offsets.back(), heads * d_v);
+  const auto streams = [](const Matrix<T>& m) {
+    return static_cast<std::size_t>(m.size()) * sizeof(T) >= detail::packed_stream_bytes;
+  };
+  const bool stream_q = streams(grad.q), stream_k = streams(grad.k), stream_v = streams(grad.v);
+  // A forward that checked q, k, v and the mixtures for finite values leaves the items'
+  // backwards only grad_out and the results to check: each backward still compares q, k, v and
+  // the mixture with its record's fingerprints, so they are the data the forward checked (a
+  // change since then is reported as other data). The checks that remain are the single
+  // call's, on the same blocks.
+  const bool checked_once = opt.check_finite && saved.finite_checked;
+  Options item_opt = opt;
+  if (checked_once) item_opt.check_finite = false;
+  detail::packed_items(
+      ph, q_offsets, k_offsets, threads, false, grad.order,
+      [&](const detail::PairRows& p, std::size_t i, Index w) {
+        Grad<T>& g = grad.work[detail::work_slot(ph, p, w)];
+        const auto d_out = grad_out.block(p.q0, p.h * d_v, p.nq, d_v);
+        if (checked_once) detail::require_finite(d_out, fn, "grad_out");
         backward_into(g, mixtures[static_cast<std::size_t>(p.h)], q.block(p.q0, p.h * r, p.nq, r),
-                      k.block(p.k0, p.h * r, p.nk, r), v.block(p.k0, p.h * d_v, p.nk, d_v),
-                      grad_out.block(p.q0, p.h * d_v, p.nq, d_v), s, opt);
+                      k.block(p.k0, p.h * r, p.nk, r), v.block(p.k0, p.h * d_v, p.nk, d_v), d_out,
+                      saved.items[i], item_opt);
+        if (checked_once) detail::gma_check_grad(fn, g);
+        detail::copy_block_into<detail::simd_arch>(grad.q, p.q0, p.h * r, g.q, stream_q);
+        detail::copy_block_into<detail::simd_arch>(grad.k, p.k0, p.h * r, g.k, stream_k);
+        detail::copy_block_into<detail::simd_arch>(grad.v, p.k0, p.h * d_v, g.v, stream_v);
+        MixtureGrad<T>& m = grad.item_mixtures[i];
+        m.mean = g.mixture.mean;
+        m.var_raw = g.mixture.var_raw;
+        m.prior_logit = g.mixture.prior_logit;
       });
   grad.mixtures.resize(static_cast<std::size_t>(heads));
   for (Index h = 0; h < heads; ++h) {  // sequence order, as separate calls summed would be
     MixtureGrad<T>& m = grad.mixtures[static_cast<std::size_t>(h)];
     for (Index b = 0; b < ph.batch; ++b) {
-      const MixtureGrad<T>& g = grad.items[static_cast<std::size_t>(b * heads + h)].mixture;
+      const MixtureGrad<T>& g = grad.item_mixtures[static_cast<std::size_t>(b * heads + h)];
       if (b == 0) {
         m.mean = g.mean;
         m.var_raw = g.var_raw;
