@@ -260,6 +260,7 @@ void flash_forward_tiles_simd(Arch arch, const ConstMatrixRef<T>& q, const Const
   // KC: keys per chunk of the P V product, whose V rows (KC x d_v) stay in L1 across the row
   // tiles; 128 beat 64 and 256 by ~5% at d_v = 64.
   const Index dvp = (dv + Wd - 1) / Wd * Wd;
+  if (n == 0) return;  // nothing to compute (and no keys to lay out: M = N = 0 when causal)
 
   // K^T in key blocks of one register: block b holds keys [b Wd, (b + 1) Wd) as r rows of Wd
   // lanes (r Wd contiguous values), zero beyond M. A score register tile's NV blocks are then one
