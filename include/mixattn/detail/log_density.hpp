@@ -221,10 +221,13 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
       bad = bad | xsimd::isnan(acc[i][j]);
     }
     const T m = reduce_max(mx);
-    // A failed token's stages below run on NaN or -inf harmlessly (exp_shifted is NaN-safe) and
-    // its row is not written.
-    if (xsimd::any(bad) || m == -std::numeric_limits<T>::infinity()) failed |= 1u << i;
-    shift[i] = B(m);
+    // A failed token's stages below run on a shift of +inf, so that every lane is -inf or NaN
+    // (exp_shifted gives 0 or NaN, with no out-of-range exponent: with a NaN lane, the vector
+    // max may miss the true maximum, and s - m would then be large and positive), and its row
+    // is not written.
+    const bool bad_row = xsimd::any(bad) || m == -std::numeric_limits<T>::infinity();
+    if (bad_row) failed |= 1u << i;
+    shift[i] = B(bad_row ? std::numeric_limits<T>::infinity() : m);
   }
   BW sum[TI];
   for (int i = 0; i < TI; ++i) {
