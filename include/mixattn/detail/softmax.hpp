@@ -152,7 +152,8 @@ MIXATTN_ALWAYS_INLINE void add_wide(xsimd::batch<wide_t<T>, Arch>& lo,
     constexpr std::size_t Wd = xsimd::batch<T, Arch>::size, WW = BW::size;
     alignas(64) T lanes[Wd];
     x.store_aligned(lanes);
-    for (std::size_t h = 0; h < Wd; h += WW) ((h / WW) % 2 == 0 ? lo : hi) += load_wide<Arch>(lanes + h);
+    for (std::size_t h = 0; h < Wd; h += WW)
+      ((h / WW) % 2 == 0 ? lo : hi) += load_wide<Arch>(lanes + h);
   }
 }
 
