@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -19,11 +20,63 @@ namespace mt = mixattn::testing;
 using mt::close;
 using mt::random_matrix;
 using mt::Tol;
+using mt::unit_rows;
 
 template <class T>
 class OvqDictionary : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(OvqDictionary, Scalars);
+
+#if MIXATTN_HAS_SIMD
+// The nearest-centroid search on register tiles (scores transposed, best row kept in lanes)
+// against the GEMM path: the same row for every token (random unit vectors leave no near ties
+// at these sizes), the same best score up to the rounding of an r-term dot product in another
+// order, and the tie rule. For that, row 5 duplicates row 2 and token 3 equals it: the tiled
+// path computes every score with the same instruction sequence, so the two copies tie exactly
+// and row 2 wins; Eigen's GEMM may round the copies differently (they can fall in different
+// panels of its blocking), so on the GEMM side 2 and 5 count as the same answer.
+TYPED_TEST(OvqDictionary, TiledNearestRowsMatchGemmPath) {
+  using T = TypeParam;
+  struct Shape {
+    Index n, r, c;
+  };
+  for (const Shape sh :
+       {Shape{1, 5, 13}, Shape{7, 64, 256}, Shape{300, 64, 256}, Shape{53, 17, 40}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << sh.n << " r " << sh.r << " c " << sh.c);
+    const std::uint64_t seed = static_cast<std::uint64_t>(sh.n + 5 * sh.r + 11 * sh.c);
+    Matrix<T> keys = unit_rows(random_matrix<double>(sh.n, sh.r, seed), 1e-6).template cast<T>();
+    Matrix<T> kb = unit_rows(random_matrix<double>(sh.c, sh.r, seed + 1), 1e-6).template cast<T>();
+    const bool dup = sh.n >= 7;
+    if (dup) {
+      keys.row(5) = keys.row(2);
+      kb.row(3) = keys.row(2);
+    }
+    detail::Dictionary<T> dict;
+    dict.allocate(sh.n, sh.r, 1);
+    dict.load(keys, Matrix<T>::Zero(sh.n, 1), Vector<T>::Ones(sh.n));
+    ASSERT_TRUE(detail::BlockQuantizer<T>::tiled_nearest(sh.n));
+    detail::BlockQuantizer<T> slow, fast;
+    slow.reserve(sh.c, sh.n, sh.r);
+    fast.reserve(sh.c, sh.n, sh.r);
+    slow.nearest_old_rows(dict, kb);
+    fast.nearest_old_rows_tiled(dict, kb);
+    for (Index j = 0; j < sh.c; ++j) {
+      const Index expect = dup && slow.nearest(j) == 5 ? 2 : slow.nearest(j);
+      EXPECT_EQ(fast.nearest(j), expect) << "token " << j;
+      EXPECT_NEAR(static_cast<double>(fast.best(j)), static_cast<double>(slow.best(j)),
+                  16 * sh.r * static_cast<double>(std::numeric_limits<T>::epsilon()))
+          << "token " << j;
+    }
+    if (dup) {
+      EXPECT_EQ(fast.nearest(3), 2);
+      // its score is its own squared norm (1 up to the normalisation's rounding)
+      EXPECT_NEAR(static_cast<double>(fast.best(3)),
+                  keys.row(2).template cast<double>().squaredNorm(),
+                  4 * sh.r * static_cast<double>(std::numeric_limits<T>::epsilon()));
+    }
+  }
+}
+#endif
 
 TEST(OvqSchedule, PlateauAndLinearValues) {
   using mixattn::detail::linear_size;

@@ -9,8 +9,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -195,6 +199,84 @@ TYPED_TEST(OvqExactness, ZeroVectorsStayFinite) {
   // Token 0 sees only itself.
   EXPECT_TRUE(close(out0.row(0), v.row(0), Tol<T>::rtol, Tol<T>::atol));
 }
+
+#if MIXATTN_HAS_SIMD
+// The forward tile on register tiles (logits transposed, masked in the epilogue, read-out from
+// the transposed weights) against Eigen's products, over shapes that reach every branch: no
+// dictionary, pending keys of the state before this call's (lo > 0), query counts that are not
+// whole vectors (padded lanes), key and value widths with column tails, with and without the
+// count bias. Both compute the same sums in different orders, so Tol (a few hundred ulps in
+// float) bounds their gap; the finiteness verdicts must agree, including on a NaN dictionary.
+TYPED_TEST(OvqExactness, TiledTileForwardMatchesGemmPath) {
+  using T = TypeParam;
+  struct Shape {
+    Index n, r, dv, m, p0, lo;
+    bool bias;
+  };
+  for (const Shape sh : {Shape{0, 64, 64, 64, 0, 0, true}, Shape{100, 64, 64, 64, 64, 0, true},
+                         Shape{37, 17, 70, 23, 5, 3, false}, Shape{1, 3, 1, 16, 0, 0, true},
+                         Shape{300, 64, 65, 40, 200, 7, true}, Shape{20, 9, 33, 61, 2, 2, false}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << sh.n << " r " << sh.r << " d_v " << sh.dv << " m "
+                                      << sh.m << " p0 " << sh.p0 << " lo " << sh.lo);
+    ASSERT_TRUE(detail::uses_tiled_forward<T>(sh.m));
+    const std::uint64_t seed = static_cast<std::uint64_t>(sh.n * 7 + sh.m * 3 + sh.r);
+    const Index l = sh.p0 + sh.m;
+    const Matrix<T> qh =
+        unit_rows(random_matrix<double>(sh.m, sh.r, seed), 1e-6).template cast<T>();
+    Matrix<T> dk = unit_rows(random_matrix<double>(sh.n, sh.r, seed + 1), 1e-6).template cast<T>();
+    const Matrix<T> dvals = random_matrix<T>(sh.n, sh.dv, seed + 2);
+    const Matrix<T> kb =
+        unit_rows(random_matrix<double>(l, sh.r, seed + 3), 1e-6).template cast<T>();
+    const Matrix<T> vb = random_matrix<T>(l, sh.dv, seed + 4);
+    Vector<T> logc(sh.n);
+    for (Index i = 0; i < sh.n; ++i) logc[i] = std::log(static_cast<T>(1 + (i * 37) % 11));
+    const T s = static_cast<T>(std::sqrt(static_cast<double>(sh.r)));
+    const T* lc = sh.bias ? logc.data() : nullptr;
+    detail::AttentionScratch<T> sc;
+    sc.reserve(sh.n, l, sh.r, false, sh.m);
+    Matrix<T> fast(sh.m, sh.dv), slow(sh.m, sh.dv);
+    const auto run = [&](bool tiled, Matrix<T>& out) {
+      const detail::CRef<T> ko = kb.topRows(sh.lo), vo = vb.topRows(sh.lo);
+      const detail::CRef<T> kn = kb.bottomRows(l - sh.lo), vn = vb.bottomRows(l - sh.lo);
+      return tiled ? detail::tile_forward_tiled<T>(qh, dk, dvals, lc, ko, vo, kn, vn, sh.p0, s, sc,
+                                                   out, true)
+                   : detail::tile_forward_gemm<T>(qh, dk, dvals, lc, ko, vo, kn, vn, sh.p0, s, sc,
+                                                  out, true);
+    };
+    EXPECT_TRUE(run(false, slow));
+    EXPECT_TRUE(run(true, fast));
+    EXPECT_TRUE(close(fast, slow, Tol<T>::rtol, Tol<T>::atol));
+    // against the definition: row i attends to the dictionary and block keys 0 .. p0 + i
+    Matrix<double> expect(sh.m, sh.dv);
+    for (Index i = 0; i < sh.m; ++i) {
+      std::vector<double> z;
+      for (Index j = 0; j < sh.n; ++j)
+        z.push_back(static_cast<double>(s) *
+                        qh.row(i).template cast<double>().dot(dk.row(j).template cast<double>()) +
+                    (sh.bias ? static_cast<double>(logc[j]) : 0.0));
+      for (Index j = 0; j <= sh.p0 + i; ++j)
+        z.push_back(static_cast<double>(s) *
+                    qh.row(i).template cast<double>().dot(kb.row(j).template cast<double>()));
+      const double mx = *std::max_element(z.begin(), z.end());
+      double den = 0;
+      Eigen::RowVectorXd acc = Eigen::RowVectorXd::Zero(sh.dv);
+      for (std::size_t j = 0; j < z.size(); ++j) {
+        const double p = std::exp(z[j] - mx);
+        den += p;
+        const Index jj = static_cast<Index>(j);
+        acc += p * (jj < sh.n ? dvals.row(jj) : vb.row(jj - sh.n)).template cast<double>();
+      }
+      expect.row(i) = acc / den;
+    }
+    EXPECT_TRUE(close(fast, expect, Tol<T>::rtol, Tol<T>::atol));
+    if (sh.n > 0) {
+      dk(sh.n / 2, 0) = std::numeric_limits<T>::quiet_NaN();
+      EXPECT_FALSE(run(false, slow));
+      EXPECT_FALSE(run(true, fast));
+    }
+  }
+}
+#endif
 
 }  // namespace
 

@@ -337,6 +337,82 @@ TYPED_TEST(Reference, SoftmaxRowAndBackwardMatchFormula) {
   check_softmax_kernels<mixattn::detail::scalar_arch, TypeParam>({}, 900);
 }
 
+#if MIXATTN_HAS_SIMD
+/// e[i] = fast_exp(x[i]) (fast_exp_nonpositive when nonpositive) through whole registers; the
+/// remainder is padded with zeros.
+std::vector<float> fast_exp_of(const std::vector<float>& x, bool nonpositive) {
+  using B = xsimd::batch<float, mixattn::detail::simd_arch>;
+  const size_t w = B::size;
+  std::vector<float> in(x), out((x.size() + w - 1) / w * w);
+  in.resize(out.size(), 0.0f);
+  for (size_t i = 0; i < in.size(); i += w) {
+    const B v = B::load_unaligned(in.data() + i);
+    (nonpositive ? mixattn::detail::fast_exp_nonpositive(v) : mixattn::detail::fast_exp(v))
+        .store_unaligned(out.data() + i);
+  }
+  out.resize(x.size());
+  return out;
+}
+
+/// |got - want| in units of float's spacing at want (2^-149 in the subnormal range).
+double ulps_from(float got, double want) {
+  const double spacing =
+      want < double(std::numeric_limits<float>::min())
+          ? std::ldexp(1.0, -149)
+          : std::ldexp(1.0, std::ilogb(want) - std::numeric_limits<float>::digits + 1);
+  return std::abs(double(got) - want) / spacing;
+}
+
+// The flash forward's exp (detail/fast_exp.hpp) against exp in double, on a dense sweep of the
+// shifted logits' range x <= 0 (normal results, the subnormal range x in [-103.3, -87.3] and the
+// underflow to 0 below -103.97), the positive range up to overflow for fast_exp, and the special
+// values. 2 ulps: the polynomial is good to 0.2 ulp and its Horner steps and the reduction round
+// about 1 ulp in all (the FMA-less SSE2 build rounds each multiply-add twice).
+TEST(FastExp, MatchesExpWithinTwoUlps) {
+  for (bool nonpositive : {true, false}) {
+    SCOPED_TRACE(nonpositive ? "fast_exp_nonpositive" : "fast_exp");
+    const double hi = nonpositive ? 0.0 : 89.0, lo = -110.0;
+    const int steps = 2000000;
+    std::vector<float> x;
+    for (int i = 0; i <= steps; ++i) x.push_back(float(lo + (hi - lo) * i / steps));
+    // zeros, tiny arguments, the ends of the reduction interval and of the subnormal range
+    for (float v :
+         {-0.0f, 0.0f, -1e-30f, -1e-7f, -0.3465736f, -0.3465737f, -87.33654f, -87.33655f,
+          -103.2789f, -103.9721f, -103.9720f, -104.0f, -1e10f, -std::numeric_limits<float>::max()})
+      x.push_back(v);
+    const std::vector<float> e = fast_exp_of(x, nonpositive);
+    double worst = 0;
+    size_t at = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double want = std::exp(double(x[i]));
+      if (want > double(std::numeric_limits<float>::max())) {  // rounds to inf or to max
+        EXPECT_GE(e[i], std::numeric_limits<float>::max()) << x[i];
+        continue;
+      }
+      const double u = ulps_from(e[i], want);
+      if (u > worst) worst = u, at = i;
+    }
+    RecordProperty(nonpositive ? "worst_ulps_nonpositive" : "worst_ulps", std::to_string(worst));
+    EXPECT_LE(worst, 2.0) << "at x = " << x[at] << ": " << e[at] << " vs "
+                          << std::exp(double(x[at]));
+    const float inf = std::numeric_limits<float>::infinity();
+    const std::vector<float> special = {0.0f,    -0.0f,   -inf,
+                                        -104.0f, -200.0f, std::numeric_limits<float>::quiet_NaN()};
+    const std::vector<float> es = fast_exp_of(special, nonpositive);
+    EXPECT_EQ(es[0], 1.0f);
+    EXPECT_EQ(es[1], 1.0f);
+    EXPECT_EQ(es[2], 0.0f);
+    EXPECT_EQ(es[3], 0.0f);
+    EXPECT_EQ(es[4], 0.0f);
+    EXPECT_TRUE(std::isnan(es[5]));
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> big = fast_exp_of({88.7f, 88.8f, 89.0f, 1e10f, inf}, false);
+  EXPECT_LE(ulps_from(big[0], std::exp(double(88.7f))), 2.0);
+  for (size_t i = 1; i < big.size(); ++i) EXPECT_EQ(big[i], inf) << i;
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // central differences in double, for q, k and v of both forms
 

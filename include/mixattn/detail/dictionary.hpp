@@ -12,6 +12,7 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/row_tiles.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -125,7 +126,15 @@ template <class T>
 class BlockQuantizer {
  public:
   void reserve(Index block, Index capacity, Index key_dim) {
-    scores_.resize(block, std::min(capacity, score_tile));
+#if MIXATTN_HAS_SIMD
+    constexpr Index w = static_cast<Index>(simd_width<simd_arch, T>::value);
+    const Index padded = (block + w - 1) / w * w;
+    kbt_.resize(key_dim, padded);
+    lane_best_.resize(padded);
+    lane_arg_.resize(padded);
+    if (!tiled_nearest(capacity))
+#endif
+      scores_.resize(block, std::min(capacity, score_tile));
     seed_dots_.resize(block, block);
     seed_keys_.resize(block, key_dim);
     best_.resize(block);
@@ -143,7 +152,12 @@ class BlockQuantizer {
             bool existing_only, std::int32_t* assign, std::int32_t* seeds) {
     const Index c = kb.rows();
     MIXATTN_ASSERT(nu <= c && c <= best_.size());
-    nearest_old_rows(dict, kb);
+#if MIXATTN_HAS_SIMD
+    if (tiled_nearest(dict.size))
+      nearest_old_rows_tiled(dict, kb);
+    else
+#endif
+      nearest_old_rows(dict, kb);
     std::fill(pick_of_.begin(), pick_of_.begin() + c, -1);
     for (Index j = 0; j < c; ++j) key_[j] = best_[j];
     if (greedy)
@@ -153,12 +167,22 @@ class BlockQuantizer {
     assign_tokens(c, nu, dict.size, existing_only, assign);
   }
 
- private:
+  /// Whether nearest_old_rows_tiled serves a dictionary of n rows: SIMD builds, row indices
+  /// exact in T's lanes.
+  static constexpr bool tiled_nearest(Index n) {
+    return MIXATTN_HAS_SIMD != 0 && n <= (Index(1) << std::numeric_limits<T>::digits);
+  }
+
   /// Nearest old centroid of every token (ties -> lowest row) into best_ / arg_, reused by the
   /// seeding score and the assignment: C x N scores, one tile of dictionary rows at a time.
+  /// Public, with nearest_old_rows_tiled, best() and nearest(), for the tests of the one
+  /// against the other.
   void nearest_old_rows(const Dictionary<T>& dict, const Eigen::Ref<const Matrix<T>>& kb) {
     const Index c = kb.rows(), n0 = dict.size;
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+    // SIMD builds size the score tile only where this path serves (reserve)
+    if (scores_.rows() < c || scores_.cols() < std::min(n0, score_tile))
+      scores_.resize(c, std::min(n0, score_tile));
     for (Index j = 0; j < c; ++j) {
       best_[j] = neg_inf;
       arg_[j] = 0;  // a row that exists (or the first pick's) even if every score is NaN
@@ -180,6 +204,71 @@ class BlockQuantizer {
     }
   }
 
+#if MIXATTN_HAS_SIMD
+  /// nearest_old_rows on register tiles: the scores are computed transposed, D_k K_b^T, each
+  /// dictionary row broadcast against vectors of the block's tokens (K_b^T, the only copy), and
+  /// never stored: the epilogue keeps every token's best score and its row in vector lanes
+  /// (strict >, rows in ascending order: ties -> lowest row; a NaN score never wins).
+  void nearest_old_rows_tiled(const Dictionary<T>& dict, const Eigen::Ref<const Matrix<T>>& kb) {
+    using Arch = simd_arch;
+    using B = xsimd::batch<T, Arch>;
+    constexpr Index Wd = static_cast<Index>(B::size);
+    constexpr int R = plain_tile_rows<Arch>(), NV = row_tile_vectors<Arch>();
+    const Index c = kb.rows(), r = kb.cols(), n0 = dict.size, cp = (c + Wd - 1) / Wd * Wd;
+    MIXATTN_ASSERT(kbt_.rows() >= r && kbt_.cols() >= cp && lane_best_.size() >= cp);
+    T* const kt = kbt_.data();  // r x cp, stride cp
+    for (Index k = 0; k < r; ++k) {
+      for (Index j = 0; j < c; ++j) kt[k * cp + j] = kb(j, k);
+      for (Index j = c; j < cp; ++j) kt[k * cp + j] = T(0);
+    }
+    T* const bst = lane_best_.data();
+    T* const arg = lane_arg_.data();
+    for (Index j = 0; j < cp; ++j) {
+      bst[j] = -std::numeric_limits<T>::infinity();
+      arg[j] = T(0);
+    }
+    const T* const keys = dict.keys.data();
+    const Index ld = dict.keys.outerStride();
+    // panels of NV token vectors outer, so that their slice of K_b^T (r x NV vectors) stays in
+    // L1 while the dictionary streams through
+    over_column_tiles<NV, Arch, T>(cp, [&](Index c0, auto nv_c) {
+      constexpr int NVp = decltype(nv_c)::value;
+      for (Index x0 = 0; x0 < n0; x0 += R)
+        with_rows<R>(std::min<Index>(R, n0 - x0), [&](auto rows_c) {
+          constexpr int RR = decltype(rows_c)::value;
+          B acc[RR][NVp];
+          for (int i = 0; i < RR; ++i)
+            for (int j = 0; j < NVp; ++j) acc[i][j] = B(T(0));
+          read_accumulate<RR, NVp, Arch>(acc, keys + x0 * ld, ld, kt, cp, r, c0);
+          for (int j = 0; j < NVp; ++j) {
+            B best = B::load_unaligned(bst + c0 + j * Wd),
+              at = B::load_unaligned(arg + c0 + j * Wd);
+            for (int i = 0; i < RR; ++i) {
+              const auto gt = acc[i][j] > best;
+              best = xsimd::select(gt, acc[i][j], best);
+              at = xsimd::select(gt, B(static_cast<T>(x0 + i)), at);
+            }
+            best.store_unaligned(bst + c0 + j * Wd);
+            at.store_unaligned(arg + c0 + j * Wd);
+          }
+        });
+    });
+    for (Index j = 0; j < c; ++j) {
+      best_[j] = bst[j];
+      arg_[j] = static_cast<Index>(arg[j]);
+    }
+  }
+#endif
+
+  /// What the last nearest_old_rows(_tiled) found for token j: its best score and row.
+  T best(Index j) const {
+    return best_[j];
+  }
+  Index nearest(Index j) const {
+    return arg_[j];
+  }
+
+ private:
   /// Greedy seeding: each pick is the unpicked token whose largest similarity to every centroid
   /// so far is smallest (strict < keeps the lowest index on ties; with no centroid all keys are
   /// -inf and token 0 wins, as the rule says).
@@ -199,8 +288,8 @@ class BlockQuantizer {
 
   /// One-shot seeding: all picks scored against the old dictionary; with none, the first token
   /// is the first pick and the others are scored against it alone.
-  void seed_one_shot(const Eigen::Ref<const Matrix<T>>& kb, Index nu, Index n0,
-                     bool existing_only, std::int32_t* seeds) {
+  void seed_one_shot(const Eigen::Ref<const Matrix<T>>& kb, Index nu, Index n0, bool existing_only,
+                     std::int32_t* seeds) {
     const Index c = kb.rows();
     Index p0 = 0;
     if (n0 == 0) {
@@ -213,10 +302,9 @@ class BlockQuantizer {
     for (Index j = 0; j < c; ++j)
       if (pick_of_[j] < 0) order_[m++] = j;
     const Index take = nu - p0;
-    std::partial_sort(order_.begin(), order_.begin() + take, order_.begin() + m,
-                      [this](Index a, Index b) {
-                        return key_[a] < key_[b] || (!(key_[b] < key_[a]) && a < b);
-                      });
+    std::partial_sort(
+        order_.begin(), order_.begin() + take, order_.begin() + m,
+        [this](Index a, Index b) { return key_[a] < key_[b] || (!(key_[b] < key_[a]) && a < b); });
     for (Index p = p0; p < nu; ++p) {
       const Index pick = order_[p - p0];
       seeds[p] = static_cast<std::int32_t>(pick);
@@ -249,6 +337,8 @@ class BlockQuantizer {
   Matrix<T> scores_;                                            // C x score_tile
   Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> seed_dots_;  // C x C: column p = kb kb[seed p]
   Matrix<T> seed_keys_;                                         // C x r (one-shot gather)
+  Matrix<T> kbt_;                   // r x C' (C rounded up to whole vectors): K_b^T, tiled path
+  Vector<T> lane_best_, lane_arg_;  // C': best score and its row, per token lane
   Vector<T> best_, key_;
   Eigen::Matrix<Index, Eigen::Dynamic, 1> arg_;
   std::vector<Index> pick_of_, order_;

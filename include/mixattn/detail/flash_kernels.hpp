@@ -8,6 +8,7 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/fast_exp.hpp"
 #include "mixattn/detail/softmax.hpp"
 
 #include <algorithm>
@@ -20,15 +21,16 @@ namespace detail {
 
 /// Tile sizes, fixed at compile time. A query tile of `queries` rows meets a key tile of `keys`
 /// rows; the score tile (queries x keys) and its operand tiles stay in L2. The forward's query
-/// tile is a whole number of its register tiles (6 rows with AVX-512, 4 otherwise); from 96 to
-/// 192 queries and 256 or 512 keys its rate is flat within noise (N = 4096, r = d_v = 64, float,
-/// AVX-512), 64 queries ~5% slower. The backward's tile products are Eigen GEMMs, each large
-/// enough (>= 64 on each side) to run near their peak; double's backward prefers the shorter key
-/// tile, whose dK/dV accumulators stay resident (the sweep: bench/results/tuning.md, "Flash
-/// attention tiles").
+/// tile is a whole number of its register tiles (6 rows with AVX-512, 4 otherwise). Each query
+/// tile streams all of K^T and V once (2 MiB at N = 4096, r = d_v = 64, float: the size of L2),
+/// so a taller query tile pays off, up to about 200 rows; beyond, the rate is flat and only the
+/// causal diagonal tiles' masked work grows. The backward's tile products are Eigen GEMMs, each
+/// large enough (>= 64 on each side) to run near their peak; double's backward prefers the
+/// shorter key tile, whose dK/dV accumulators stay resident (the sweeps: bench/results/tuning.md,
+/// "Flash attention tiles").
 template <class T>
 struct FlashTiles {
-  static constexpr Index forward_queries = 96;
+  static constexpr Index forward_queries = 192;
   static constexpr Index forward_keys = 256;
   static constexpr Index backward_queries = 64;
   static constexpr Index backward_keys = std::is_same<T, double>::value ? 128 : 256;
@@ -205,7 +207,12 @@ MIXATTN_ALWAYS_INLINE void flash_pv_tile(Arch, const T* p, Index ldp, const T* v
 }
 
 /// s[j] = exp(s[j] - shift) in place for j < n, and their sum in wide_t<T>: softmax.hpp's
-/// exp_shifted_sum in one pass (each exponential widened from its register as it is made).
+/// exp_shifted_sum in one pass. double: each exponential widened from its register as it is
+/// made. float: fast_exp_nonpositive (the shifted logits are <= 0, or NaN), and each group of
+/// four registers is added in float, pairwise, before one widening: two roundings, at most
+/// 2^-23 of the group's sum (4 positive terms per lane), a bound independent of n; the sum across
+/// groups, where float would drift with n, stays wide. The widening (two conversions, an extract
+/// and two adds) was otherwise a third of this pass's instructions.
 template <class Arch, class T>
 inline wide_t<T> flash_exp_sum(Arch, T* s, Index n, T shift) {
   using W = wide_t<T>;
@@ -215,10 +222,23 @@ inline wide_t<T> flash_exp_sum(Arch, T* s, Index n, T shift) {
   const B sh(shift);
   BW lo(W(0)), hi(W(0));
   Index j = 0;
-  for (; j + Wd <= n; j += Wd) {
-    const B e = exp_shifted(B::load_unaligned(s + j), sh);
-    e.store_unaligned(s + j);
-    add_wide<Arch, T>(lo, hi, e);
+  if constexpr (std::is_same<T, float>::value) {
+    const auto exp_at = [&](Index at) {
+      const B e = fast_exp_nonpositive(B::load_unaligned(s + at) - sh);
+      e.store_unaligned(s + at);
+      return e;
+    };
+    for (; j + 4 * Wd <= n; j += 4 * Wd) {
+      const B e0 = exp_at(j), e1 = exp_at(j + Wd), e2 = exp_at(j + 2 * Wd), e3 = exp_at(j + 3 * Wd);
+      add_wide<Arch, T>(lo, hi, (e0 + e1) + (e2 + e3));
+    }
+    for (; j + Wd <= n; j += Wd) add_wide<Arch, T>(lo, hi, exp_at(j));
+  } else {
+    for (; j + Wd <= n; j += Wd) {
+      const B e = exp_shifted(B::load_unaligned(s + j), sh);
+      e.store_unaligned(s + j);
+      add_wide<Arch, T>(lo, hi, e);
+    }
   }
   W sum = xsimd::hadd(lo + hi);
   for (; j < n; ++j) {

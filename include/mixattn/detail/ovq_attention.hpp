@@ -11,6 +11,7 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/row_tiles.hpp"
 #include "mixattn/detail/softmax.hpp"
 
 #include <algorithm>
@@ -29,6 +30,21 @@ using RowVec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
 /// the GEMMs keep a full-width panel.
 constexpr Index query_tile = 64;
 
+/// Whether a forward tile of m queries runs on register tiles (tile_forward_tiled): SIMD builds,
+/// and at least one vector of queries (a decoding call's single query keeps the GEMV path, which
+/// transposes nothing).
+template <class T>
+constexpr bool uses_tiled_forward(Index m) {
+  return MIXATTN_HAS_SIMD != 0 && m >= static_cast<Index>(simd_width<simd_arch, T>::value);
+}
+
+/// m rounded up to whole vectors: the queries' lanes in the tiled forward.
+template <class T>
+constexpr Index padded_queries(Index m) {
+  constexpr Index w = static_cast<Index>(simd_width<simd_arch, T>::value);
+  return (m + w - 1) / w * w;
+}
+
 /// Per-call scratch, sized once for the largest tile.
 template <class T>
 struct AttentionScratch {
@@ -36,6 +52,9 @@ struct AttentionScratch {
   Matrix<T> dpd, dpb;  // backward: dP, then dZ
   Matrix<T> g;         // backward: tile x r
   Vector<T> inv;       // 1 / row sums
+  // forward on register tiles (tile_forward_tiled): the tile's queries transposed (r x m',
+  // m' = m rounded up to whole vectors) and its logits, then weights, transposed ((N + L) x m')
+  Matrix<T> qt, st;
   /// max_queries: the most queries of one call's block (a decoding call has one), so that a
   /// one-token call does not allocate a full tile.
   void reserve(Index dict_rows, Index block, Index key_dim, bool backward,
@@ -44,6 +63,11 @@ struct AttentionScratch {
     pd.resize(tile, dict_rows);
     pb.resize(tile, block);
     inv.resize(tile);
+    if (!backward && uses_tiled_forward<T>(tile)) {
+      const Index padded = padded_queries<T>(tile);
+      qt.resize(key_dim, padded);
+      st.resize(dict_rows + block, padded);
+    }
     if (backward) {
       dpd.resize(tile, dict_rows);
       dpb.resize(tile, block);
@@ -103,12 +127,13 @@ void tile_weights(const CRef<T>& qh, const CRef<T>& dict_k, const T* logc, const
 
 /// out (m x d_v) = softmax-weighted dictionary values plus block values (SPEC 2.2); the block in
 /// two parts as in tile_weights (ko, vo: the state's pending keys and values; kn, vn: this
-/// call's). Returns tile_weights' finiteness verdict.
+/// call's). Returns tile_weights' finiteness verdict. Eigen's products; tile_forward_tiled is
+/// the same on register tiles.
 template <class T>
-bool tile_forward(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v, const T* logc,
-                  const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn, const CRef<T>& vn,
-                  Index p0, T s, AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> out,
-                  bool check = false) {
+bool tile_forward_gemm(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v,
+                       const T* logc, const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn,
+                       const CRef<T>& vn, Index p0, T s, AttentionScratch<T>& sc,
+                       Eigen::Ref<Matrix<T>> out, bool check = false) {
   const Index m = qh.rows(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
   const bool finite = tile_weights<T>(qh, dict_k, logc, ko, kn, p0, s, sc, check);
   out.noalias() = sc.pb.topLeftCorner(m, l).rightCols(l - lo) * vn;
@@ -116,6 +141,183 @@ bool tile_forward(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_
   if (n > 0) out.noalias() += sc.pd.topLeftCorner(m, n) * dict_v;
   out.array().colwise() *= sc.inv.head(m).array();
   return finite;
+}
+
+#if MIXATTN_HAS_SIMD
+/// One part of a tile's keys or values: `rows` rows of stride ld from p; for keys, the logit
+/// bias (log counts, or null) and, for the block's keys, the block position of the first row
+/// (causal mask; -1 for the dictionary).
+template <class T>
+struct TileRows {
+  const T* p;
+  Index ld, rows;
+  const T* bias = nullptr;
+  Index block_pos = -1;
+};
+
+/// tile_forward on register tiles, for m >= one vector of queries. The logits are computed
+/// transposed, S^T = [D_k; K_o; K_n] Q_hat^T ((N + L) x m'), as row_tiles' read: each key row
+/// broadcast against vectors of queries, so that a tile of R keys x NV query vectors stays in
+/// registers over the r products and nothing of the dictionary is packed or transposed (only
+/// the tile's m x r queries are). The epilogue scales, adds the count bias, masks the block's
+/// future keys to -inf and keeps each query's running max in a vector lane; exp and the wide
+/// row sums then run down the columns; the read-out O = P [D_v; V_o; V_n] broadcasts weights
+/// from the transposed tile over chunks of value rows that stay in L1.
+template <class T, class Arch = simd_arch>
+bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v,
+                        const T* logc, const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn,
+                        const CRef<T>& vn, Index p0, T s, AttentionScratch<T>& sc,
+                        Eigen::Ref<Matrix<T>> out, bool check = false) {
+  using B = xsimd::batch<T, Arch>;
+  using W = wide_t<T>;
+  using BW = xsimd::batch<W, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size), WW = static_cast<Index>(BW::size);
+  constexpr int R = plain_tile_rows<Arch>(), NV = row_tile_vectors<Arch>();
+  const Index m = qh.rows(), r = qh.cols(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
+  const Index d_v = out.cols(), mp = padded_queries<T>(m);
+  MIXATTN_ASSERT(l == p0 + m && m >= Wd && mp <= sc.st.cols() && n + l <= sc.st.rows());
+  MIXATTN_ASSERT(sc.qt.rows() >= r && sc.qt.cols() >= mp);
+  T* const qt = sc.qt.data();  // r x mp, stride mp
+  T* const st = sc.st.data();  // (n + l) x mp, stride mp
+  for (Index c = 0; c < r; ++c) {
+    for (Index i = 0; i < m; ++i) qt[c * mp + i] = qh(i, c);
+    for (Index i = m; i < mp; ++i) qt[c * mp + i] = T(0);
+  }
+  alignas(64) T colmax[query_tile + 64];
+  alignas(64) T lane[64];
+  for (Index i = 0; i < Wd; ++i) lane[i] = static_cast<T>(i);
+  for (Index i = 0; i < mp; ++i) colmax[i] = -std::numeric_limits<T>::infinity();
+  B probe(T(0));  // x * 0 is 0 for finite x, NaN otherwise
+  const B neg_inf(-std::numeric_limits<T>::infinity()), scale(s), lanes = B::load_aligned(lane);
+  const TileRows<T> keys[3] = {{dict_k.data(), dict_k.outerStride(), n, logc, -1},
+                               {ko.data(), ko.outerStride(), lo, nullptr, 0},
+                               {kn.data(), kn.outerStride(), l - lo, nullptr, lo}};
+  // logits: S^T rows x0 .. x0 + R of each part, over panels of NV query vectors
+  Index row0 = 0;  // first row of the part in S^T
+  for (const TileRows<T>& part : keys) {
+    for (Index x0 = 0; x0 < part.rows; x0 += R)
+      with_rows<R>(std::min<Index>(R, part.rows - x0), [&](auto rows_c) {
+        constexpr int RR = decltype(rows_c)::value;
+        over_column_tiles<NV, Arch, T>(mp, [&](Index c0, auto nv_c) {
+          constexpr int NVp = decltype(nv_c)::value;
+          B acc[RR][NVp];
+          for (int i = 0; i < RR; ++i)
+            for (int j = 0; j < NVp; ++j) acc[i][j] = B(T(0));
+          read_accumulate<RR, NVp, Arch>(acc, part.p + x0 * part.ld, part.ld, qt, mp, r, c0);
+          B mx[NVp];
+          for (int j = 0; j < NVp; ++j) mx[j] = B::load_aligned(colmax + c0 + j * Wd);
+          for (int i = 0; i < RR; ++i) {
+            const B bias(part.bias != nullptr ? part.bias[x0 + i] : T(0));
+            for (int j = 0; j < NVp; ++j) {
+              B x = part.bias != nullptr ? xsimd::fma(acc[i][j], scale, bias) : acc[i][j] * scale;
+              if (check) probe += x * B(T(0));
+              if (part.block_pos >= 0) {
+                // block key at position jp is visible to query i iff jp <= p0 + i
+                const Index first = part.block_pos + x0 + i - p0 - c0 - j * Wd;
+                if (first > 0) x = xsimd::select(lanes < B(static_cast<T>(first)), neg_inf, x);
+              }
+              x.store_aligned(st + (row0 + x0 + i) * mp + c0 + j * Wd);
+              mx[j] = xsimd::max(mx[j], x);
+            }
+          }
+          for (int j = 0; j < NVp; ++j) mx[j].store_aligned(colmax + c0 + j * Wd);
+        });
+      });
+    row0 += part.rows;
+  }
+  // weights: exp(S^T - column max) in place, the column sums in W (lanes 0 .. W-lanes to lo,
+  // the rest to hi: add_wide keeps the lanes apart)
+  const Index rows = n + l;
+  over_column_tiles<NV, Arch, T>(mp, [&](Index c0, auto nv_c) {
+    constexpr int NVp = decltype(nv_c)::value;
+    B mx[NVp];
+    BW sum_lo[NVp], sum_hi[NVp];
+    for (int j = 0; j < NVp; ++j) {
+      mx[j] = B::load_aligned(colmax + c0 + j * Wd);
+      sum_lo[j] = BW(W(0));
+      sum_hi[j] = BW(W(0));
+    }
+    for (Index x = 0; x < rows; ++x) {
+      T* row = st + x * mp + c0;
+#pragma GCC unroll 16
+      for (int j = 0; j < NVp; ++j) {
+        const B p = exp_shifted(B::load_aligned(row + j * Wd), mx[j]);
+        p.store_aligned(row + j * Wd);
+        add_wide<Arch, T>(sum_lo[j], sum_hi[j], p);
+      }
+    }
+    alignas(64) W sums[2 * 64];
+    for (int j = 0; j < NVp; ++j) {
+      sum_lo[j].store_aligned(sums);
+      if (Wd > WW) sum_hi[j].store_aligned(sums + WW);
+      for (Index e = 0; e < Wd; ++e) {
+        const Index i = c0 + j * Wd + e;
+        if (i < m) sc.inv[i] = static_cast<T>(W(1) / sums[e]);
+      }
+    }
+  });
+  // read-out: out = P [D_v; V_o; V_n] over chunks of value rows, then the row scaling
+  constexpr Index chunk = 64;  // value rows per pass: 16 KiB at d_v = 64 in float
+  const TileRows<T> vals[3] = {{dict_v.data(), dict_v.outerStride(), n},
+                               {vo.data(), vo.outerStride(), lo},
+                               {vn.data(), vn.outerStride(), l - lo}};
+  T* const o = out.data();
+  const Index ldo = out.outerStride();
+  bool first = true;
+  row0 = 0;
+  for (const TileRows<T>& part : vals) {
+    for (Index x0 = 0; x0 < part.rows; x0 += chunk) {
+      const Index depth = std::min(chunk, part.rows - x0);
+      const T* v = part.p + x0 * part.ld;
+      const T* w = st + (row0 + x0) * mp;
+      for (Index i0 = 0; i0 < m; i0 += R)
+        with_rows<R>(std::min<Index>(R, m - i0), [&](auto rows_c) {
+          constexpr int RR = decltype(rows_c)::value;
+          const Index tail = over_column_tiles<NV, Arch, T>(d_v, [&](Index c0, auto nv_c) {
+            constexpr int NVp = decltype(nv_c)::value;
+            B acc[RR][NVp];
+            for (int i = 0; i < RR; ++i)
+              for (int j = 0; j < NVp; ++j)
+                acc[i][j] = first ? B(T(0)) : B::load_unaligned(o + (i0 + i) * ldo + c0 + j * Wd);
+            read_accumulate<RR, NVp, Arch>(acc, w + i0, 1, v, part.ld, depth, c0, mp);
+            for (int i = 0; i < RR; ++i)
+              for (int j = 0; j < NVp; ++j)
+                acc[i][j].store_unaligned(o + (i0 + i) * ldo + c0 + j * Wd);
+          });
+          for (Index c = tail; c < d_v; ++c)
+            for (int i = 0; i < RR; ++i) {
+              T sum = first ? T(0) : o[(i0 + i) * ldo + c];
+              for (Index k = 0; k < depth; ++k)
+                sum = std::fma(w[k * mp + i0 + i], v[k * part.ld + c], sum);
+              o[(i0 + i) * ldo + c] = sum;
+            }
+        });
+      first = false;
+    }
+    row0 += part.rows;
+  }
+  out.array().colwise() *= sc.inv.head(m).array();
+  if (!check) return true;
+  alignas(64) T pr[64];
+  probe.store_aligned(pr);
+  T total = 0;
+  for (Index e = 0; e < Wd; ++e) total += pr[e];
+  return total == T(0);
+}
+#endif
+
+/// out (m x d_v) as tile_forward_gemm, on register tiles when the tile has a vector of queries.
+template <class T>
+bool tile_forward(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v, const T* logc,
+                  const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn, const CRef<T>& vn,
+                  Index p0, T s, AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> out,
+                  bool check = false) {
+#if MIXATTN_HAS_SIMD
+  if (uses_tiled_forward<T>(qh.rows()) && sc.st.cols() >= padded_queries<T>(qh.rows()) &&
+      sc.st.rows() >= dict_k.rows() + ko.rows() + kn.rows() && sc.qt.rows() >= qh.cols())
+    return tile_forward_tiled<T>(qh, dict_k, dict_v, logc, ko, vo, kn, vn, p0, s, sc, out, check);
+#endif
+  return tile_forward_gemm<T>(qh, dict_k, dict_v, logc, ko, vo, kn, vn, p0, s, sc, out, check);
 }
 
 /// Backward of one tile given dO (m x d_v): with P the probabilities, dP = dO V^T,

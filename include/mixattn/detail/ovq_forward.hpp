@@ -98,6 +98,9 @@ void ovq_check_inputs(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 
 /// x_hat = x / (||x|| + eps) row by row, the norm summed in the wide type in a fixed order so
 /// that a token's normalised key is the same bits whichever call normalises it.
+/// The sum of squares in W: in SIMD builds a vector of W lanes (lane l takes columns l, l + w,
+/// ... in order), then the lanes' sum and the columns past the last whole vector; the bits
+/// depend on the row alone, never on which call or how many rows are normalised together.
 template <class T>
 void normalize_rows(const CRef<T>& x, Eigen::Ref<Matrix<T>> out, double eps) {
   using W = wide_t<T>;
@@ -105,10 +108,25 @@ void normalize_rows(const CRef<T>& x, Eigen::Ref<Matrix<T>> out, double eps) {
   for (Index i = 0; i < x.rows(); ++i) {
     const T* a = x.row(i).data();
     W ss = 0;
-    for (Index c = 0; c < cols; ++c) ss += static_cast<W>(a[c]) * static_cast<W>(a[c]);
-    const W den = std::sqrt(ss) + static_cast<W>(eps);
+    Index c = 0;
+#if MIXATTN_HAS_SIMD
+    using BW = xsimd::batch<W, simd_arch>;
+    constexpr Index ww = static_cast<Index>(BW::size);
+    if (cols >= ww) {
+      BW acc(W(0));
+      for (; c + ww <= cols; c += ww) {
+        const BW v = load_wide<simd_arch>(a + c);
+        acc = xsimd::fma(v, v, acc);
+      }
+      ss = xsimd::hadd(acc);
+    }
+#endif
+    for (; c < cols; ++c) ss += static_cast<W>(a[c]) * static_cast<W>(a[c]);
+    // times the reciprocal in W: within an ulp of W of the quotient, so the same T value but
+    // for ties of T's rounding, with one multiply per entry instead of a division
+    const W inv = W(1) / (std::sqrt(ss) + static_cast<W>(eps));
     T* o = out.row(i).data();
-    for (Index c = 0; c < cols; ++c) o[c] = static_cast<T>(static_cast<W>(a[c]) / den);
+    for (c = 0; c < cols; ++c) o[c] = static_cast<T>(static_cast<W>(a[c]) * inv);
   }
 }
 

@@ -43,12 +43,20 @@ constexpr int row_tile_tokens() {
   return simd_registers<Arch>() >= 32 ? 5 : 3;
 }
 
+/// Rows of a tile that keeps no other vectors live (OVQ's score and read-out tiles, the
+/// nearest-centroid search): R x NV accumulators, NV loaded vectors and a broadcast (AVX-512:
+/// 6 x 4 + 4 + 1 = 29 of 32 registers).
+template <class Arch>
+constexpr int plain_tile_rows() {
+  return simd_registers<Arch>() >= 32 ? 6 : 3;
+}
+
 /// Write for R tokens and the NV registers of value columns from c0:
 ///   m[k, c0 ..] += sum_i g_ik v_i[c0 ..]   for every k < K.
 /// g: R x K (stride ldg), v: R rows (stride ldv), m: K rows (stride ldm).
 template <int R, int NV, class Arch, class T>
-MIXATTN_ALWAYS_INLINE void write_tile(const T* g, Index ldg, const T* v, Index ldv, Index K, Index c0, T* m,
-                       Index ldm) {
+MIXATTN_ALWAYS_INLINE void write_tile(const T* g, Index ldg, const T* v, Index ldv, Index K,
+                                      Index c0, T* m, Index ldm) {
   using B = xsimd::batch<T, Arch>;
   constexpr Index Wd = static_cast<Index>(B::size);
   B vr[R][NV];
@@ -80,18 +88,23 @@ struct ReadSources {
   Index ldb = 0, J = 0;
 };
 
-/// acc[i][:] += sum_k w_ik src[k, c0 ..] for R rows of w (stride ldw) over `depth` rows of src.
+/// acc[i][:] += sum_k w_ik src[k, c0 ..] for R rows of w over `depth` rows of src; w_ik is
+/// w[i * ldw + k * ldk] (ldk = 1: w row-major; ldw = 1: w stored transposed).
 template <int R, int NV, class Arch, class T>
 MIXATTN_ALWAYS_INLINE void read_accumulate(xsimd::batch<T, Arch> (&acc)[R][NV], const T* w,
                                            Index ldw, const T* src, Index lds, Index depth,
-                                           Index c0) {
+                                           Index c0, Index ldk = 1) {
   using B = xsimd::batch<T, Arch>;
   constexpr Index Wd = static_cast<Index>(B::size);
+  // The i and j loops are unrolled in full, so that the accumulators stay in registers (with
+  // ldw = 1, GCC otherwise keeps the i loop and the tile in memory).
   for (Index k = 0; k < depth; ++k) {
     B m[NV];
     for (int j = 0; j < NV; ++j) m[j] = B::load_unaligned(src + k * lds + c0 + j * Wd);
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
-      const B wik(w[i * ldw + k]);
+      const B wik(w[i * ldw + k * ldk]);
+#pragma GCC unroll 16
       for (int j = 0; j < NV; ++j) acc[i][j] = xsimd::fma(wik, m[j], acc[i][j]);
     }
   }

@@ -22,6 +22,7 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/fast_exp.hpp"
 #include "mixattn/detail/simd.hpp"
 
 #include <algorithm>
@@ -34,15 +35,17 @@ namespace detail {
 
 #if MIXATTN_HAS_SIMD
 /// exp of a batch whose entries are <= 0 or -inf (the shifted logits), with NaN propagated.
-/// Clamped at -800 (exp gives 0 in float and double) so xsimd's exp never converts an infinite
-/// exponent to an integer; NaN still propagates (max returns the second operand when either is
-/// NaN).
+/// float: fast_exp (fast_exp.hpp: about half of xsimd::exp's instructions, every one of which
+/// competes with the kernels' FMAs for the same two ports on AVX-512; within ~1 ulp, clamped, so
+/// -inf gives 0). double: xsimd's exp on the entries clamped at -800 (exp gives 0), so that it
+/// never converts an infinite exponent to an integer; NaN still propagates (max returns the
+/// second operand when either is NaN).
 template <class Arch, class T>
-inline xsimd::batch<T, Arch> exp_shifted(const xsimd::batch<T, Arch>& s,
-                                         const xsimd::batch<T, Arch>& shift) {
+MIXATTN_ALWAYS_INLINE xsimd::batch<T, Arch> exp_shifted(const xsimd::batch<T, Arch>& s,
+                                                        const xsimd::batch<T, Arch>& shift) {
   using B = xsimd::batch<T, Arch>;
-  const B x = xsimd::max(B(T(-800)), s - shift);
   if constexpr (std::is_same<T, double>::value) {
+    const B x = xsimd::max(B(T(-800)), s - shift);
     // xsimd 8.1's double exp converts its exponent to int64 through a scalar std::copy (its
     // generic batch_cast does not find the AVX-512DQ vector conversion, so this happens on
     // every target); a NaN there (check_finite = false) would be an out-of-range conversion, i.e.
@@ -50,7 +53,7 @@ inline xsimd::batch<T, Arch> exp_shifted(const xsimd::batch<T, Arch>& s,
     const auto nan = xsimd::isnan(x);
     return xsimd::select(nan, x, xsimd::exp(xsimd::select(nan, B(T(0)), x)));
   } else {
-    return xsimd::exp(x);  // float: the int32 conversion is a native instruction on every target
+    return fast_exp<Arch>(s - shift);
   }
 }
 #endif
@@ -106,7 +109,8 @@ inline xsimd::batch<wide_t<T>, Arch> load_wide(const T* p) {
 #endif
 #if XSIMD_WITH_SSE2
     if constexpr (std::is_base_of<xsimd::sse2, Arch>::value)
-      return BW(_mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+      return BW(
+          _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 #endif
   }
   return BW::load_unaligned(p);
