@@ -217,7 +217,11 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
                 if (first > 0) x = xsimd::select(lanes < B(static_cast<T>(first)), neg_inf, x);
               }
               x.store_aligned(st + (row0 + x0 + i) * mp + c0 + j * Wd);
-              mx[j] = xsimd::max(mx[j], x);
+              // x first: the vector max returns its second operand when either is NaN, so a
+              // NaN logit is passed over (its weight is NaN anyway) and the max stays the exact
+              // max of the others; with NaN in the max, a later +inf could be missed and its
+              // shifted logit be +inf, which double's exp converts to an out-of-range integer
+              mx[j] = xsimd::max(x, mx[j]);
             }
           }
           for (int j = 0; j < NVp; ++j) mx[j].store_aligned(colmax + c0 + j * Wd);
