@@ -216,7 +216,7 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
                 const Index first = part.block_pos + x0 + i - p0 - c0 - j * Wd;
                 if (first > 0) x = xsimd::select(lanes < B(static_cast<T>(first)), neg_inf, x);
               }
-              x.store_aligned(st + (row0 + x0 + i) * mp + c0 + j * Wd);
+              x.store_unaligned(st + (row0 + x0 + i) * mp + c0 + j * Wd);
               // x first: the vector max returns its second operand when either is NaN, so a
               // NaN logit is passed over (its weight is NaN anyway) and the max stays the exact
               // max of the others; with NaN in the max, a later +inf could be missed and its
@@ -245,8 +245,8 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
       T* row = st + x * mp + c0;
 #pragma GCC unroll 16
       for (int j = 0; j < NVp; ++j) {
-        const B p = exp_shifted(B::load_aligned(row + j * Wd), mx[j]);
-        p.store_aligned(row + j * Wd);
+        const B p = exp_shifted(B::load_unaligned(row + j * Wd), mx[j]);
+        p.store_unaligned(row + j * Wd);
         add_wide<Arch, T>(sum_lo[j], sum_hi[j], p);
       }
     }
