@@ -6,8 +6,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -31,7 +34,6 @@ template <>
 struct Tol<double> {
   static constexpr double rtol = 1e-11, atol = 1e-13;
 };
-
 
 /// SPEC 1.2 literally, in double, from the raw parameters (softplus, log_softmax, the sum).
 template <class T>
@@ -96,7 +98,7 @@ TYPED_TEST(GmaForward, ResponsibilitiesMatchDirectFormulaAndLieOnSimplex) {
       EXPECT_TRUE((g.array() >= 0).all());
       const Vector<double> ones = Vector<double>::Ones(13);
       EXPECT_TRUE(mixattn::testing::all_close(g.template cast<double>().rowwise().sum(), ones, 0,
-                            std::is_same<T, float>::value ? 1e-6 : 1e-14));
+                                              std::is_same<T, float>::value ? 1e-6 : 1e-14));
     }
 }
 
@@ -134,12 +136,12 @@ TYPED_TEST(GmaForward, BidirectionalMatchesExplicitFormula) {
     const std::uint64_t seed = s.n * 7 + s.m * 11 + s.K;
     SCOPED_TRACE(::testing::Message() << "N " << s.n << " M " << s.m << " seed " << seed);
     const gma::Mixture<T> mix = test_mixture<T>(s.K, s.r, seed);
-    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1), k = random_matrix<T>(s.m, s.r, seed + 2);
+    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1),
+                    k = random_matrix<T>(s.m, s.r, seed + 2);
     const Matrix<T> v = random_matrix<T>(s.m, s.dv, seed + 3);
     const Matrix<T> o = gma::forward(mix, q, k, v);
-    const Matrix<double> ref =
-        explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k), v.template cast<double>(),
-                           false, 1e-6);
+    const Matrix<double> ref = explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k),
+                                                  v.template cast<double>(), false, 1e-6);
     EXPECT_TRUE(mixattn::testing::all_close(o, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
   }
 }
@@ -157,14 +159,14 @@ TYPED_TEST(GmaForward, FusedReadWriteMatchesGemmPathAndExplicitFormula) {
     SCOPED_TRACE(::testing::Message() << "N " << s.n << " M " << s.m << " K " << s.K << " d_v "
                                       << s.dv << " seed " << seed);
     const gma::Mixture<T> mix = test_mixture<T>(s.K, s.r, seed);
-    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1), k = random_matrix<T>(s.m, s.r, seed + 2);
+    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1),
+                    k = random_matrix<T>(s.m, s.r, seed + 2);
     const Matrix<T> v = random_matrix<T>(s.m, s.dv, seed + 3);
     gma::Saved<T> fast_saved, slow_saved;
     const Matrix<T> fast = gma::forward(mix, q, k, v, {}, &fast_saved);
     const Matrix<T> slow = gma::forward<T, detail::scalar_arch>(mix, q, k, v, {}, &slow_saved);
-    const Matrix<double> ref =
-        explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k), v.template cast<double>(),
-                           false, 1e-6);
+    const Matrix<double> ref = explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k),
+                                                  v.template cast<double>(), false, 1e-6);
     // the same tolerance as BidirectionalMatchesExplicitFormula: Gamma's error, then sums of
     // M <= 37 products in T
     EXPECT_TRUE(mixattn::testing::all_close(fast, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
@@ -217,7 +219,8 @@ TYPED_TEST(GmaForward, CausalMatchesExplicitFormulaForEveryChunkLength) {
   for (const Shape s : {Shape{1, 1, 2, 3, 2}, Shape{13, 13, 3, 5, 2}, Shape{40, 40, 6, 17, 7}}) {
     const std::uint64_t seed = s.n * 13 + s.K;
     const gma::Mixture<T> mix = test_mixture<T>(s.K, s.r, seed);
-    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1), k = random_matrix<T>(s.n, s.r, seed + 2);
+    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1),
+                    k = random_matrix<T>(s.n, s.r, seed + 2);
     const Matrix<T> v = random_matrix<T>(s.n, s.dv, seed + 3);
     const Matrix<double> ref = explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k),
                                                   v.template cast<double>(), true, 1e-6);
@@ -276,8 +279,7 @@ TYPED_TEST(GmaForward, OutputRowsAreConvexCombinations) {
         EXPECT_LE(double(o(i, d)), double(vis.col(d).maxCoeff()) + slack) << i << "," << d;
         EXPECT_GE(double(o(i, d)), double(vis.col(d).minCoeff()) - slack) << i << "," << d;
       }
-      EXPECT_LE(double(o.row(i).norm()),
-                double(vis.rowwise().norm().maxCoeff()) * (1 + 1e-5));
+      EXPECT_LE(double(o.row(i).norm()), double(vis.rowwise().norm().maxCoeff()) * (1 + 1e-5));
     }
   }
 }
@@ -295,8 +297,8 @@ TEST(GmaForwardPrecision, FloatAgreesWithDouble) {
     gma::Options opt;
     opt.causal = causal;
     const Matrix<float> of = gma::forward(mf, q, k, v, opt);
-    const Matrix<double> od = gma::forward(md, q.cast<double>(), k.cast<double>(),
-                                           v.cast<double>(), opt);
+    const Matrix<double> od =
+        gma::forward(md, q.cast<double>(), k.cast<double>(), v.cast<double>(), opt);
     // gamma is good to ~1e-5 relative in float (see Tol<float>); outputs average O(1) values.
     EXPECT_TRUE(mixattn::testing::all_close(of, od, 1e-4, 1e-5)) << "causal " << causal;
   }
@@ -332,7 +334,8 @@ TEST(GmaForwardPrecision, CancellationFreeWhereExpandedFormFails) {
   mix.prior_logit = Vector<float>::Zero(K);
   Matrix<float> x(n, r);
   const Matrix<double> offsets = random_matrix<double>(n, r, 43, 0.01);
-  for (Index i = 0; i < n; ++i) x.row(i) = (mix.mean.row(i % K).cast<double>() + offsets.row(i)).cast<float>();
+  for (Index i = 0; i < n; ++i)
+    x.row(i) = (mix.mean.row(i % K).cast<double>() + offsets.row(i)).cast<float>();
 
   const Matrix<double> exact = direct_gamma(mix, x);  // same float inputs, double arithmetic
   const Matrix<float> ours = gma::responsibilities(mix, x);
@@ -393,6 +396,51 @@ TEST(GmaMixture, RandomIsReproducibleAndFollowsSpec) {
   const double sd = std::sqrt((a.mean.array() - mean).square().sum() / (a.mean.size() - 1));
   EXPECT_LT(std::abs(mean), 4 * 2.0 / std::sqrt(512.0));
   EXPECT_NEAR(sd, 2.0, 0.2);
+}
+
+// The mixture's variances in vectors of double (xsimd's exp and log1p) against the scalar
+// softplus they replace, over the whole range a raw variance can take: both branches of the
+// stable form, the crossover at 0, arguments whose exp underflows (clamped, so no out-of-range
+// exponent), huge magnitudes and NaN. The bound: 4 ulp of double relative to the result, or, where
+// softplus(w) = e^w is below double's normal range, 1e-300 absolute (the variance floor added to
+// it is 1e-4 or more).
+template <class T>
+void check_vector_softplus() {
+  std::vector<T> x;
+  for (int i = -3000; i <= 3000; ++i) x.push_back(static_cast<T>(i * 0.01));
+  for (int i = -800; i <= 800; i += 7) x.push_back(static_cast<T>(i));
+  for (T v : {T(0), T(-0.0), T(1e-30), T(-1e-30), T(1e30), T(-1e30), std::numeric_limits<T>::max(),
+              std::numeric_limits<T>::lowest(), std::numeric_limits<T>::min()})
+    x.push_back(v);
+  x.push_back(std::numeric_limits<T>::quiet_NaN());
+  const Index n = static_cast<Index>(x.size());
+  for (double add : {0.0, 1e-4}) {
+    std::vector<double> got(x.size());
+    detail::softplus_into<double>(x.data(), n, add, got.data());
+    double worst = 0;
+    for (Index i = 0; i < n; ++i) {
+      const double want = detail::softplus(static_cast<double>(x[i])) + add;
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(got[i])) << "at " << x[i];
+        continue;
+      }
+      const double err = std::abs(got[i] - want);
+      if (want < 1e-300 && add == 0) {
+        EXPECT_LE(err, 1e-300) << "at " << x[i];
+        continue;
+      }
+      const double ulps = err / (std::abs(want) * std::numeric_limits<double>::epsilon());
+      worst = std::max(worst, ulps);
+      EXPECT_LE(ulps, 4.0) << "at " << x[i] << ": " << got[i] << " vs " << want;
+    }
+    ::testing::Test::RecordProperty(add == 0 ? "worst_ulps" : "worst_ulps_with_floor",
+                                    std::to_string(worst));
+  }
+}
+
+TEST(MixtureConstants, VectorSoftplusMatchesScalar) {
+  check_vector_softplus<float>();
+  check_vector_softplus<double>();
 }
 
 }  // namespace

@@ -127,8 +127,7 @@ class BlockQuantizer {
  public:
   void reserve(Index block, Index capacity, Index key_dim) {
 #if MIXATTN_HAS_SIMD
-    constexpr Index w = static_cast<Index>(simd_width<simd_arch, T>::value);
-    const Index padded = (block + w - 1) / w * w;
+    const Index padded = padded_to_vectors<T>(block);
     kbt_.resize(key_dim, padded);
     lane_best_.resize(padded);
     lane_arg_.resize(padded);
@@ -214,13 +213,10 @@ class BlockQuantizer {
     using B = xsimd::batch<T, Arch>;
     constexpr Index Wd = static_cast<Index>(B::size);
     constexpr int R = plain_tile_rows<Arch>(), NV = row_tile_vectors<Arch>();
-    const Index c = kb.rows(), r = kb.cols(), n0 = dict.size, cp = (c + Wd - 1) / Wd * Wd;
+    const Index c = kb.rows(), r = kb.cols(), n0 = dict.size, cp = padded_to_vectors<T>(c);
     MIXATTN_ASSERT(kbt_.rows() >= r && kbt_.cols() >= cp && lane_best_.size() >= cp);
     T* const kt = kbt_.data();  // r x cp, stride cp
-    for (Index k = 0; k < r; ++k) {
-      for (Index j = 0; j < c; ++j) kt[k * cp + j] = kb(j, k);
-      for (Index j = c; j < cp; ++j) kt[k * cp + j] = T(0);
-    }
+    transpose_padded<T>(kb, kt, cp);
     T* const bst = lane_best_.data();
     T* const arg = lane_arg_.data();
     for (Index j = 0; j < cp; ++j) {

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
@@ -38,13 +39,6 @@ constexpr bool uses_tiled_forward(Index m) {
   return MIXATTN_HAS_SIMD != 0 && m >= static_cast<Index>(simd_width<simd_arch, T>::value);
 }
 
-/// m rounded up to whole vectors: the queries' lanes in the tiled forward.
-template <class T>
-constexpr Index padded_queries(Index m) {
-  constexpr Index w = static_cast<Index>(simd_width<simd_arch, T>::value);
-  return (m + w - 1) / w * w;
-}
-
 /// Per-call scratch, sized once for the largest tile.
 template <class T>
 struct AttentionScratch {
@@ -64,7 +58,7 @@ struct AttentionScratch {
     pb.resize(tile, block);
     inv.resize(tile);
     if (!backward && uses_tiled_forward<T>(tile)) {
-      const Index padded = padded_queries<T>(tile);
+      const Index padded = padded_to_vectors<T>(tile);
       qt.resize(key_dim, padded);
       st.resize(dict_rows + block, padded);
     }
@@ -174,15 +168,12 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
   constexpr Index Wd = static_cast<Index>(B::size), WW = static_cast<Index>(BW::size);
   constexpr int R = plain_tile_rows<Arch>(), NV = row_tile_vectors<Arch>();
   const Index m = qh.rows(), r = qh.cols(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
-  const Index d_v = out.cols(), mp = padded_queries<T>(m);
+  const Index d_v = out.cols(), mp = padded_to_vectors<T>(m);
   MIXATTN_ASSERT(l == p0 + m && m >= Wd && mp <= sc.st.cols() && n + l <= sc.st.rows());
   MIXATTN_ASSERT(sc.qt.rows() >= r && sc.qt.cols() >= mp);
   T* const qt = sc.qt.data();  // r x mp, stride mp
   T* const st = sc.st.data();  // (n + l) x mp, stride mp
-  for (Index c = 0; c < r; ++c) {
-    for (Index i = 0; i < m; ++i) qt[c * mp + i] = qh(i, c);
-    for (Index i = m; i < mp; ++i) qt[c * mp + i] = T(0);
-  }
+  transpose_padded<T>(qh, qt, mp);
   alignas(64) T colmax[query_tile + 64];
   alignas(64) T lane[64];
   for (Index i = 0; i < Wd; ++i) lane[i] = static_cast<T>(i);
@@ -230,8 +221,11 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
     row0 += part.rows;
   }
   // weights: exp(S^T - column max) in place, the column sums in W (lanes 0 .. W-lanes to lo,
-  // the rest to hi: add_wide keeps the lanes apart)
+  // the rest to hi: add_wide keeps the lanes apart). In float, four rows are added in float
+  // before one widening (as flash_exp_sum does): each group's sum of four weights in [0, 1] is
+  // within 2 eps of exact, whatever the number of rows, and the widening is a third of the pass.
   const Index rows = n + l;
+  constexpr Index group = std::is_same<T, float>::value ? 4 : 1;
   over_column_tiles<NV, Arch, T>(mp, [&](Index c0, auto nv_c) {
     constexpr int NVp = decltype(nv_c)::value;
     B mx[NVp];
@@ -241,15 +235,23 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
       sum_lo[j] = BW(W(0));
       sum_hi[j] = BW(W(0));
     }
-    for (Index x = 0; x < rows; ++x) {
-      T* row = st + x * mp + c0;
+    const auto weight = [&](Index x, int j) {
+      T* at = st + x * mp + c0 + j * Wd;
+      const B p = exp_shifted(B::load_unaligned(at), mx[j]);
+      p.store_unaligned(at);
+      return p;
+    };
+    Index x = 0;
+    if constexpr (group == 4)
+      for (; x + 4 <= rows; x += 4)
 #pragma GCC unroll 16
-      for (int j = 0; j < NVp; ++j) {
-        const B p = exp_shifted(B::load_unaligned(row + j * Wd), mx[j]);
-        p.store_unaligned(row + j * Wd);
-        add_wide<Arch, T>(sum_lo[j], sum_hi[j], p);
-      }
-    }
+        for (int j = 0; j < NVp; ++j)
+          add_wide<Arch, T>(
+              sum_lo[j], sum_hi[j],
+              (weight(x, j) + weight(x + 1, j)) + (weight(x + 2, j) + weight(x + 3, j)));
+    for (; x < rows; ++x)
+#pragma GCC unroll 16
+      for (int j = 0; j < NVp; ++j) add_wide<Arch, T>(sum_lo[j], sum_hi[j], weight(x, j));
     alignas(64) W sums[2 * 64];
     for (int j = 0; j < NVp; ++j) {
       sum_lo[j].store_aligned(sums);
@@ -317,7 +319,7 @@ bool tile_forward(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_
                   Index p0, T s, AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> out,
                   bool check = false) {
 #if MIXATTN_HAS_SIMD
-  if (uses_tiled_forward<T>(qh.rows()) && sc.st.cols() >= padded_queries<T>(qh.rows()) &&
+  if (uses_tiled_forward<T>(qh.rows()) && sc.st.cols() >= padded_to_vectors<T>(qh.rows()) &&
       sc.st.rows() >= dict_k.rows() + ko.rows() + kn.rows() && sc.qt.rows() >= qh.cols())
     return tile_forward_tiled<T>(qh, dict_k, dict_v, logc, ko, vo, kn, vn, p0, s, sc, out, check);
 #endif

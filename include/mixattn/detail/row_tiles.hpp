@@ -28,6 +28,31 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
 
+/// n rounded up to whole vectors of T (simd_arch): the lanes of an operand laid out transposed,
+/// one lane per token, for the tiles below.
+template <class T>
+constexpr Index padded_to_vectors(Index n) {
+  constexpr Index w = static_cast<Index>(simd_width<simd_arch, T>::value);
+  return (n + w - 1) / w * w;
+}
+
+/// dst = a^T (a.cols() rows of stride ld >= a.rows()), each row zero-padded from a.rows() to ld:
+/// a small block of tokens laid out one lane per token. In panels of 16 tokens, so that the
+/// panel's rows of a stay in L1 while its columns are read (a 256 x 64 float block is 64 KiB).
+template <class T>
+inline void transpose_padded(const Eigen::Ref<const Matrix<T>>& a, T* dst, Index ld) {
+  const Index rows = a.rows(), cols = a.cols();
+  MIXATTN_ASSERT(ld >= rows);
+  constexpr Index panel = 16;
+  for (Index i0 = 0; i0 < rows; i0 += panel) {
+    const Index i1 = std::min(rows, i0 + panel);
+    for (Index c = 0; c < cols; ++c)
+      for (Index i = i0; i < i1; ++i) dst[c * ld + i] = a(i, c);
+  }
+  for (Index c = 0; c < cols; ++c)
+    for (Index i = rows; i < ld; ++i) dst[c * ld + i] = T(0);
+}
+
 #if MIXATTN_HAS_SIMD
 /// Value-side registers of one tile: R x NV accumulators or slices, plus NV for the memory row
 /// and R broadcasts (R = 5, NV = 4: 29 of AVX-512's 32 registers).

@@ -35,11 +35,12 @@ namespace detail {
 
 #if MIXATTN_HAS_SIMD
 /// exp of a batch whose entries are <= 0 or -inf (the shifted logits), with NaN propagated.
-/// float: fast_exp (fast_exp.hpp: about half of xsimd::exp's instructions, every one of which
-/// competes with the kernels' FMAs for the same two ports on AVX-512; within ~1 ulp, clamped, so
-/// -inf gives 0). double: xsimd's exp on the entries clamped at -800 (exp gives 0), so that it
-/// never converts an infinite exponent to an integer; NaN still propagates (max returns the
-/// second operand when either is NaN).
+/// float: fast_exp_nonpositive (fast_exp.hpp: about half of xsimd::exp's instructions, every one
+/// of which competes with the kernels' FMAs for the same two ports on AVX-512; within ~1 ulp,
+/// clamped below, so -inf gives 0; s <= shift gives s - shift <= 0 after rounding too). double:
+/// xsimd's exp on the entries clamped at -800 (exp gives 0), so that it never converts an infinite
+/// exponent to an integer; NaN still propagates (max returns the second operand when either is
+/// NaN).
 template <class Arch, class T>
 MIXATTN_ALWAYS_INLINE xsimd::batch<T, Arch> exp_shifted(const xsimd::batch<T, Arch>& s,
                                                         const xsimd::batch<T, Arch>& shift) {
@@ -53,7 +54,7 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<T, Arch> exp_shifted(const xsimd::batch<T, Ar
     const auto nan = xsimd::isnan(x);
     return xsimd::select(nan, x, xsimd::exp(xsimd::select(nan, B(T(0)), x)));
   } else {
-    return fast_exp<Arch>(s - shift);
+    return fast_exp_nonpositive<Arch>(s - shift);
   }
 }
 #endif
