@@ -223,7 +223,7 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
   // weights: exp(S^T - column max) in place, the column sums in W (lanes 0 .. W-lanes to lo,
   // the rest to hi: add_wide keeps the lanes apart). In float, four rows are added in float
   // before one widening (as flash_exp_sum does): each group's sum of four weights in [0, 1] is
-  // within 2 eps of exact, whatever the number of rows, and the widening is a third of the pass.
+  // within 2 eps of exact, whatever the number of rows; widening was a quarter of the pass.
   const Index rows = n + l;
   constexpr Index group = std::is_same<T, float>::value ? 4 : 1;
   over_column_tiles<NV, Arch, T>(mp, [&](Index c0, auto nv_c) {
