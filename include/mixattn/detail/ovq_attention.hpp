@@ -225,7 +225,6 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
   // before one widening (as flash_exp_sum does): each group's sum of four weights in [0, 1] is
   // within 2 eps of exact, whatever the number of rows; widening was a quarter of the pass.
   const Index rows = n + l;
-  constexpr Index group = std::is_same<T, float>::value ? 4 : 1;
   over_column_tiles<NV, Arch, T>(mp, [&](Index c0, auto nv_c) {
     constexpr int NVp = decltype(nv_c)::value;
     B mx[NVp];
@@ -242,7 +241,7 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
       return p;
     };
     Index x = 0;
-    if constexpr (group == 4)
+    if constexpr (std::is_same<T, float>::value)
       for (; x + 4 <= rows; x += 4)
 #pragma GCC unroll 16
         for (int j = 0; j < NVp; ++j)
