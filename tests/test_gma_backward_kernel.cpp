@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace {
 
@@ -92,20 +93,23 @@ void check_kernel(const Matrix<T>& mean, const Matrix<T>& var_raw, T var_floor, 
   const detail::PackedDensityDims<T> p = detail::pack_density_dims<Arch, T>(mean, c);
   ASSERT_EQ(p.padded_dim % static_cast<Index>(detail::simd_width<Arch, T>::value), 0);
   ASSERT_GE(p.padded_dim, r);
-  // padded x with garbage-free zero padding, as the kernel requires; acc must start at zero
+  // padded x with garbage-free zero padding, as the kernel requires; acc is written, never read:
+  // NaN where the kernel writes dx, zero padding
   Matrix<T> xpad = Matrix<T>::Zero(n, p.padded_dim), acc = Matrix<T>::Zero(n, p.padded_dim);
   xpad.leftCols(r) = x;
+  acc.leftCols(r).setConstant(std::numeric_limits<T>::quiet_NaN());
   detail::DensityGradSums<W> sums;
   sums.reset(K, p.padded_dim);
   for (Index i = 0; i < n; ++i)
     for (Index k = 0; k < K; ++k) sums.w(k) += static_cast<W>(w(i, k));
   const Index ld = p.padded_dim;
-  detail::density_grad_into(Arch{}, p, xpad.data(), ld, w.data(), K, split, acc.data(), ld, sums);
+  detail::density_grad_into(Arch{}, p, xpad.data(), ld, w.data(), K, split, acc.data(), ld, sums,
+                            T(-2));
   detail::density_grad_into(Arch{}, p, xpad.data() + split * ld, ld, w.data() + split * K, K,
-                            n - split, acc.data() + split * ld, ld, sums);
+                            n - split, acc.data() + split * ld, ld, sums, T(-2));
   Matrix<W> dmu, dvar;
   detail::density_grad_finish(c, sums, dmu, dvar);
-  const Matrix<double> dx = (T(-2) * acc.leftCols(r)).template cast<double>();
+  const Matrix<double> dx = acc.leftCols(r).template cast<double>();
 
   const Direct d = direct_density_backward(
       mean.template cast<double>(), var_raw.template cast<double>(), static_cast<double>(var_floor),

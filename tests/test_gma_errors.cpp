@@ -118,6 +118,59 @@ TEST_F(GmaErrors, NonFiniteInputs) {
   EXPECT_NO_THROW(gma::forward(mix, q, k, vb, off));
 }
 
+// Without a record the forward probes q, k and v on their own; with a record it probes each input
+// in the pass that takes its fingerprint (Fingerprint::add_checked). Either way a non-finite entry
+// anywhere, in either mode and scalar type, gets the domain_error that names its argument and
+// position, the first of q, k, v when several are bad.
+template <class T>
+void expect_named(const Matrix<T>& q, const Matrix<T>& k, const Matrix<T>& v,
+                  const gma::Mixture<T>& mix, const gma::Options& opt, const std::string& what) {
+  const char* fwd = "mixattn::gma::forward";
+  gma::Saved<T> saved;
+  Matrix<T> out;
+  mixattn::testing::expect_throw<std::domain_error>([&] { gma::forward(mix, q, k, v, opt); },
+                                                    {fwd, what.c_str()});
+  mixattn::testing::expect_throw<std::domain_error>(
+      [&] { gma::forward(mix, q, k, v, opt, &saved); }, {fwd, what.c_str()});
+  mixattn::testing::expect_throw<std::domain_error>(
+      [&] { gma::forward_into(out, mix, q, k, v, opt, nullptr); }, {"forward_into", what.c_str()});
+}
+
+template <class T>
+void non_finite_anywhere() {
+  const Index n = 43, r = 7, K = 13, dv = 21;  // several density and read/write tiles, tails
+  const gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, 11);
+  const Matrix<T> q = random_matrix<T>(n, r, 12), k = random_matrix<T>(n, r, 13);
+  const Matrix<T> v = random_matrix<T>(n, dv, 14);
+  for (bool causal : {false, true}) {
+    gma::Options opt;
+    opt.causal = causal;
+    for (T bad : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity(),
+                  -std::numeric_limits<T>::infinity()})
+      for (Index i : {Index(0), Index(21), n - 1}) {
+        SCOPED_TRACE(::testing::Message() << "causal " << causal << " row " << i << " " << bad);
+        Matrix<T> qb = q, kb = k, vb = v;
+        qb(i, 3) = bad;
+        kb(i, 0) = bad;
+        vb(i, dv - 1) = bad;
+        const std::string at = "at (" + std::to_string(i) + ", ";
+        expect_named<T>(qb, k, v, mix, opt, "q has a non-finite entry " + at + "3)");
+        expect_named<T>(q, kb, v, mix, opt, "k has a non-finite entry " + at + "0)");
+        expect_named<T>(q, k, vb, mix, opt,
+                        "v has a non-finite entry " + at + std::to_string(dv - 1) + ")");
+        expect_named<T>(qb, kb, vb, mix, opt, "q has a non-finite entry");
+        expect_named<T>(q, kb, vb, mix, opt, "k has a non-finite entry");
+      }
+  }
+}
+
+TEST(GmaNonFinite, NamedWhereverItIsInFloat) {
+  non_finite_anywhere<float>();
+}
+TEST(GmaNonFinite, NamedWhereverItIsInDouble) {
+  non_finite_anywhere<double>();
+}
+
 TEST_F(GmaErrors, BackwardRejectsMismatchedSavedAndGradOut) {
   using IA = std::invalid_argument;
   gma::Saved<double> saved;
@@ -130,7 +183,8 @@ TEST_F(GmaErrors, BackwardRejectsMismatchedSavedAndGradOut) {
   expect_throw<IA>([&] { gma::backward(mix, q, k, v, w, never); }, {bwd, "saved"});
   // saved from other shapes
   const Matrix<double> q8 = random_matrix<double>(8, r, 9), w8 = random_matrix<double>(8, dv, 9);
-  expect_throw<IA>([&] { gma::backward(mix, q8, k, v, w8, saved); }, {bwd, "saved is for N = 6", "N = 8"});
+  expect_throw<IA>([&] { gma::backward(mix, q8, k, v, w8, saved); },
+                   {bwd, "saved is for N = 6", "N = 8"});
   // saved from other values of the same shapes
   const Matrix<double> k2 = random_matrix<double>(n, r, 99);
   expect_throw<IA>([&] { gma::backward(mix, q, k2, v, w, saved); }, {bwd, "different"});

@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -116,7 +117,9 @@ TYPED_TEST(Records, ReferenceRejectsPermutedData) {
   for (const bool flash : {false, true}) {
     ref::Saved<T> saved;
     const auto fwd = [flash](const Matrix<T>& q_, const Matrix<T>& k_, const Matrix<T>& v_,
-                             ref::Saved<T>* sv) { return reference_forward(flash, q_, k_, v_, sv); };
+                             ref::Saved<T>* sv) {
+      return reference_forward(flash, q_, k_, v_, sv);
+    };
     const auto bwd = [flash](const Matrix<T>& q_, const Matrix<T>& k_, const Matrix<T>& v_,
                              const Matrix<T>& d_, const ref::Saved<T>& sv) {
       return reference_backward(flash, q_, k_, v_, d_, sv);
@@ -322,7 +325,8 @@ TYPED_TEST(Records, GmaContinuedForwardRecords) {
 // the state instead of decoding with the old mixture.
 TYPED_TEST(Records, LayerDecodeRejectsStaleState) {
   using T = TypeParam;
-  mixattn::layer::MultiHeadAttention<T> attn(small_layer<mixattn::layer::Config>(mixattn::layer::MixerKind::gma));
+  mixattn::layer::MultiHeadAttention<T> attn(
+      small_layer<mixattn::layer::Config>(mixattn::layer::MixerKind::gma));
   const Matrix<T> x = random_matrix<T>(3, 6, 41);
   auto st = attn.begin_decoding();
   EXPECT_NO_THROW(attn.decode(x.topRows(1), st));
@@ -336,6 +340,54 @@ TYPED_TEST(Records, LayerDecodeRejectsStaleState) {
   }
   auto again = attn.begin_decoding();
   EXPECT_NO_THROW(attn.decode(x.topRows(1), again));
+}
+
+}  // namespace
+
+namespace {
+
+// Fingerprint::add_checked takes a record's fingerprint and its input's finiteness probe in one
+// pass: the same fingerprint as add(), and "finite" exactly when no entry is inf or NaN, wherever
+// the entry sits (a full run of lanes or the partial run at the end, a row of a strided view).
+TYPED_TEST(Records, CheckedFingerprintMatchesPlainAndFindsNonFinite) {
+  using T = TypeParam;
+  using mixattn::detail::Fingerprint;
+  const Matrix<T> base = random_matrix<T>(37, 45, 3);
+  const auto checked = [](const auto& x, bool& finite) {
+    return Fingerprint().add_checked(x, finite).value();
+  };
+  // a strided view (outer stride 45, 29 columns) and the contiguous whole
+  const auto view = [](const Matrix<T>& m) { return m.leftCols(29); };
+  bool finite = false;
+  EXPECT_EQ(checked(base, finite), Fingerprint().add(base).value());
+  EXPECT_TRUE(finite);
+  finite = false;
+  EXPECT_EQ(checked(view(base), finite), Fingerprint().add(view(base)).value());
+  EXPECT_TRUE(finite);
+  const T specials[] = {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity(),
+                        -std::numeric_limits<T>::infinity()};
+  // every position of a few rows, the first, a middle and the last one: lanes of both parities
+  for (Index i : {Index(0), Index(17), Index(36)})
+    for (Index j = 0; j < base.cols(); ++j)
+      for (T bad : specials) {
+        Matrix<T> m = base;
+        m(i, j) = bad;
+        finite = true;
+        EXPECT_EQ(checked(m, finite), Fingerprint().add(m).value());
+        EXPECT_FALSE(finite) << "(" << i << ", " << j << ") = " << bad;
+        finite = true;
+        checked(view(m), finite);
+        EXPECT_EQ(finite, j >= 29) << "view, (" << i << ", " << j << ") = " << bad;
+      }
+  // the largest finite values, subnormals and zeros of both signs are finite
+  Matrix<T> edge = base;
+  edge(0, 0) = std::numeric_limits<T>::max();
+  edge(1, 1) = -std::numeric_limits<T>::max();
+  edge(2, 2) = std::numeric_limits<T>::denorm_min();
+  edge(3, 3) = -T(0);
+  finite = false;
+  checked(edge, finite);
+  EXPECT_TRUE(finite);
 }
 
 }  // namespace

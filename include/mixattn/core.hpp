@@ -55,6 +55,14 @@
 #define MIXATTN_ALWAYS_INLINE inline
 #endif
 
+// A pointer parameter whose data no other pointer of the function reaches, so that loops storing
+// through one and reading through another (a char pointer, which may alias anything) vectorise.
+#if defined(__GNUC__) || defined(__clang__) || defined(_MSC_VER)
+#define MIXATTN_RESTRICT __restrict
+#else
+#define MIXATTN_RESTRICT
+#endif
+
 // Every mixattn symbol carries the instruction set its translation unit is compiled for: all of
 // the library lives in an inline namespace named after it (mixattn::arch_avx512bw::gma::forward
 // is spelled mixattn::gma::forward), so TUs built with different -march flags get different
@@ -327,15 +335,23 @@ const char* scalar_name() {
   return std::is_same<S, float>::value ? "float" : "double";
 }
 
+/// Whether every entry of x is finite: one vectorised pass (x * 0 is 0 for finite x, NaN
+/// otherwise), summed row by row so that any outer stride works.
+template <class Derived>
+inline bool all_finite(const Eigen::DenseBase<Derived>& x) {
+  using S = typename Derived::Scalar;
+  S probe = S(0);
+  for (Index i = 0; i < x.rows(); ++i) probe += (x.derived().row(i).array() * S(0)).sum();
+  return probe == S(0);
+}
+
 /// With checks on, a result that is not finite although every input was finite overflowed the
 /// scalar type: throw std::domain_error naming the result and the way out, never return it.
 template <class Derived>
 inline void require_finite_result(const Eigen::DenseBase<Derived>& x, const char* fn,
                                   const char* what, const char* culprit) {
   using S = typename Derived::Scalar;
-  S probe = S(0);
-  for (Index i = 0; i < x.rows(); ++i) probe += (x.derived().row(i).array() * S(0)).sum();
-  if (probe == S(0)) return;
+  if (all_finite(x)) return;
   raise_domain_error(concat(fn, ": ", what, " overflows ", scalar_name<S>(),
                             " although every input is finite: ", culprit,
                             " too large for the scalar type (scale it down or use double)"));
@@ -360,21 +376,30 @@ class Fingerprint {
   /// Adds rows x cols scalars (float or double) at `data`, rows `stride` scalars apart.
   template <class S>
   Fingerprint& add(const S* data, Index rows, Index cols, Index stride) {
-    static_assert(sizeof(S) % 4 == 0, "scalars of a multiple of 4 bytes");
-    constexpr Index per = static_cast<Index>(sizeof(S) / 4);
-    mix_size(rows, cols);
-    std::uint32_t h[lanes], buf[lanes] = {};
-    std::memcpy(h, h_, sizeof(h));
-    const auto* bytes = reinterpret_cast<const unsigned char*>(data);
-    if (stride == cols || rows == 1) {
-      add_words(h, buf, bytes, rows * cols * per);  // contiguous: one stream
-    } else {
-      for (Index i = 0; i < rows; ++i)
-        add_words(h, buf, bytes + i * stride * Index(sizeof(S)), cols * per);
-    }
-    std::memcpy(h_, h, sizeof(h));
-    words_ += static_cast<std::uint64_t>(rows * cols * per);
+    std::uint32_t bad = 0;
+    return add_impl<S, false>(data, rows, cols, stride, bad);
+  }
+
+  /// The same, and whether every scalar is finite, read off the bit patterns in the same pass
+  /// (a float whose exponent bits are all set, or a double's in its high word, is inf or NaN):
+  /// a backward's record check and its inputs' finiteness check in one read of the inputs.
+  template <class S>
+  Fingerprint& add_checked(const S* data, Index rows, Index cols, Index stride, bool& finite) {
+    static_assert(std::is_same<S, float>::value || std::is_same<S, double>::value,
+                  "IEEE float or double");
+    MIXATTN_ASSERT(sizeof(S) == 4 || lane_ % 2 == 0);  // a double's high word on an odd lane
+    std::uint32_t bad = 0;
+    add_impl<S, true>(data, rows, cols, stride, bad);
+    finite = bad == 0;
     return *this;
+  }
+
+  /// add_checked for a row-major matrix or view (rows contiguous).
+  template <class Derived>
+  Fingerprint& add_checked(const Eigen::DenseBase<Derived>& x, bool& finite) {
+    const Derived& d = x.derived();
+    static_assert(Derived::Flags & Eigen::RowMajorBit, "fingerprints read row-major storage");
+    return add_checked(d.data(), d.rows(), d.cols(), d.outerStride(), finite);
   }
 
   /// Adds a row-major matrix or view (rows contiguous), or a vector.
@@ -411,6 +436,31 @@ class Fingerprint {
     h = (h ^ w) * 0x85EBCA6Bu;
     return h ^ (h >> 15);
   }
+  template <class S, bool Check>
+  Fingerprint& add_impl(const S* data, Index rows, Index cols, Index stride, std::uint32_t& bad) {
+    static_assert(sizeof(S) % 4 == 0, "scalars of a multiple of 4 bytes");
+    constexpr Index per = static_cast<Index>(sizeof(S) / 4);
+    mix_size(rows, cols);
+    std::uint32_t h[lanes], buf[lanes] = {}, flags[lanes] = {};
+    std::memcpy(h, h_, sizeof(h));
+    const auto* bytes = reinterpret_cast<const unsigned char*>(data);
+    if (stride == cols || rows == 1) {
+      add_words<S, Check>(h, buf, flags, bytes, rows * cols * per);  // contiguous: one stream
+    } else {
+      for (Index i = 0; i < rows; ++i)
+        add_words<S, Check>(h, buf, flags, bytes + i * stride * Index(sizeof(S)), cols * per);
+    }
+    std::memcpy(h_, h, sizeof(h));
+    words_ += static_cast<std::uint64_t>(rows * cols * per);
+    for (int l = 0; l < lanes; ++l) bad |= flags[l];
+    return *this;
+  }
+  /// The exponent bits of the word on lane l: a float's, a double's high word (odd lanes), or
+  /// none (a double's low word).
+  template <class S>
+  static constexpr std::uint32_t exponent_mask(int l) {
+    return sizeof(S) == 4 ? 0x7F800000u : (l % 2 == 1 ? 0x7FF00000u : 0u);
+  }
   void mix_size(Index rows, Index cols) {
     h_[0] = step(h_[0], static_cast<std::uint32_t>(rows));
     h_[1] = step(h_[1], static_cast<std::uint32_t>(cols));
@@ -418,20 +468,36 @@ class Fingerprint {
   // Steps the lanes h (a local copy of h_: stores to it cannot alias the data, so the loops
   // vectorise) with n more words of the stream: word w of the stream goes to lane w mod `lanes`,
   // whatever the storage, so equal values give equal fingerprints in any layout.
-  void add_words(std::uint32_t* h, std::uint32_t* buf, const unsigned char* p, Index n) {
+  // With Check, flags[l] collects the exponent bits of the words on lane l that have all of
+  // them set (an inf or NaN), as m & -((w & m) == m) with the lane's mask m: branch-free
+  // arithmetic in the step's loop, so that both vectorise together.
+  template <class S, bool Check>
+  void add_words(std::uint32_t* MIXATTN_RESTRICT h, std::uint32_t* MIXATTN_RESTRICT buf,
+                 std::uint32_t* MIXATTN_RESTRICT flags, const unsigned char* MIXATTN_RESTRICT p,
+                 Index n) {
+    std::uint32_t mask[lanes];
+    for (int l = 0; l < lanes; ++l) mask[l] = Check ? exponent_mask<S>(l) : 0u;
     Index j = 0;
     while (j < n) {
       if (lane_ == 0)
         for (; j + lanes <= n; j += lanes)
-          for (int l = 0; l < lanes; ++l) h[l] = step(h[l], word(p + 4 * (j + l)));
+          for (int l = 0; l < lanes; ++l) {
+            const std::uint32_t w = word(p + 4 * (j + l));
+            h[l] = step(h[l], w);
+            if constexpr (Check)
+              flags[l] |= mask[l] & (0u - static_cast<std::uint32_t>((w & mask[l]) == mask[l]));
+          }
       // A partial run of lanes [o, o + take): staged in buf so that the loop keeps its fixed
       // length (and vectorises at -O2 too); the other lanes keep their values.
       const int o = lane_;
       const int take = static_cast<int>(std::min<Index>(lanes - o, n - j));
       std::memcpy(buf + o, p + 4 * j, static_cast<std::size_t>(4 * take));
       for (int l = 0; l < lanes; ++l) {
+        const bool in = l >= o && l < o + take;
         const std::uint32_t stepped = step(h[l], buf[l]);
-        h[l] = l >= o && l < o + take ? stepped : h[l];
+        h[l] = in ? stepped : h[l];
+        if constexpr (Check)
+          flags[l] |= in && (buf[l] & mask[l]) == mask[l] ? mask[l] : 0u;  // once per call
       }
       j += take;
       lane_ = (o + take) % lanes;

@@ -126,7 +126,8 @@ struct Saved {
   Matrix<T> gamma_q;  // N x K
   Matrix<T> gamma_k;  // M x K
   Vector<T> den;      // N, gamma_q,i . z_i + eps
-  Matrix<T> out;      // N x d_v, the forward output (h_i = -(dO_i . O_i) / den_i needs it)
+  Matrix<T> out;      // N x d_v, the forward output: causal only (h_i = -(dO_i . O_i) / den_i
+                      // needs it; the bidirectional backward forms dO_i . O_i from vt), else empty
   Matrix<T> vt;       // K x d_v, Gamma_K^T V (bidirectional only)
   Vector<T> z;        // K, Gamma_K^T 1 (bidirectional only)
   bool causal = false;

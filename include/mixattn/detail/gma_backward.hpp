@@ -42,13 +42,13 @@ void gma_check_state_grad(const char* fn, const gma::Saved<T>& saved, const gma:
 
 /// A record filled by forward from the data backward is given: q, k, v, the mixture, and (for a
 /// continued forward) the start state it keeps.
+/// input_fp: the fingerprints of q, k and v (gma_fingerprint_inputs).
 template <class T>
 void gma_check_record(const char* fn, const gma::Saved<T>& saved, const gma::Mixture<T>& mix,
-                      const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                      const ConstMatrixRef<T>& v) {
-  if (fingerprint(q) != saved.fingerprint[0]) raise_other_data(fn, "saved", "q");
-  if (fingerprint(k) != saved.fingerprint[1]) raise_other_data(fn, "saved", "k");
-  if (fingerprint(v) != saved.fingerprint[2]) raise_other_data(fn, "saved", "v");
+                      const std::uint64_t* input_fp) {
+  if (input_fp[0] != saved.fingerprint[0]) raise_other_data(fn, "saved", "q");
+  if (input_fp[1] != saved.fingerprint[1]) raise_other_data(fn, "saved", "k");
+  if (input_fp[2] != saved.fingerprint[2]) raise_other_data(fn, "saved", "v");
   if (mixture_fingerprint(mix) != saved.fingerprint[3])
     raise_other_data(fn, "saved", "the mixture");
   if (gma_state_fingerprint(saved.start_S, saved.start_z) != saved.fingerprint[4])
@@ -61,22 +61,29 @@ void gma_check_backward(const char* fn, const gma::Mixture<T>& mix, const ConstM
                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                         const ConstMatrixRef<T>& grad_out, const gma::Saved<T>& saved,
                         const gma::Options& opt, const gma::StateGrad<T>* grad_state_out) {
-  gma_check_inputs(fn, mix, q, k, v, opt);
+  // The inputs' finiteness probes (check_finite) and their fingerprints in one pass each.
+  gma_check_inputs(fn, mix, q, k, v, opt, /*values=*/false);
+  std::uint64_t input_fp[3];
+  gma_fingerprint_inputs<T>(fn, q, k, v, opt.check_finite, input_fp);
   const Index N = q.rows(), M = k.rows(), K = mix.components(), d_v = v.cols();
   require(grad_out.rows() == N && grad_out.cols() == d_v, fn, "grad_out is ", shape_str(grad_out),
           " but the output is ", N, " x ", d_v);
   if (opt.check_finite) require_finite(grad_out, fn, "grad_out");
   require(saved.valid, fn, "saved was not filled by forward");
-  require(saved.gamma_q.rows() == N && saved.gamma_q.cols() == K && saved.gamma_k.rows() == M &&
-              saved.gamma_k.cols() == K && saved.den.size() == N && saved.out.rows() == N &&
-              saved.out.cols() == d_v,
-          fn, "saved is for N = ", saved.gamma_q.rows(), ", M = ", saved.gamma_k.rows(),
-          ", K = ", saved.gamma_q.cols(), ", d_v = ", saved.out.cols(),
-          " but the inputs have N = ", N, ", M = ", M, ", K = ", K, ", d_v = ", d_v);
+  // the causal backward reads the output (h), the bidirectional one Vt and z
+  const Index saved_dv = saved.causal ? saved.out.cols() : saved.vt.cols();
+  require(
+      saved.gamma_q.rows() == N && saved.gamma_q.cols() == K && saved.gamma_k.rows() == M &&
+          saved.gamma_k.cols() == K && saved.den.size() == N &&
+          (saved.causal ? saved.out.rows() == N : saved.vt.rows() == K && saved.z.size() == K) &&
+          saved_dv == d_v,
+      fn, "saved is for N = ", saved.gamma_q.rows(), ", M = ", saved.gamma_k.rows(),
+      ", K = ", saved.gamma_q.cols(), ", d_v = ", saved_dv, " but the inputs have N = ", N,
+      ", M = ", M, ", K = ", K, ", d_v = ", d_v);
   require(saved.causal == opt.causal && saved.eps == opt.eps, fn,
           "saved was made with causal = ", saved.causal, ", eps = ", saved.eps,
           " but options have causal = ", opt.causal, ", eps = ", opt.eps);
-  gma_check_record(fn, saved, mix, q, k, v);
+  gma_check_record(fn, saved, mix, input_fp);
   require(!saved.continued || (saved.start_S.rows() == K && saved.start_S.cols() == d_v &&
                                saved.start_z.size() == K),
           fn, "saved.start_S is ", shape_str(saved.start_S), " but the state is ", K, " x ", d_v);
@@ -134,79 +141,96 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
   }
 }
 
-/// Bidirectional backward, panel by panel, nothing N x K: with [g | h] (g_i = dO_i / den_i,
-/// h_i = -(dO_i . O_i) / den_i) and [Vt | Z] (the ones-column trick),
-///   dGamma_Q = [g | h] [Vt | Z]^T,  [dVt | dZ] = Gamma_Q^T [g | h],
+/// Bidirectional backward, panel by panel, nothing N x K: with g_i = dO_i / den_i,
+///   P = g Vt^T,  h_i = -(dO_i . O_i) / den_i = -(gamma_q,i . P_i) / den_i,
+///   dGamma_Q = P + h z^T,  [dVt | dZ] = Gamma_Q^T [g | h],
 ///   dGamma_K = V dVt^T + 1 dZ^T,    dV = Gamma_K dVt.
-/// [dVt | dZ] sums over all N queries; each panel's GEMM result is added in W.
+/// (dO_i . O_i = gamma_q,i . (Vt dO_i) / den_i, since O_i = gamma_q,i Vt / den_i: the record
+/// needs no copy of the output.) Through the query side's softmax, gamma_q,i . dgamma_q,i =
+/// gamma_q,i . P_i + h_i gamma_q,i . z = -h_i den_i + h_i (den_i - eps) = -h_i eps exactly, so
+/// dS_Q,i = gamma_q,i . (P_i + h_i (z + eps)) without a second dot product (and without the
+/// cancellation in den_i - gamma_q,i . z that a computed one would carry). [dVt | dZ] sums over
+/// all N queries; each panel's part is added in W.
 template <class Arch, class T>
 void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrixRef<T>& q,
                                 const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                                 const ConstMatrixRef<T>& grad_out, const gma::Saved<T>& saved,
                                 Index panel, gma::Grad<T>& grad) {
+  using W = wide_t<T>;
   GmaBackwardScratch<T>& s = grad.scratch;
   const Index N = q.rows(), M = k.rows(), K = p.components, r = p.dim, d_v = v.cols();
-  s.gh.resize(panel, d_v + 1);
+  s.gh.resize(panel, d_v);
   s.ds.resize(panel, K);
-  s.upd.resize(K, d_v + 1);
-  s.vz.resize(K, d_v + 1);
-  s.vz.leftCols(d_v) = saved.vt;
-  s.vz.col(d_v) = saved.z;
-  s.dvz_wide.setZero(K, d_v + 1);
+  s.upd.resize(K, d_v);  // whole registers per row: the write's rows of M load aligned
+  s.panel_dz.resize(K);
+  s.dvz_wide.setZero(K, d_v);
+  s.dz_wide.setZero(K);
+  s.z_eps = saved.z.array() + static_cast<T>(saved.eps);
   // SIMD builds run the four products on row_tiles.hpp's register tiles (no packing; the K x
-  // (d_v + 1) operands stay in L1), with the two that contract over value columns reading a
+  // d_v operands stay in L1), with the two that contract over value columns reading a
   // transposed copy; the scalar build uses Eigen's GEMM.
   constexpr bool tiles = MIXATTN_HAS_SIMD && !std::is_same<Arch, scalar_arch>::value;
-  if constexpr (tiles) s.vzt = s.vz.transpose();
+  if constexpr (tiles) s.vzt = saved.vt.transpose();
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);
-    Eigen::Map<Matrix<T>> gh(s.gh.data(), n, d_v + 1), ds(s.ds.data(), n, K);
-    for (Index i = 0; i < n; ++i) {
-      const T inv = T(1) / saved.den(i0 + i);
-      gh.row(i).head(d_v) = grad_out.row(i0 + i) * inv;
-      gh(i, d_v) = -grad_out.row(i0 + i).dot(saved.out.row(i0 + i)) * inv;
-    }
+    Eigen::Map<Matrix<T>> g(s.gh.data(), n, d_v), ds(s.ds.data(), n, K);
+    for (Index i = 0; i < n; ++i) g.row(i) = grad_out.row(i0 + i) / saved.den(i0 + i);
     const T* gq = saved.gamma_q.data() + i0 * K;
+#if MIXATTN_HAS_SIMD
+    if constexpr (tiles)
+      read_block<Arch, T>(ReadSources<T>{g.data(), d_v, s.vzt.data(), K, d_v}, n, K, nullptr,
+                          ds.data(), K);
+#endif
+    if constexpr (!tiles) gemm<T>(ds, plain<T>(g), transposed<T>(saved.vt), T(1), false, s.gemm);
+    Eigen::Map<Vector<T>> dz(s.panel_dz.data(), K);
+    dz.setZero();
+    for (Index i = 0; i < n; ++i) {
+      Eigen::Map<const Vector<T>> gi(gq + i * K, K);
+      Eigen::Map<Vector<T>> di(ds.data() + i * K, K);
+      const T h = static_cast<T>(-row_dot(Arch{}, gi.data(), di.data(), K) / saved.den(i0 + i));
+      dz.noalias() += h * gi;
+      di = gi.cwiseProduct(di + h * s.z_eps);  // dS_Q,i
+    }
 #if MIXATTN_HAS_SIMD
     if constexpr (tiles) {
       s.upd.setZero();
-      write_block<Arch>(gq, K, gh.data(), d_v + 1, n, K, d_v + 1, s.upd.data(), d_v + 1);
-      read_block<Arch, T>(ReadSources<T>{gh.data(), d_v + 1, s.vzt.data(), K, d_v + 1}, n, K,
-                          nullptr, ds.data(), K);
+      write_block<Arch>(gq, K, g.data(), d_v, n, K, d_v, s.upd.data(), d_v);
     }
 #endif
-    if constexpr (!tiles) {
-      gemm<T>(s.upd, transposed<T>(saved.gamma_q.middleRows(i0, n)), plain<T>(gh), T(1), false,
+    if constexpr (!tiles)
+      gemm<T>(s.upd, transposed<T>(saved.gamma_q.middleRows(i0, n)), plain<T>(g), T(1), false,
               s.gemm);
-      gemm<T>(ds, plain<T>(gh), transposed<T>(s.vz), T(1), false, s.gemm);
-    }
-    s.dvz_wide += s.upd.template cast<wide_t<T>>();
+    s.dvz_wide += s.upd.template cast<W>();
+    s.dz_wide += dz.template cast<W>();
     gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(), gq, K,
-                              ds.data(), K, n, s, s.sums, grad.q.data() + i0 * r, r);
+                              ds.data(), K, n, s, s.sums, grad.q.data() + i0 * r, r,
+                              /*softmax_done=*/true);
   }
-  s.dvz = s.dvz_wide.template cast<T>();
+  s.dvz = s.dvz_wide.template cast<T>();      // dVt, K x d_v
+  s.panel_dz = s.dz_wide.template cast<T>();  // dZ
 #if MIXATTN_HAS_SIMD
   if constexpr (tiles) {
-    s.dvt = s.dvz.leftCols(d_v).transpose();
-    read_block<Arch, T>(ReadSources<T>{saved.gamma_k.data(), K, s.dvz.data(), d_v + 1, K}, M, d_v,
+    s.dvt = s.dvz.transpose();
+    read_block<Arch, T>(ReadSources<T>{saved.gamma_k.data(), K, s.dvz.data(), d_v, K}, M, d_v,
                         nullptr, grad.v.data(), d_v);
   }
 #endif
   if constexpr (!tiles)
-    gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz.leftCols(d_v)), T(1), false, s.gemm);
+    gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz), T(1), false, s.gemm);
   for (Index j0 = 0; j0 < M; j0 += panel) {
     const Index n = std::min(panel, M - j0);
     Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
 #if MIXATTN_HAS_SIMD
     if constexpr (tiles)
-      read_block<Arch, T>(ReadSources<T>{v.data() + j0 * v.outerStride(), v.outerStride(),
-                                         s.dvt.data(), K, d_v},
-                          n, K, nullptr, ds.data(), K);
+      read_block<Arch, T>(
+          ReadSources<T>{v.data() + j0 * v.outerStride(), v.outerStride(), s.dvt.data(), K, d_v}, n,
+          K, nullptr, ds.data(), K);
 #endif
     if constexpr (!tiles)
-      gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz.leftCols(d_v)), T(1), false,
-              s.gemm);
-    ds.rowwise() += s.dvz.col(d_v).transpose();
+      gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz), T(1), false, s.gemm);
+    for (Index j = 0; j < n; ++j)
+      zip_rows(Arch{}, ds.data() + j * K, s.panel_dz.data(), ds.data() + j * K, K,
+               [](auto a, auto b) { return a + b; });
     gma_density_backward_rows(Arch{}, p, k.data() + j0 * k.outerStride(), k.outerStride(),
                               saved.gamma_k.data() + j0 * K, K, ds.data(), K, n, s, s.sums,
                               grad.k.data() + j0 * r, r);
@@ -228,8 +252,11 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
   mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
   pack_density_dims_into<Arch>(s.packed, mix.mean, s.constants);
   const Index panel = std::max<Index>(1, std::min(gma_backward_panel, std::max(N, M)));
-  s.xpad.setZero(panel, s.packed.padded_dim);
-  s.acc.resize(panel, s.packed.padded_dim);
+  if (s.packed.padded_dim != r) {  // else the kernel works on x and dx in place
+    s.xpad.setZero(panel, s.packed.padded_dim);
+    s.acc.resize(panel, s.packed.padded_dim);
+  }
+  s.panel_w.resize(K);
   s.sums.reset(K, s.packed.padded_dim);
   grad.q.resize(N, r);
   grad.k.resize(M, r);

@@ -53,11 +53,11 @@ void gma_check_mixture(const gma::Mixture<T>& mix, const char* fn, bool check_fi
   }
 }
 
-/// Shapes of q, k, v against the mixture's dimension r, the options, and (with check_finite)
-/// the inputs' values.
+/// Shapes of q, k, v against the mixture's dimension r, the options, and (with check_finite and
+/// `values`) the inputs' values.
 template <class T>
 void gma_check_qkv(const char* fn, Index r, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, const gma::Options& opt) {
+                   const ConstMatrixRef<T>& v, const gma::Options& opt, bool values = true) {
   require(q.cols() == r, fn, "q is ", shape_str(q), " but the mixture has dimension ", r,
           " (its r: q must have ", r, " columns)");
   require(k.cols() == r, fn, "k is ", shape_str(k), " but the mixture has dimension ", r,
@@ -73,7 +73,7 @@ void gma_check_qkv(const char* fn, Index r, const ConstMatrixRef<T>& q, const Co
               std::isfinite(static_cast<T>(opt.eps)),
           fn, "options.eps is ", opt.eps, "; it must be positive and finite in the scalar type");
   require(opt.chunk >= 0, fn, "options.chunk is ", opt.chunk, "; it must be >= 0 (0: default)");
-  if (opt.check_finite) {
+  if (opt.check_finite && values) {
     require_finite(q, fn, "q");
     require_finite(k, fn, "k");
     require_finite(v, fn, "v");
@@ -83,9 +83,25 @@ void gma_check_qkv(const char* fn, Index r, const ConstMatrixRef<T>& q, const Co
 template <class T>
 void gma_check_inputs(const char* fn, const gma::Mixture<T>& mix, const ConstMatrixRef<T>& q,
                       const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                      const gma::Options& opt) {
+                      const gma::Options& opt, bool values = true) {
   gma_check_mixture(mix, fn, opt.check_finite);
-  gma_check_qkv<T>(fn, mix.mean.cols(), q, k, v, opt);
+  gma_check_qkv<T>(fn, mix.mean.cols(), q, k, v, opt, values);
+}
+
+/// Fingerprints of q, k and v (fp[0..2]), each taken in one pass that also tells whether the
+/// input is finite; with check_finite a non-finite one raises the same domain_error, in the same
+/// order (q, k, v), as gma_check_qkv's own probes. A record's forward and its backward both read
+/// their inputs once for the two.
+template <class T>
+void gma_fingerprint_inputs(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                            const ConstMatrixRef<T>& v, bool check_finite, std::uint64_t* fp) {
+  const ConstMatrixRef<T>* inputs[3] = {&q, &k, &v};
+  static constexpr const char* names[3] = {"q", "k", "v"};
+  for (int a = 0; a < 3; ++a) {
+    bool finite = true;
+    fp[a] = Fingerprint().add_checked(*inputs[a], finite).value();
+    if (check_finite && !finite) require_finite(*inputs[a], fn, names[a]);
+  }
 }
 
 /// A State continued by a call with K components, d_v value columns and n more tokens.
@@ -149,24 +165,37 @@ void gma_gamma_into(const PackedDensity<T>& p, const ConstMatrixRef<T>& x, T* ou
 
 /// Through the softmax and the log-density (SPEC 1.5) for n <= panel tokens x (stride ldx) with
 /// responsibilities gamma (n x K, stride ldg): ds holds dGamma on entry and dS on exit (n x K,
-/// stride ldds); dx (n x r, stride lddx) is written; the mixture's token sums go to `sums`.
+/// stride ldds; with softmax_done, dS on entry already); dx (n x r, stride lddx) is written; the
+/// mixture's token sums go to `sums`.
+/// When r is a whole number of registers the kernel reads x and accumulates into dx in place;
+/// otherwise through the zero-padded copies in s.
 template <class Arch, class T, class W>
 void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T* x, Index ldx,
                                const T* gamma, Index ldg, T* ds, Index ldds, Index n,
                                GmaBackwardScratch<T>& s, DensityGradSums<W>& sums, T* dx,
-                               Index lddx) {
+                               Index lddx, bool softmax_done = false) {
   const Index K = p.components, r = p.dim, rp = p.padded_dim;
+  // the panel's sum of dS in T (a few hundred terms, as the kernel's own in-panel sums), then
+  // added to the sum over all tokens in W
+  Eigen::Map<Vector<T>> panel_w(s.panel_w.data(), K);
+  panel_w.setZero();
   for (Index i = 0; i < n; ++i) {
     // dS = gamma . (dgamma - gamma . dgamma)
     T* di = ds + i * ldds;
-    softmax_backward_row(arch, gamma + i * ldg, di, K);
-    for (Index k = 0; k < K; ++k) sums.w(k) += static_cast<W>(di[k]);
-    std::copy(x + i * ldx, x + i * ldx + r, s.xpad.data() + i * rp);  // padding stays zero
+    if (!softmax_done) softmax_backward_row(arch, gamma + i * ldg, di, K);
+    panel_w += Eigen::Map<const Vector<T>>(di, K);
   }
-  s.acc.topRows(n).setZero();
-  density_grad_into(arch, p, s.xpad.data(), rp, ds, ldds, n, s.acc.data(), rp, sums);
+  sums.w += panel_w.template cast<W>();
+  // dx = -2 sum_k a_km dS_ik t_ikm
+  if (r == rp) {
+    density_grad_into(arch, p, x, ldx, ds, ldds, n, dx, lddx, sums, T(-2));
+    return;
+  }
   for (Index i = 0; i < n; ++i)
-    for (Index m = 0; m < r; ++m) dx[i * lddx + m] = T(-2) * s.acc(i, m);
+    std::copy(x + i * ldx, x + i * ldx + r, s.xpad.data() + i * rp);  // padding stays zero
+  density_grad_into(arch, p, s.xpad.data(), rp, ds, ldds, n, s.acc.data(), rp, sums, T(-2));
+  for (Index i = 0; i < n; ++i)
+    std::copy(s.acc.row(i).data(), s.acc.row(i).data() + r, dx + i * lddx);
 }
 
 /// Mixture gradients from the token sums (SPEC 1.5): d var_raw = d var . sigmoid(var_raw),

@@ -56,13 +56,11 @@ void gma_bidirectional_fused(const PackedDensity<T>& p, const ConstMatrixRef<T>&
   gma_gamma_into<Arch, T>(p, k, gk.data(), check, fn, "k", &s.scores, [&](Index i0, Index n) {
     const T* g = gk.data() + i0 * K;
     write_block<Arch>(g, K, v.data() + i0 * ldv, ldv, n, K, d_v, vt.data(), d_v);
-    for (Index i = 0; i < n; ++i)
-      zip_rows(Arch{}, z.data(), g + i * K, z.data(), K, [](auto a, auto b) { return a + b; });
+    add_rows(Arch{}, g, K, n, K, z.data());
   });
   gma_gamma_into<Arch, T>(p, q, gq.data(), check, fn, "q", &s.scores, [&](Index i0, Index n) {
     const T* g = gq.data() + i0 * K;
-    for (Index i = 0; i < n; ++i)
-      den(i0 + i) = static_cast<T>(Eigen::Map<const Vector<T>>(g + i * K, K).dot(z)) + eps;
+    dot_rows(Arch{}, g, K, n, K, z.data(), eps, den.data() + i0);
     read_block<Arch>(ReadSources<T>{g, K, vt.data(), d_v, K}, n, d_v, den.data() + i0,
                      out.data() + i0 * d_v, d_v);
   });
@@ -81,17 +79,23 @@ GmaForwardScratch<T>& gma_thread_scratch() {
 /// The start state (saved.start_S, saved.start_z: empty for a whole sequence) is in place
 /// before the call; its fingerprint is taken here, and end_fingerprint is reset (a continued
 /// forward sets it after). O(size) passes, no allocation.
+/// input_fp: the fingerprints of q, k and v if the caller took them (gma_fingerprint_inputs),
+/// else null.
 template <class T>
 void gma_save(gma::Saved<T>& saved, const Matrix<T>& out, const ConstMatrixRef<T>& q,
               const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const gma::Options& opt,
-              std::uint64_t mixture_fingerprint) {
-  saved.out = out;
+              std::uint64_t mixture_fingerprint, const std::uint64_t* input_fp = nullptr) {
+  // the causal backward's h needs the output; the bidirectional one forms dO . O from Vt
+  if (opt.causal)
+    saved.out = out;
+  else
+    saved.out.resize(0, 0);
   saved.causal = opt.causal;
   saved.eps = opt.eps;
   saved.chunk = gma_chunk(opt);
-  saved.fingerprint[0] = fingerprint(q);
-  saved.fingerprint[1] = fingerprint(k);
-  saved.fingerprint[2] = fingerprint(v);
+  saved.fingerprint[0] = input_fp ? input_fp[0] : fingerprint(q);
+  saved.fingerprint[1] = input_fp ? input_fp[1] : fingerprint(k);
+  saved.fingerprint[2] = input_fp ? input_fp[2] : fingerprint(v);
   saved.fingerprint[3] = mixture_fingerprint;
   saved.fingerprint[4] = gma_state_fingerprint(saved.start_S, saved.start_z);
   saved.end_fingerprint = 0;
@@ -102,7 +106,8 @@ void gma_save(gma::Saved<T>& saved, const Matrix<T>& out, const ConstMatrixRef<T
 template <class T>
 void gma_forward_finish(const char* fn, const Matrix<T>& out, const ConstMatrixRef<T>& q,
                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                        const gma::Options& opt, const gma::Mixture<T>& mix, gma::Saved<T>* saved) {
+                        const gma::Options& opt, const gma::Mixture<T>& mix, gma::Saved<T>* saved,
+                        const std::uint64_t* input_fp) {
   // Gamma is finite now, so only the sums of v over keys can overflow (the output itself is a
   // weighted mean of v's rows).
   if (opt.check_finite) require_finite_result(out, fn, "the output", "v is");
@@ -114,7 +119,7 @@ void gma_forward_finish(const char* fn, const Matrix<T>& out, const ConstMatrixR
     saved->continued = false;
     saved->start_S.resize(0, 0);
     saved->start_z.resize(0);
-    gma_save(*saved, out, q, k, v, opt, mixture_fingerprint(mix));
+    gma_save(*saved, out, q, k, v, opt, mixture_fingerprint(mix), input_fp);
   }
 }
 
@@ -123,7 +128,11 @@ template <class Arch, class T>
 void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
                  const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                  const gma::Options& opt, gma::Saved<T>* saved) {
-  gma_check_inputs(fn, mix, q, k, v, opt);
+  // With a record, one pass over each input takes its fingerprint and probes it (before anything
+  // of the record changes, so that a throw leaves it as it was).
+  gma_check_inputs(fn, mix, q, k, v, opt, /*values=*/saved == nullptr);
+  std::uint64_t input_fp[3];
+  if (saved) gma_fingerprint_inputs<T>(fn, q, k, v, opt.check_finite, input_fp);
   const FlushSubnormals flush;
   using W = wide_t<T>;
   const Index N = q.rows(), K = mix.components(), d_v = v.cols();
@@ -147,7 +156,7 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
       gma_bidirectional_fused<Arch, T>(s.packed, q, k, v, eps, opt.check_finite, fn, gq, gk,
                                        saved ? saved->vt : s.vt, saved ? saved->z : s.z, out, den,
                                        s);
-      gma_forward_finish(fn, out, q, k, v, opt, mix, saved);
+      gma_forward_finish(fn, out, q, k, v, opt, mix, saved, saved ? input_fp : nullptr);
       return;
     }
   }
@@ -158,12 +167,12 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
     s.scan.S.setZero(K, d_v);
     s.scan.z.setZero(K);
     gma_causal_forward<T, Arch>(gq, gk, v, eps, gma_chunk(opt), out, den, s.scan.S, s.scan.z,
-                                  s.scan);
+                                s.scan);
   } else {
     gma_bidirectional_forward<T>(gq, gk, v, eps, saved ? saved->vt : s.vt, saved ? saved->z : s.z,
                                  out, den, s);
   }
-  gma_forward_finish(fn, out, q, k, v, opt, mix, saved);
+  gma_forward_finish(fn, out, q, k, v, opt, mix, saved, saved ? input_fp : nullptr);
 }
 
 /// Wide scratch of the one-token decode kernel, per thread (d_v + 2K).

@@ -487,10 +487,13 @@ struct DensityGradSums {
 /// TK components (from k0) by one register of dims (from m0) over n tokens:
 /// acc_im += sum_k a_km w_ik t_ikm (into acc, which holds -dx / 2), and the panel's token sums
 /// of w t and w t^2 go to `sums`. x and acc: n x padded_dim (strides ldx, ldacc); w: n x K (ldw).
-template <int TK, class Arch, class T, class W>
+/// First: acc is not read (the first tile of components starts the sum); Last: acc receives the
+/// sum times `scale` (the last tile ends it), so that no pass zeroes acc before or scales it
+/// after the kernel.
+template <int TK, bool First, bool Last, class Arch, class T, class W>
 inline void density_grad_tile(Arch, const PackedDensityDims<T>& p, Index k0, Index m0, const T* x,
                               Index ldx, const T* w, Index ldw, Index n, T* acc, Index ldacc,
-                              DensityGradSums<W>& sums) {
+                              DensityGradSums<W>& sums, T scale) {
   using B = xsimd::batch<T, Arch>;
   constexpr Index Wd = static_cast<Index>(B::size);
   const Index rp = p.padded_dim;
@@ -505,7 +508,7 @@ inline void density_grad_tile(Arch, const PackedDensityDims<T>& p, Index k0, Ind
   for (Index i = 0; i < n; ++i, x += ldx, acc += ldacc, wi += ldw) {
     const B xv = B::load_unaligned(x + m0);
     // two partial dx sums halve the dependent FMA chain over the components
-    B d0 = B::load_unaligned(acc + m0), d1(T(0));
+    B d0 = First ? B(T(0)) : B::load_unaligned(acc + m0), d1(T(0));
     for (int c = 0; c < TK; ++c) {
       const B t = xsimd::fms(xv, a[c], b[c]);
       const B wt = t * B(wi[c]);
@@ -516,7 +519,10 @@ inline void density_grad_tile(Arch, const PackedDensityDims<T>& p, Index k0, Ind
       swt[c] += wt;
       swtt[c] = xsimd::fma(wt, t, swtt[c]);
     }
-    (d0 + d1).store_unaligned(acc + m0);
+    if constexpr (Last)
+      ((d0 + d1) * B(scale)).store_unaligned(acc + m0);
+    else
+      (d0 + d1).store_unaligned(acc + m0);
   }
   alignas(64) T lanes[2][Wd];
   for (int c = 0; c < TK; ++c) {
@@ -531,17 +537,25 @@ inline void density_grad_tile(Arch, const PackedDensityDims<T>& p, Index k0, Ind
   }
 }
 
-/// The last K mod TK components: one tile of exactly `rest` (< TK) components.
+/// density_grad_tile of `rest` <= TK components (a run-time count), first and/or last.
 template <int TK, class Arch, class T, class W>
-inline void density_grad_rest(Arch arch, Index rest, const PackedDensityDims<T>& p, Index k0,
-                              Index m0, const T* x, Index ldx, const T* w, Index ldw, Index n,
-                              T* acc, Index ldacc, DensityGradSums<W>& sums) {
-  if constexpr (TK > 1) {
-    if (rest == TK - 1)
-      density_grad_tile<TK - 1>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums);
-    else
-      density_grad_rest<TK - 1>(arch, rest, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums);
-  }
+inline void density_grad_tiles(Arch arch, Index rest, bool first, bool last,
+                               const PackedDensityDims<T>& p, Index k0, Index m0, const T* x,
+                               Index ldx, const T* w, Index ldw, Index n, T* acc, Index ldacc,
+                               DensityGradSums<W>& sums, T scale) {
+  if constexpr (TK > 1)
+    if (rest < TK)
+      return density_grad_tiles<TK - 1>(arch, rest, first, last, p, k0, m0, x, ldx, w, ldw, n, acc,
+                                        ldacc, sums, scale);
+  if (first && last)
+    density_grad_tile<TK, true, true>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums, scale);
+  else if (first)
+    density_grad_tile<TK, true, false>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums, scale);
+  else if (last)
+    density_grad_tile<TK, false, true>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums, scale);
+  else
+    density_grad_tile<TK, false, false>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums,
+                                        scale);
 }
 
 /// Register tile of the backward kernel: 4 TK registers (a, b and two sums per component) plus
@@ -577,13 +591,14 @@ inline void density_grad_scalar(const PackedDensityDims<T>& p, const T* x, Index
 }
 
 /// Backward through the log-density for n tokens (one panel, a few hundred rows at most so that
-/// the in-panel sums stay short): acc_im += sum_k a_km w_ik t_ikm, i.e. acc = -dx / 2, and the
-/// token sums go to `sums` (sums.w is the caller's: it needs no kernel). x and acc are
-/// n x padded_dim with zeros in x beyond dim; w = dS is n x K.
+/// the in-panel sums stay short): acc_im = scale sum_k a_km w_ik t_ikm over the first `dim`
+/// entries of each row (scale = -2 gives dx), and the token sums go to `sums` (sums.w is the
+/// caller's: it needs no kernel). x is n x padded_dim with zeros beyond dim, acc n x padded_dim
+/// (strides ldx, ldacc; both n x dim when dim is a whole number of registers); w = dS is n x K.
 template <class Arch, class T, class W>
 inline void density_grad_into(Arch arch, const PackedDensityDims<T>& p, const T* x, Index ldx,
                               const T* w, Index ldw, Index n, T* acc, Index ldacc,
-                              DensityGradSums<W>& sums) {
+                              DensityGradSums<W>& sums, T scale) {
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
     constexpr int TK = DensityGradTile<Arch>::components;
@@ -591,18 +606,18 @@ inline void density_grad_into(Arch arch, const PackedDensityDims<T>& p, const T*
     const Index K = p.components;
     for (Index k0 = 0; k0 < K; k0 += TK) {
       const Index rest = std::min<Index>(TK, K - k0);
-      for (Index m0 = 0; m0 < p.padded_dim; m0 += Wd) {
-        if (rest == TK)
-          density_grad_tile<TK>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums);
-        else
-          density_grad_rest<TK>(arch, rest, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums);
-      }
+      for (Index m0 = 0; m0 < p.padded_dim; m0 += Wd)
+        density_grad_tiles<TK>(arch, rest, k0 == 0, k0 + TK >= K, p, k0, m0, x, ldx, w, ldw, n, acc,
+                               ldacc, sums, scale);
     }
     return;
   }
 #endif
   (void)arch;
+  for (Index i = 0; i < n; ++i) std::fill(acc + i * ldacc, acc + i * ldacc + p.dim, T(0));
   density_grad_scalar(p, x, ldx, w, ldw, n, acc, ldacc, sums);
+  for (Index i = 0; i < n; ++i)
+    for (Index m = 0; m < p.dim; ++m) acc[i * ldacc + m] *= scale;
 }
 
 /// The mixture's gradients from the token sums (SPEC 1.5, in the t form above): dmu = 2 a wt,

@@ -223,6 +223,61 @@ inline void zip_rows(Arch, const T* a, const T* b, T* out, Index n, F f) {
   for (; j < n; ++j) out[j] = f(a[j], b[j]);
 }
 
+/// z[j] += sum_i g[i * ldg + j] for j < K over n rows: each register of z loaded and stored once.
+template <class Arch, class T>
+inline void add_rows(Arch, const T* g, Index ldg, Index n, Index K, T* z) {
+  Index j = 0;
+#if MIXATTN_HAS_SIMD
+  if constexpr (!std::is_same<Arch, scalar_arch>::value) {
+    using B = xsimd::batch<T, Arch>;
+    constexpr Index Wd = static_cast<Index>(B::size);
+    for (; j + Wd <= K; j += Wd) {
+      B acc = B::load_unaligned(z + j);
+      for (Index i = 0; i < n; ++i) acc += B::load_unaligned(g + i * ldg + j);
+      acc.store_unaligned(z + j);
+    }
+  }
+#endif
+  for (; j < K; ++j)
+    for (Index i = 0; i < n; ++i) z[j] += g[i * ldg + j];
+}
+
+/// out[i] = g_i . z + add for R rows g_i (stride ldg) of K entries, in T, side by side so that
+/// their horizontal sums overlap; each row's arithmetic is the same whatever R.
+template <int R, class Arch, class T>
+inline void dot_rows_tile(Arch, const T* g, Index ldg, Index K, const T* z, T add, T* out) {
+  Index vec = 0;
+  T sum[R] = {};
+#if MIXATTN_HAS_SIMD
+  if constexpr (!std::is_same<Arch, scalar_arch>::value) {
+    using B = xsimd::batch<T, Arch>;
+    constexpr Index Wd = static_cast<Index>(B::size);
+    vec = K / Wd * Wd;
+    B acc[R];
+    for (int t = 0; t < R; ++t) acc[t] = B(T(0));
+    for (Index j = 0; j < vec; j += Wd) {
+      const B zj = B::load_unaligned(z + j);
+      for (int t = 0; t < R; ++t)
+        acc[t] = xsimd::fma(B::load_unaligned(g + t * ldg + j), zj, acc[t]);
+    }
+    for (int t = 0; t < R; ++t) sum[t] = xsimd::hadd(acc[t]);
+  }
+#endif
+  for (int t = 0; t < R; ++t) {
+    for (Index j = vec; j < K; ++j) sum[t] += g[t * ldg + j] * z[j];
+    out[t] = sum[t] + add;
+  }
+}
+
+/// dot_rows_tile over n rows: tiles of 4, then single rows.
+template <class Arch, class T>
+inline void dot_rows(Arch arch, const T* g, Index ldg, Index n, Index K, const T* z, T add,
+                     T* out) {
+  Index i = 0;
+  for (; i + 4 <= n; i += 4) dot_rows_tile<4>(arch, g + i * ldg, ldg, K, z, add, out + i);
+  for (; i < n; ++i) dot_rows_tile<1>(arch, g + i * ldg, ldg, K, z, add, out + i);
+}
+
 /// sum_j f(a[j], b[j]) accumulated in W, with f applied to the entries widened to W (registers
 /// of W, or scalars of W, so write it generic as for zip_rows).
 template <class Arch, class T, class F>
