@@ -235,6 +235,54 @@ TYPED_TEST(GmaForward, CausalMatchesExplicitFormulaForEveryChunkLength) {
   }
 }
 
+// The SIMD causal scan works on register tiles: Gamma_K^T per chunk (whole 16 x 16 float blocks in
+// registers), the chunk's read, and the state update folded into the wide state register by
+// register (detail::state_update). Shapes whose chunks hold whole and partial transpose blocks,
+// whose value widths hold full register tiles, single registers and scalar tails, and K off the
+// state tile's 5 rows; against the explicit formula and the scalar build's Eigen path.
+TYPED_TEST(GmaForward, CausalRegisterTilesMatchGemmPathAndExplicitFormula) {
+  using T = TypeParam;
+  for (const Shape s :
+       {Shape{70, 70, 5, 13, 37}, Shape{96, 96, 9, 64, 64}, Shape{33, 33, 3, 7, 83}}) {
+    const std::uint64_t seed = s.n * 31 + s.K + s.dv;
+    const gma::Mixture<T> mix = test_mixture<T>(s.K, s.r, seed);
+    const Matrix<T> q = random_matrix<T>(s.n, s.r, seed + 1),
+                    k = random_matrix<T>(s.n, s.r, seed + 2);
+    const Matrix<T> v = random_matrix<T>(s.n, s.dv, seed + 3);
+    const Matrix<double> ref = explicit_attention(direct_gamma(mix, q), direct_gamma(mix, k),
+                                                  v.template cast<double>(), true, 1e-6);
+    for (Index chunk : {0, 16, 32, 48, 64}) {
+      SCOPED_TRACE(::testing::Message() << "N " << s.n << " K " << s.K << " d_v " << s.dv
+                                        << " chunk " << chunk << " seed " << seed);
+      gma::Options opt;
+      opt.causal = true;
+      opt.chunk = chunk;
+      const Matrix<T> fast = gma::forward(mix, q, k, v, opt);
+      const Matrix<T> slow = gma::forward<T, detail::scalar_arch>(mix, q, k, v, opt);
+      EXPECT_TRUE(mixattn::testing::all_close(fast, ref, Tol<T>::rtol * 5, Tol<T>::atol * 10));
+      EXPECT_TRUE(mixattn::testing::all_close(fast, slow, Tol<T>::rtol * 5, Tol<T>::atol * 10));
+    }
+  }
+}
+
+// transpose_padded (16 x 16 float blocks through registers where the ISA has them) against the
+// obvious loop, with the zero padding of each row, for block and partial-block shapes.
+TYPED_TEST(GmaForward, TransposePaddedMatchesLoop) {
+  using T = TypeParam;
+  for (Index rows : {1, 15, 16, 17, 32, 47, 64})
+    for (Index cols : {1, 16, 31, 32, 65}) {
+      const Matrix<T> a = random_matrix<T>(rows, cols + 3, rows * 100 + cols);
+      const Index ld = rows + 5;
+      std::vector<T> dst(static_cast<std::size_t>(cols * ld), T(7));
+      detail::transpose_padded<T>(a.leftCols(cols), dst.data(), ld);  // outer stride cols + 3
+      bool same = true;
+      for (Index c = 0; c < cols; ++c)
+        for (Index i = 0; i < ld; ++i)
+          same = same && dst[static_cast<std::size_t>(c * ld + i)] == (i < rows ? a(i, c) : T(0));
+      EXPECT_TRUE(same) << rows << " x " << cols;
+    }
+}
+
 TYPED_TEST(GmaForward, SingleComponentAveragesVisibleValues) {
   using T = TypeParam;
   const Index n = 21, dv = 3;

@@ -16,6 +16,7 @@
 #include "mixattn/core.hpp"
 #include "mixattn/detail/row_tiles.hpp"
 #include "mixattn/detail/simd.hpp"
+#include "mixattn/detail/softmax.hpp"
 
 #include <Eigen/Core>
 
@@ -68,7 +69,6 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
   Matrix<T>& a_buf = scratch.a_buf;
   s_t = S.template cast<T>();
   z_t = z.template cast<T>();
-  if constexpr (!std::is_same<Arch, scalar_arch>::value) update.setZero();  // written by adding
   for (Index s = 0; s < N; s += chunk) {
     const Index c = std::min(chunk, N - s);
     const ConstMatrixRef<T> gqc = gq.middleRows(s, c), gkc = gk.middleRows(s, c);
@@ -77,30 +77,23 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
 #if MIXATTN_HAS_SIMD
     if constexpr (!std::is_same<Arch, scalar_arch>::value) {
       // A = Gamma_Q,R Gamma_K,R^T as a read of the chunk's Gamma_K^T (K x c), undivided
-      Eigen::Map<Matrix<T>> gkt(scratch.gkt.data(), K, c);
-      gkt = gkc.transpose();
-      read_block<Arch, T>(ReadSources<T>{gqc.data(), K, gkt.data(), c, K}, c, c, nullptr, a.data(),
-                          c);
-      a.template triangularView<Eigen::StrictlyUpper>().setZero();  // token i sees j <= i
-      den.segment(s, c).noalias() = gqc * z_t;
-      den.segment(s, c).array() += a.rowwise().sum().array() + eps;
+      transpose_padded<T>(gkc, scratch.gkt.data(), c);
+      read_block<Arch, T>(ReadSources<T>{gqc.data(), K, scratch.gkt.data(), c, K}, c, c, nullptr,
+                          a.data(), c);
+      for (Index i = 0; i + 1 < c; ++i)  // token i sees j <= i
+        std::fill(a.data() + i * c + i + 1, a.data() + (i + 1) * c, T(0));
+      dot_rows(Arch{}, gqc.data(), K, c, K, z_t.data(), eps, den.data() + s);
+      for (Index i = 0; i < c; ++i) den(s + i) += a.row(i).sum();
       const Index ldv = v.outerStride();
-      read_block<Arch, T>(ReadSources<T>{gqc.data(), K, s_t.data(), d_v, K, a.data(), c, vc.data(),
-                                      ldv, c},
-                       c, d_v, den.data() + s, out.data() + s * d_v, d_v);
-      write_block<Arch>(gkc.data(), K, vc.data(), ldv, c, K, d_v, update.data(), d_v);
-      // S += update in W, its T copy for the next chunk's read, and update zeroed for the next
-      // chunk's write: one pass (a loop the compiler vectorises) instead of three
-      W* sw = S.data();
-      T* st = s_t.data();
-      T* up = update.data();
-      for (Index e = 0; e < K * d_v; ++e) {
-        const W x = sw[e] + static_cast<W>(up[e]);
-        sw[e] = x;
-        st[e] = static_cast<T>(x);
-        up[e] = T(0);
-      }
-      z += gkc.colwise().sum().transpose().template cast<W>();
+      read_block<Arch, T>(
+          ReadSources<T>{gqc.data(), K, s_t.data(), d_v, K, a.data(), c, vc.data(), ldv, c}, c, d_v,
+          den.data() + s, out.data() + s * d_v, d_v);
+      // S += Gamma_K,R^T V_R in W, with its T copy for the next chunk's read
+      state_update<Arch>(gkc.data(), K, vc.data(), ldv, c, K, d_v, S.data(), s_t.data());
+      Eigen::Map<Vector<T>> zc(scratch.z_update.data(), K);
+      zc.setZero();
+      add_rows(Arch{}, gkc.data(), K, c, K, zc.data());
+      z += zc.template cast<W>();
       z_t = z.template cast<T>();
       continue;
     }
