@@ -581,6 +581,29 @@ TYPED_TEST(Reference, NonFiniteInputsThrowDomainError) {
   }
 }
 
+// Unchecked NaN in one key, at every register and chunk position of a public key tile (whole key
+// tiles take their row maxima in the score tiles' registers, masked ones from the stored scores):
+// the NaN reaches exactly the output rows that see the key, and no other.
+TYPED_TEST(Reference, UncheckedNaNKeyReachesTheRowsThatSeeIt) {
+  using T = TypeParam;
+  const Index n = 512, r = 8, dv = 3;
+  const Matrix<T> q = random_matrix<T>(n, r, 61), k = random_matrix<T>(n, r, 62);
+  const Matrix<T> v = random_matrix<T>(n, dv, 63);
+  for (bool causal : {false, true})
+    for (Index j : {0, 5, 16, 47, 63, 64, 130, 255, 256, 300, 511}) {
+      SCOPED_TRACE("key " + std::to_string(j) + (causal ? " causal" : " bidirectional"));
+      Matrix<T> k_bad = k;
+      k_bad.row(j).setConstant(std::numeric_limits<T>::quiet_NaN());
+      ref::Options opt;
+      opt.causal = causal;
+      opt.check_finite = false;
+      const Matrix<T> out = ref::flash_forward<T>(q, k_bad, v, opt);
+      Index wrong = 0;
+      for (Index i = 0; i < n; ++i) wrong += out.row(i).hasNaN() != (!causal || j <= i);
+      EXPECT_EQ(wrong, 0);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // edge cases
 
