@@ -22,16 +22,20 @@ namespace detail {
 /// Tile sizes, fixed at compile time. A query tile of `queries` rows meets a key tile of `keys`
 /// rows; the score tile (queries x keys) and its operand tiles stay in L2. The forward's query
 /// tile is a whole number of its register tiles (6 rows with AVX-512, 4 otherwise). Each query
-/// tile streams all of K^T and V once (2 MiB at N = 4096, r = d_v = 64, float: the size of L2),
-/// so a taller query tile pays off, up to about 200 rows; beyond, the rate is flat and only the
-/// causal diagonal tiles' masked work grows. The backward's tile products are Eigen GEMMs, each
+/// tile streams all of K^T and V once (2 MiB at N = 4096, r = d_v = 64, float), so a taller
+/// query tile pays off, up to about 200 rows (at N = 16384, 96 rows lose 2-4% to 192); beyond,
+/// the rate is flat and only the causal diagonal tiles' masked work grows. The forward's key
+/// tile is 384 KiB of scores (float 192 x 512, double 192 x 256, within a 1 MiB L2): each key
+/// tile costs every row a max, a rescale and the start of an exp pass: in float, 512 keys beat
+/// 256 by 1-2% at N = 4096 (paired timings) and by 10% with a sliding window of 256 keys, where
+/// a query tile's keys then fit one key tile. The backward's tile products are Eigen GEMMs, each
 /// large enough (>= 64 on each side) to run near their peak; double's backward prefers the
 /// shorter key tile, whose dK/dV accumulators stay resident (the sweeps: bench/results/tuning.md,
 /// "Flash attention tiles").
 template <class T>
 struct FlashTiles {
   static constexpr Index forward_queries = 192;
-  static constexpr Index forward_keys = 256;
+  static constexpr Index forward_keys = std::is_same<T, double>::value ? 256 : 512;
   static constexpr Index backward_queries = 64;
   static constexpr Index backward_keys = std::is_same<T, double>::value ? 128 : 256;
 };
