@@ -78,11 +78,12 @@ std::string describe(const Shape& s, bool causal, std::uint64_t seed) {
          " seed=" + std::to_string(seed);
 }
 
-// Shapes for flash vs naive: tiny N, N != M both ways, sizes off every tile multiple, exactly
-// one public tile (64 x 256), and several tiles in both directions.
-const std::vector<Shape> kShapes = {{1, 1, 3, 2},       {1, 9, 4, 3},     {2, 2, 5, 4},
-                                    {2, 300, 8, 5},     {67, 67, 16, 8},  {64, 256, 8, 8},
-                                    {300, 517, 16, 12}, {515, 515, 8, 6}, {129, 1000, 4, 4}};
+// Shapes for flash vs naive: tiny N, N != M both ways, sizes off every tile multiple, one key
+// tile of 256, several tiles in both directions, and causal query tiles past a whole key tile of
+// the forward (float: 192 x 512), whose row maxima come from the score tiles' registers.
+const std::vector<Shape> kShapes = {
+    {1, 1, 3, 2},    {1, 9, 4, 3},       {2, 2, 5, 4},     {2, 300, 8, 5},    {67, 67, 16, 8},
+    {64, 256, 8, 8}, {300, 517, 16, 12}, {515, 515, 8, 6}, {129, 1000, 4, 4}, {777, 777, 8, 16}};
 
 template <class T>
 class Reference : public ::testing::Test {};
@@ -579,6 +580,30 @@ TYPED_TEST(Reference, NonFiniteInputsThrowDomainError) {
     EXPECT_TRUE(out.row(1).hasNaN());
     EXPECT_TRUE(out.row(0).allFinite());
   }
+}
+
+// Unchecked NaN in one key, at every register and chunk position of a public key tile (whole key
+// tiles take their row maxima in the score tiles' registers, masked ones from the stored scores;
+// N = 768 has causal query tiles past a whole key tile): the NaN reaches exactly the output rows
+// that see the key, and no other.
+TYPED_TEST(Reference, UncheckedNaNKeyReachesTheRowsThatSeeIt) {
+  using T = TypeParam;
+  const Index n = 768, r = 8, dv = 3;
+  const Matrix<T> q = random_matrix<T>(n, r, 61), k = random_matrix<T>(n, r, 62);
+  const Matrix<T> v = random_matrix<T>(n, dv, 63);
+  for (bool causal : {false, true})
+    for (Index j : {0, 5, 16, 47, 63, 64, 130, 255, 256, 300, 511, 512, 600, 767}) {
+      SCOPED_TRACE("key " + std::to_string(j) + (causal ? " causal" : " bidirectional"));
+      Matrix<T> k_bad = k;
+      k_bad.row(j).setConstant(std::numeric_limits<T>::quiet_NaN());
+      ref::Options opt;
+      opt.causal = causal;
+      opt.check_finite = false;
+      const Matrix<T> out = ref::flash_forward<T>(q, k_bad, v, opt);
+      Index wrong = 0;
+      for (Index i = 0; i < n; ++i) wrong += out.row(i).hasNaN() != (!causal || j <= i);
+      EXPECT_EQ(wrong, 0);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -22,16 +22,20 @@ namespace detail {
 /// Tile sizes, fixed at compile time. A query tile of `queries` rows meets a key tile of `keys`
 /// rows; the score tile (queries x keys) and its operand tiles stay in L2. The forward's query
 /// tile is a whole number of its register tiles (6 rows with AVX-512, 4 otherwise). Each query
-/// tile streams all of K^T and V once (2 MiB at N = 4096, r = d_v = 64, float: the size of L2),
-/// so a taller query tile pays off, up to about 200 rows; beyond, the rate is flat and only the
-/// causal diagonal tiles' masked work grows. The backward's tile products are Eigen GEMMs, each
+/// tile streams all of K^T and V once (2 MiB at N = 4096, r = d_v = 64, float), so a taller
+/// query tile pays off, up to about 200 rows (at N = 16384, 96 rows lose 2-4% to 192); beyond,
+/// the rate is flat and only the causal diagonal tiles' masked work grows. The forward's key
+/// tile is 384 KiB of scores (float 192 x 512, double 192 x 256, within a 1 MiB L2): each key
+/// tile costs every row a max, a rescale and the start of an exp pass: in float, 512 keys beat
+/// 256 by 1-2% at N = 4096 (paired timings) and by 10% with a sliding window of 256 keys, where
+/// a query tile's keys then fit one key tile. The backward's tile products are Eigen GEMMs, each
 /// large enough (>= 64 on each side) to run near their peak; double's backward prefers the
 /// shorter key tile, whose dK/dV accumulators stay resident (the sweeps: bench/results/tuning.md,
 /// "Flash attention tiles").
 template <class T>
 struct FlashTiles {
   static constexpr Index forward_queries = 192;
-  static constexpr Index forward_keys = 256;
+  static constexpr Index forward_keys = std::is_same<T, double>::value ? 256 : 512;
   static constexpr Index backward_queries = 64;
   static constexpr Index backward_keys = std::is_same<T, double>::value ? 128 : 256;
 };
@@ -47,7 +51,8 @@ struct FlashScratch {
   // SIMD forward only: K^T (r x ldk) and, when d_v is not a whole number of registers, V padded
   // with zero dims, both laid out once per call; the output tile and the rescale of each row.
   Matrix<T> kt, vp, o;
-  Vector<T> alpha;
+  Vector<T> alpha, next_max;
+  Matrix<T> lane_max;  // per row of a query tile, one register of lane maxima of its scores
 };
 
 /// Columns c of a score tile whose key j0 + c lies after query i (causal mask, inclusive j <= i)
@@ -157,9 +162,14 @@ struct FlashRegisterTile {
 /// S = Qs K^T, the reduction over l < r kept in registers. qs: MR rows of stride ldq; kt: NV
 /// consecutive key blocks of flash_forward_tiles_simd's K^T layout (block c, lane e, dim l at
 /// kt[(c r + l) Wd + e]); s: stride lds.
+///
+/// vmax (unless nullptr): one register of lanes per row m, at vmax + m Wd, that takes the lane
+/// max of the row's new scores, the row max taken while they are in registers instead of in a
+/// pass that reads the score tile again. A lane that has seen a NaN score stays NaN (the vector
+/// max alone could drop it, and with it the true max).
 template <int MR, int NV, class Arch, class T>
 MIXATTN_ALWAYS_INLINE void flash_score_tile(Arch, const T* qs, Index ldq, const T* kt, Index r,
-                                            T* s, Index lds) {
+                                            T* s, Index lds, T* vmax) {
   using B = xsimd::batch<T, Arch>;
   constexpr Index Wd = static_cast<Index>(B::size);
   B acc[MR][NV];
@@ -176,6 +186,24 @@ MIXATTN_ALWAYS_INLINE void flash_score_tile(Arch, const T* qs, Index ldq, const 
   }
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < NV; ++c) acc[m][c].store_unaligned(s + m * lds + c * Wd);
+  if (vmax != nullptr)
+    for (int m = 0; m < MR; ++m) {
+      // The vector max returns its second operand when either is NaN: the running lanes, second,
+      // keep a NaN once they hold one, and a NaN among the new scores is found by a compare.
+      // On Zen 5 a compare takes an FMA port and a max or an add does not: with a compare per
+      // register this epilogue cost 5% of the tile's time, with one per pair of registers
+      // (through their sum: NaN exactly when either is NaN or they hold infinities of both
+      // signs, i.e. a row with a +inf score, whose result is NaN anyway) 1.5%.
+      const B* a = acc[m];
+      const auto nan_in = [a](int c) { return xsimd::isnan(c + 1 < NV ? a[c] + a[c + 1] : a[c]); };
+      B mx = a[0];
+      for (int c = 1; c < NV; ++c) mx = xsimd::max(mx, a[c]);
+      auto bad = nan_in(0);
+      for (int c = 2; c < NV; c += 2) bad = bad | nan_in(c);
+      const B running = xsimd::max(mx, B::load_unaligned(vmax + m * Wd));
+      xsimd::select(bad, B(std::numeric_limits<T>::quiet_NaN()), running)
+          .store_unaligned(vmax + m * Wd);
+    }
 }
 
 /// o[m][d] = alpha[m] o[m][d] + sum_{j < kc} p[m][j] v[j][d] for m < MR, d < NV registers of
@@ -256,6 +284,9 @@ inline wide_t<T> flash_exp_sum(Arch, T* s, Index n, T shift) {
 ///   per register for any first key (a tile starting off a block computes up to Wd - 1 keys
 ///   before it, never read: windows and small tiles).
 /// - V as given when d_v is a multiple of the register width, else a copy padded with zero dims.
+/// - The row maxima of a key tile whose computed scores are all visible (no mask, no keys before
+///   or after the tile) are taken in the score tiles' registers (flash_score_tile's vmax); the
+///   masked tiles take them from the stored scores of the visible keys.
 /// The query tile (scaled, padded with zero rows to a multiple of the register tile) and its
 /// score tile (padded to whole register tiles of keys) live in scratch; the output tile is
 /// accumulated in scratch and rescaled by exp(m - m') inside the P V tile, on its first chunk
@@ -314,8 +345,12 @@ void flash_forward_tiles_simd(Arch arch, const ConstMatrixRef<T>& q, const Const
   Matrix<T>& o = scratch.o;    // unnormalised output of one query tile
   Vector<T>& row_max = scratch.row_max;
   Vector<W>& row_sum = scratch.row_sum;
-  Vector<T>& alpha = scratch.alpha;  // exp(m - m') of each row for the current key tile
+  Vector<T>& alpha = scratch.alpha;        // exp(m - m') of each row for the current key tile
+  Vector<T>& next_max = scratch.next_max;  // m' of each row for the current key tile
+  Matrix<T>& lane_max = scratch.lane_max;  // lane maxima of each row's scores (BQp x Wd)
   qs.resize(BQp, r);
+  next_max.resize(BQp);
+  lane_max.resize(BQp, Wd);
   s.resize(BQp, BKp);
   o.resize(BQp, dvp);
   row_max.resize(BQp);
@@ -360,35 +395,63 @@ void flash_forward_tiles_simd(Arch arch, const ConstMatrixRef<T>& q, const Const
       const Index bc = std::min(BlockK, key_end - j0);
       const Index off = j0 % Wd;  // score column c is key j0 - off + c
       const T* ktb = kt.data() + (j0 - off) * r;
-      for (Index c0 = 0; c0 < off + bc; c0 += P)
-        for (Index m0 = 0; m0 < brp; m0 += MR)
-          flash_score_tile<MR, NV>(arch, qs.data() + m0 * r, r, ktb + c0 * r, r,
-                                   s.data() + m0 * BKp + c0, BKp);
       const bool diagonal = causal && j0 + bc - 1 > i0;
       // Sliding window: the tile holds keys before the window of the tile's last query.
       const bool trailing = window > 0 && j0 < i0 + br - window;
+      // Every score the register tiles compute is a visible key's: the row maxima are taken in
+      // the score tiles' registers. Otherwise a row's max is taken over its visible keys only.
+      const bool whole = !diagonal && !trailing && off == 0 && bc % P == 0;
+      T* const vmax = whole ? lane_max.data() : nullptr;
+      if (whole) lane_max.topRows(brp).setConstant(neg_inf);
+      for (Index c0 = 0; c0 < off + bc; c0 += P)
+        for (Index m0 = 0; m0 < brp; m0 += MR)
+          flash_score_tile<MR, NV>(arch, qs.data() + m0 * r, r, ktb + c0 * r, r,
+                                   s.data() + m0 * BKp + c0, BKp, whole ? vmax + m0 * Wd : nullptr);
 
+      // The rows' new maxima first, then their rescales exp(m - m') in registers of rows, then
+      // the exp passes, which then depend on no other row's and overlap. With the maxima from the
+      // score tiles this gained 2-4% at N = 4096 over a max pass, a scalar exp and the exp pass
+      // row by row (a max pass reads the whole score tile again, out of L2).
+      for (Index t = 0; t < br; ++t) {
+        T tile_max;
+        if (whole) {
+          const B lanes = B::load_unaligned(vmax + t * Wd);
+          tile_max = xsimd::any(xsimd::isnan(lanes)) ? std::numeric_limits<T>::quiet_NaN()
+                                                     : mixattn::detail::reduce_max(lanes);
+        } else {
+          const Index visible = diagonal ? visible_columns(i0 + t, j0, bc) : bc;
+          const Index first = trailing ? window_first_column(i0 + t, j0, window, visible) : 0;
+          T* st = s.data() + t * BKp + off;
+          // Masked keys get probability 0 in the tile that feeds the P V product (set, not
+          // computed: exp(-inf) must not reach the vectorised exp).
+          RowMap(st + visible, bc - visible).setZero();
+          if (first > 0) RowMap(st, first).setZero();
+          // nothing visible in this tile: -inf, the state is left unchanged below
+          tile_max = mixattn::detail::row_max(arch, st + first, visible - first);
+        }
+        next_max[t] = mixattn::detail::max_keep_nan(row_max[t], tile_max);
+      }
+      // next_max is finite (finite scores) on a row that saw a key; the old max may still be -inf
+      // on the first visible tile, where exp(-inf - finite) = 0 correctly discards the empty
+      // history. A row that has seen no key yet gives -inf - -inf here, replaced by 1 below.
+      {
+        Index t = 0;
+        for (; t + Wd <= br; t += Wd)
+          exp_shifted(B::load_unaligned(row_max.data() + t), B::load_unaligned(next_max.data() + t))
+              .store_unaligned(alpha.data() + t);
+        for (; t < br; ++t) alpha[t] = std::exp(row_max[t] - next_max[t]);
+      }
       for (Index t = 0; t < br; ++t) {
         const Index visible = diagonal ? visible_columns(i0 + t, j0, bc) : bc;
         const Index first = trailing ? window_first_column(i0 + t, j0, window, visible) : 0;
-        T* st = s.data() + t * BKp + off;
-        // Masked keys get probability 0 in the tile that feeds the P V product (set, not
-        // computed: exp(-inf) must not reach the vectorised exp).
-        RowMap(st + visible, bc - visible).setZero();
-        if (first > 0) RowMap(st, first).setZero();
-        alpha[t] = T(1);
-        if (visible == first) continue;  // nothing visible in this tile: state unchanged
-        T* seen = st + first;
-        const Index count = visible - first;
-        const T new_max =
-            mixattn::detail::max_keep_nan(row_max[t], mixattn::detail::row_max(arch, seen, count));
-        // new_max is finite (finite scores); the old max may still be -inf on the first visible
-        // tile, where exp(-inf - finite) = 0 correctly discards the empty history and no
-        // -inf - -inf can arise.
-        alpha[t] = std::exp(row_max[t] - new_max);
-        row_sum[t] =
-            static_cast<W>(alpha[t]) * row_sum[t] + flash_exp_sum(arch, seen, count, new_max);
-        row_max[t] = new_max;
+        if (visible == first) {  // nothing visible in this tile: state unchanged
+          alpha[t] = T(1);
+          continue;
+        }
+        T* seen = s.data() + t * BKp + off + first;
+        row_sum[t] = static_cast<W>(alpha[t]) * row_sum[t] +
+                     flash_exp_sum(arch, seen, visible - first, next_max[t]);
+        row_max[t] = next_max[t];
       }
 
       // O = diag(alpha) O + P V: the rescale rides on the first chunk of keys.
