@@ -491,4 +491,31 @@ TEST(MixtureConstants, VectorSoftplusMatchesScalar) {
   check_vector_softplus<double>();
 }
 
+// The kernels' a = 1 / sqrt(2 var) is computed in vectors (MixtureConstants::scale); square root
+// and division are correctly rounded in any width, so it must equal the scalar formula bit for
+// bit, for every variance from the floor up (var_raw from -30 to 30).
+template <class T>
+void check_scale() {
+  using W = detail::wide_t<T>;
+  const Index K = 7, r = 61;  // a vector tail in every row
+  Matrix<T> var_raw(K, r);
+  for (Index i = 0; i < var_raw.size(); ++i)
+    var_raw.data()[i] = static_cast<T>(-30.0 + 60.0 * static_cast<double>(i) / (K * r - 1));
+  const Vector<T> prior = Vector<T>::Zero(K);
+  for (T floor : {T(1e-4), T(1e-30), T(3)}) {
+    const detail::MixtureConstants<W> c =
+        detail::mixture_constants<W>(Matrix<T>(Matrix<T>::Zero(K, r)), var_raw, prior, floor);
+    bool same = true;
+    for (Index k = 0; k < K; ++k)
+      for (Index m = 0; m < r; ++m)
+        same = same && c.scale(k, m) == W(1) / std::sqrt(W(2)) / std::sqrt(c.var(k, m));
+    EXPECT_TRUE(same) << "floor " << floor;
+  }
+}
+
+TEST(MixtureConstants, VectorScaleIsTheScalarFormula) {
+  check_scale<float>();
+  check_scale<double>();
+}
+
 }  // namespace

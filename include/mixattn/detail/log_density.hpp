@@ -69,12 +69,33 @@ inline void softplus_into(const T* x, Index n, W add, W* out) {
   for (; i < n; ++i) out[i] = softplus(static_cast<W>(x[i])) + add;
 }
 
+/// out[i] = (1 / sqrt 2) / sqrt(var[i]) for i < n, in vectors of W where the build has them: the
+/// hardware's square root and division are correctly rounded in any width, so these are the
+/// scalar formula's bits (K r scalar square roots and divisions took longer than packing the
+/// coefficients). Not Eigen's array sqrt: with EIGEN_FAST_MATH (its default) that one is an
+/// approximation refined by Newton steps, off in the last bit.
+template <class W>
+inline void density_scale_into(const W* var, Index n, W* out) {
+  const W c = W(1) / std::sqrt(W(2));
+  Index i = 0;
+#if MIXATTN_HAS_SIMD
+  if constexpr (!std::is_same<simd_arch, scalar_arch>::value) {
+    using BW = xsimd::batch<W, simd_arch>;
+    constexpr Index WW = static_cast<Index>(BW::size);
+    for (; i + WW <= n; i += WW)
+      (BW(c) / xsimd::sqrt(BW::load_unaligned(var + i))).store_unaligned(out + i);
+  }
+#endif
+  for (; i < n; ++i) out[i] = c / std::sqrt(var[i]);
+}
+
 /// Per-call constants of a mixture (SPEC 1.1), computed in the wide type W.
 template <class W>
 struct MixtureConstants {
   Matrix<W> var;     // K x r, softplus(var_raw) + var_floor
   Vector<W> log_pi;  // K, log_softmax(prior_logit)
   Vector<W> offset;  // K, log pi_k - 1/2 sum_m log var_km
+  Matrix<W> scale;   // K x r, 1 / sqrt(2 var): the kernels' a (density_coefficients)
 };
 
 /// Fills c in place (its capacity is reused when the mixture's shape repeats).
@@ -91,6 +112,8 @@ void mixture_constants_into(MixtureConstants<W>& c, const Matrix<T>& var_raw,
   c.offset.resize(K);
   for (Index k = 0; k < K; ++k)
     c.offset(k) = c.log_pi(k) - W(0.5) * c.var.row(k).array().log().sum();
+  c.scale.resize(K, r);
+  density_scale_into(c.var.data(), K * r, c.scale.data());
 }
 
 template <class W, class T>
@@ -117,7 +140,7 @@ struct PackedDensity {
 template <class T, class W>
 inline void density_coefficients(const Matrix<T>& mean, const MixtureConstants<W>& c, Index k,
                                  Index m, T& a, T& b) {
-  const W aw = W(1) / std::sqrt(W(2)) / std::sqrt(c.var(k, m));
+  const W aw = c.scale(k, m);  // W(1) / sqrt(W(2)) / sqrt(var(k, m))
   a = static_cast<T>(aw);
   b = static_cast<T>(static_cast<W>(mean(k, m)) * aw);
 }
