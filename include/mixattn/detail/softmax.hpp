@@ -223,6 +223,23 @@ inline void zip_rows(Arch, const T* a, const T* b, T* out, Index n, F f) {
   for (; j < n; ++j) out[j] = f(a[j], b[j]);
 }
 
+#if MIXATTN_HAS_SIMD
+/// w[0 .. size) += the lanes of x widened to wide_t<T> (two registers of W for float).
+template <class Arch, class T>
+MIXATTN_ALWAYS_INLINE void add_to_wide(const xsimd::batch<T, Arch>& x, wide_t<T>* w) {
+  using BW = xsimd::batch<wide_t<T>, Arch>;
+  constexpr Index WW = static_cast<Index>(BW::size);
+  if constexpr (std::is_same<T, wide_t<T>>::value) {
+    (BW::load_unaligned(w) + x).store_unaligned(w);
+  } else {
+    BW lo = BW::load_unaligned(w), hi = BW::load_unaligned(w + WW);
+    add_wide<Arch, T>(lo, hi, x);
+    lo.store_unaligned(w);
+    hi.store_unaligned(w + WW);
+  }
+}
+#endif
+
 /// z[j] += sum_i g[i * ldg + j] for j < K over n rows: each register of z loaded and stored once.
 template <class Arch, class T>
 inline void add_rows(Arch, const T* g, Index ldg, Index n, Index K, T* z) {
