@@ -149,14 +149,15 @@ inline Index gma_chunk(const gma::Options& opt) {
 /// `rows_done` sees each finished block of rows (responsibilities_into). A row that
 /// overflows even in the wide fallback is reported (with checks on) as std::domain_error naming
 /// `arg`.
+/// (x may be rows from row0 on of the caller's argument, for the message.)
 template <class Arch, class T, class Hook = NoRowsHook>
 void gma_gamma_into(const PackedDensity<T>& p, const ConstMatrixRef<T>& x, T* out, bool check,
                     const char* fn, const char* arg, std::vector<T>* scores = nullptr,
-                    Hook&& rows_done = Hook{}) {
+                    Hook&& rows_done = Hook{}, Index row0 = 0) {
   const Index bad = responsibilities_into(Arch{}, p, x.data(), x.outerStride(), x.rows(), out,
                                           p.components, scores, std::forward<Hook>(rows_done));
   if (bad >= 0 && check)
-    raise_domain_error(concat(fn, ": ", arg, " row ", bad, " (largest magnitude ",
+    raise_domain_error(concat(fn, ": ", arg, " row ", row0 + bad, " (largest magnitude ",
                               x.row(bad).cwiseAbs().maxCoeff(),
                               ") is so far from every mixture component that its log-densities "
                               "overflow even in the widest type: scale ",

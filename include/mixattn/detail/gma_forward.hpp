@@ -40,12 +40,15 @@ void gma_bidirectional_forward(const Matrix<T>& gq, const Matrix<T>& gk, const C
 #if MIXATTN_HAS_SIMD
 /// Bidirectional forward (SPEC 1.3) fused with the responsibilities: each block of Gamma_K rows
 /// goes into [Vt | z] while it is still in L1, then each block of Gamma_Q rows is read out at
-/// once, so neither product packs or re-reads Gamma from memory. Gamma_Q and Gamma_K are still
-/// written to gq, gk (the record's, or scratch). Same sums as the GEMMs, in another order.
+/// once, so neither product packs or re-reads Gamma from memory. With `keep` (a record),
+/// Gamma_Q and Gamma_K are written to gq, gk whole; without, each run of gma_gamma_block rows
+/// goes through the first rows of gq, gk, which stay in L1: nothing of size N x K is written
+/// (2 MiB of stores at N = 4096, K = 64 that nothing reads again). Same sums as the GEMMs, in
+/// another order.
 template <class Arch, class T>
 void gma_bidirectional_fused(const PackedDensity<T>& p, const ConstMatrixRef<T>& q,
                              const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T eps,
-                             bool check, const char* fn, Matrix<T>& gq, Matrix<T>& gk,
+                             bool check, const char* fn, bool keep, Matrix<T>& gq, Matrix<T>& gk,
                              Matrix<T>& vt, Vector<T>& z, Matrix<T>& out, Vector<T>& den,
                              GmaForwardScratch<T>& s) {
   static_assert(row_tile_tokens<Arch>() == DensityTile<Arch>::tokens,
@@ -53,13 +56,23 @@ void gma_bidirectional_fused(const PackedDensity<T>& p, const ConstMatrixRef<T>&
   const Index K = p.components, d_v = v.cols(), ldv = v.outerStride();
   vt.setZero(K, d_v);
   z.setZero(K);
-  gma_gamma_into<Arch, T>(p, k, gk.data(), check, fn, "k", &s.scores, [&](Index i0, Index n) {
-    const T* g = gk.data() + i0 * K;
+  // hook(g, i, n): rows [i, i + n) of Gamma, at g
+  const auto pass = [&](const ConstMatrixRef<T>& x, Matrix<T>& g, const char* arg, auto&& hook) {
+    const Index rows = x.rows();
+    const Index block = keep ? std::max<Index>(rows, 1) : gma_gamma_block;
+    g.resize(keep ? rows : std::min(rows, block), K);
+    for (Index b0 = 0; b0 < rows; b0 += block) {
+      const Index n = std::min(block, rows - b0);
+      gma_gamma_into<Arch, T>(
+          p, x.middleRows(b0, n), g.data(), check, fn, arg, &s.scores,
+          [&](Index i0, Index m) { hook(g.data() + i0 * K, b0 + i0, m); }, b0);
+    }
+  };
+  pass(k, gk, "k", [&](const T* g, Index i0, Index n) {
     write_block<Arch>(g, K, v.data() + i0 * ldv, ldv, n, K, d_v, vt.data(), d_v);
     add_rows(Arch{}, g, K, n, K, z.data());
   });
-  gma_gamma_into<Arch, T>(p, q, gq.data(), check, fn, "q", &s.scores, [&](Index i0, Index n) {
-    const T* g = gq.data() + i0 * K;
+  pass(q, gq, "q", [&](const T* g, Index i0, Index n) {
     dot_rows(Arch{}, g, K, n, K, z.data(), eps, den.data() + i0);
     read_block<Arch>(ReadSources<T>{g, K, vt.data(), d_v, K}, n, d_v, den.data() + i0,
                      out.data() + i0 * d_v, d_v);
@@ -143,24 +156,25 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
   if (saved) saved->valid = false;
   mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
   pack_density_into<Arch>(s.packed, mix.mean, s.constants);
-  Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
-  Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
-  gq.resize(N, K);
-  gk.resize(k.rows(), K);
   out.resize(N, d_v);
   Vector<T>& den = saved ? saved->den : s.den;
   den.resize(N);
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
     if (!opt.causal) {
-      gma_bidirectional_fused<Arch, T>(s.packed, q, k, v, eps, opt.check_finite, fn, gq, gk,
-                                       saved ? saved->vt : s.vt, saved ? saved->z : s.z, out, den,
-                                       s);
+      gma_bidirectional_fused<Arch, T>(s.packed, q, k, v, eps, opt.check_finite, fn,
+                                       saved != nullptr, saved ? saved->gamma_q : s.block_q,
+                                       saved ? saved->gamma_k : s.block_k, saved ? saved->vt : s.vt,
+                                       saved ? saved->z : s.z, out, den, s);
       gma_forward_finish(fn, out, q, k, v, opt, mix, saved, saved ? input_fp : nullptr);
       return;
     }
   }
 #endif
+  Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
+  Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
+  gq.resize(N, K);
+  gk.resize(k.rows(), K);
   gma_gamma_into<Arch, T>(s.packed, q, gq.data(), opt.check_finite, fn, "q", &s.scores);
   gma_gamma_into<Arch, T>(s.packed, k, gk.data(), opt.check_finite, fn, "k", &s.scores);
   if (opt.causal) {

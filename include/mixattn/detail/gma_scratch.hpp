@@ -23,6 +23,7 @@ struct GmaForwardScratch {
   std::vector<T> scores;  // the density kernel's rows of scores
   Vector<T> den, z, ones;
   Matrix<T> vt;
+  Matrix<T> block_q, block_k;  // gma_gamma_block x K: Gamma's rows in passing (no record)
   // A continued forward's start state, kept (without a Saved to hold it) after values large
   // enough to overflow the state, so that an overflow gives the State back untouched.
   Matrix<wide_t<T>> start_S;
@@ -30,6 +31,11 @@ struct GmaForwardScratch {
   GmaScanScratch<T> scan;
   GemmSpace<T> gemm;
 };
+
+/// Rows of Gamma a bidirectional forward without a record holds at a time (a multiple of the
+/// density tile's 5 and 3 tokens: 15 KiB at K = 64 in float, in L1 beside the kernel's 32 KiB of
+/// coefficients).
+constexpr Index gma_gamma_block = 60;
 
 /// Rows per panel of the backward: the panel's dGamma/dS (panel x K), [g | h] (panel x (d_v+1))
 /// and padded x / dx tiles stay in L2 while the log-density kernel streams them once per tile of
