@@ -269,6 +269,28 @@ TYPED_TEST(GmaForward, CausalRegisterTilesMatchGemmPathAndExplicitFormula) {
   }
 }
 
+// Without a record the causal forward computes Gamma in blocks of whole chunks and continues the
+// scan's state from block to block: the chunks and sums of one pass, so the outputs are the
+// recorded forward's bit for bit (N over several blocks, chunks that divide the block or not).
+TYPED_TEST(GmaForward, CausalWithoutRecordIsTheRecordedForward) {
+  using T = TypeParam;
+  const Index n = 601, r = 6, K = 11, dv = 19;
+  const gma::Mixture<T> mix = test_mixture<T>(K, r, 71);
+  const Matrix<T> q = random_matrix<T>(n, r, 72), k = random_matrix<T>(n, r, 73);
+  const Matrix<T> v = random_matrix<T>(n, dv, 74);
+  for (Index chunk : {0, 7, 48, 100}) {
+    gma::Options opt;
+    opt.causal = true;
+    opt.chunk = chunk;
+    gma::Saved<T> saved;
+    const Matrix<T> recorded = gma::forward(mix, q, k, v, opt, &saved);
+    EXPECT_TRUE(gma::forward(mix, q, k, v, opt) == recorded) << "chunk " << chunk;
+    EXPECT_TRUE((gma::forward<T, detail::scalar_arch>(mix, q, k, v, opt) ==
+                 gma::forward<T, detail::scalar_arch>(mix, q, k, v, opt, &saved)))
+        << "scalar build, chunk " << chunk;
+  }
+}
+
 // transpose_padded (16 x 16 float blocks through registers where the ISA has them) against the
 // obvious loop, with the zero padding of each row, for block and partial-block shapes.
 TYPED_TEST(GmaForward, TransposePaddedMatchesLoop) {

@@ -171,6 +171,29 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
     }
   }
 #endif
+  if (opt.causal && !saved) {
+    // Without a record Gamma is not kept: blocks of whole chunks, their Gamma_Q and Gamma_K
+    // computed and scanned while they are in cache (the scan continues its state from block to
+    // block, so the chunks and their sums are those of one pass).
+    const Index chunk = gma_chunk(opt);
+    const Index block = (gma_causal_block + chunk - 1) / chunk * chunk;
+    s.scan.S.setZero(K, d_v);
+    s.scan.z.setZero(K);
+    s.block_q.resize(std::min(N, block), K);
+    s.block_k.resize(std::min(N, block), K);
+    for (Index b0 = 0; b0 < N; b0 += block) {
+      const Index n = std::min(block, N - b0);
+      gma_gamma_into<Arch, T>(s.packed, q.middleRows(b0, n), s.block_q.data(), opt.check_finite, fn,
+                              "q", &s.scores, NoRowsHook{}, b0);
+      gma_gamma_into<Arch, T>(s.packed, k.middleRows(b0, n), s.block_k.data(), opt.check_finite, fn,
+                              "k", &s.scores, NoRowsHook{}, b0);
+      gma_causal_forward<T, Arch>(s.block_q.topRows(n), s.block_k.topRows(n), v.middleRows(b0, n),
+                                  eps, chunk, out.middleRows(b0, n), den.segment(b0, n), s.scan.S,
+                                  s.scan.z, s.scan);
+    }
+    gma_forward_finish(fn, out, q, k, v, opt, mix, saved, nullptr);
+    return;
+  }
   Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
   Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
   gq.resize(N, K);

@@ -57,11 +57,13 @@ struct GmaScanScratch {
 /// tiles (the state and the chunk's values stream through L1, nothing is packed); the scalar
 /// build, and the C x C block in both, use Eigen's products.
 template <class T, class Arch = simd_arch>
-void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v, T eps,
-                        Index chunk, Matrix<T>& out, Vector<T>& den, Matrix<wide_t<T>>& S,
-                        Vector<wide_t<T>>& z, GmaScanScratch<T>& scratch) {
+void gma_causal_forward(const ConstMatrixRef<T>& gq, const ConstMatrixRef<T>& gk,
+                        const ConstMatrixRef<T>& v, T eps, Index chunk, MatrixRef<T> out,
+                        Eigen::Ref<Vector<T>> den, Matrix<wide_t<T>>& S, Vector<wide_t<T>>& z,
+                        GmaScanScratch<T>& scratch) {
   using W = wide_t<T>;
-  const Index N = gq.rows(), K = gq.cols(), d_v = v.cols();
+  const Index N = gq.rows(), K = gq.cols(), d_v = v.cols(), ldo = out.outerStride();
+  const Index ldq = gq.outerStride(), ldk = gk.outerStride();
   scratch.reset(K, d_v, chunk);
   Matrix<T>& s_t = scratch.s_t;
   Matrix<T>& update = scratch.update;
@@ -78,21 +80,21 @@ void gma_causal_forward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMat
     if constexpr (!std::is_same<Arch, scalar_arch>::value) {
       // A = Gamma_Q,R Gamma_K,R^T as a read of the chunk's Gamma_K^T (K x c), undivided
       transpose_padded<T>(gkc, scratch.gkt.data(), c);
-      read_block<Arch, T>(ReadSources<T>{gqc.data(), K, scratch.gkt.data(), c, K}, c, c, nullptr,
+      read_block<Arch, T>(ReadSources<T>{gqc.data(), ldq, scratch.gkt.data(), c, K}, c, c, nullptr,
                           a.data(), c);
       for (Index i = 0; i + 1 < c; ++i)  // token i sees j <= i
         std::fill(a.data() + i * c + i + 1, a.data() + (i + 1) * c, T(0));
-      dot_rows(Arch{}, gqc.data(), K, c, K, z_t.data(), eps, den.data() + s);
+      dot_rows(Arch{}, gqc.data(), ldq, c, K, z_t.data(), eps, den.data() + s);
       for (Index i = 0; i < c; ++i) den(s + i) += a.row(i).sum();
       const Index ldv = v.outerStride();
       read_block<Arch, T>(
-          ReadSources<T>{gqc.data(), K, s_t.data(), d_v, K, a.data(), c, vc.data(), ldv, c}, c, d_v,
-          den.data() + s, out.data() + s * d_v, d_v);
+          ReadSources<T>{gqc.data(), ldq, s_t.data(), d_v, K, a.data(), c, vc.data(), ldv, c}, c,
+          d_v, den.data() + s, out.data() + s * ldo, ldo);
       // S += Gamma_K,R^T V_R in W, with its T copy for the next chunk's read
-      state_update<Arch>(gkc.data(), K, vc.data(), ldv, c, K, d_v, S.data(), s_t.data());
+      state_update<Arch>(gkc.data(), ldk, vc.data(), ldv, c, K, d_v, S.data(), s_t.data());
       Eigen::Map<Vector<T>> zc(scratch.z_update.data(), K);
       zc.setZero();
-      add_rows(Arch{}, gkc.data(), K, c, K, zc.data());
+      add_rows(Arch{}, gkc.data(), ldk, c, K, zc.data());
       z += zc.template cast<W>();
       z_t = z.template cast<T>();
       continue;

@@ -23,7 +23,8 @@ struct GmaForwardScratch {
   std::vector<T> scores;  // the density kernel's rows of scores
   Vector<T> den, z, ones;
   Matrix<T> vt;
-  Matrix<T> block_q, block_k;  // gma_gamma_block x K: Gamma's rows in passing (no record)
+  Matrix<T> block_q, block_k;  // Gamma's rows in passing (no record): gma_gamma_block or
+                               // gma_causal_block x K
   // A continued forward's start state, kept (without a Saved to hold it) after values large
   // enough to overflow the state, so that an overflow gives the State back untouched.
   Matrix<wide_t<T>> start_S;
@@ -36,6 +37,10 @@ struct GmaForwardScratch {
 /// density tile's 5 and 3 tokens: 15 KiB at K = 64 in float, in L1 beside the kernel's 32 KiB of
 /// coefficients).
 constexpr Index gma_gamma_block = 60;
+
+/// Tokens of Gamma a causal forward without a record holds at a time (rounded up to whole
+/// chunks): Gamma_Q and Gamma_K of 256 tokens are 128 KiB at K = 64 in float, in L2.
+constexpr Index gma_causal_block = 256;
 
 /// Rows per panel of the backward: the panel's dGamma/dS (panel x K), [g | h] (panel x (d_v+1))
 /// and padded x / dx tiles stay in L2 while the log-density kernel streams them once per tile of
