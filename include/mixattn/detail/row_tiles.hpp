@@ -19,6 +19,7 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/detail/simd.hpp"
+#include "mixattn/detail/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -264,50 +265,23 @@ inline void with_rows(Index rows, F&& f) {
 /// one register of a chunk's update folded into a wide running state and its T copy.
 template <class Arch, class T>
 MIXATTN_ALWAYS_INLINE void fold_wide(const xsimd::batch<T, Arch>& x, wide_t<T>* s, T* t) {
-  using W = wide_t<T>;
   constexpr Index Wd = static_cast<Index>(xsimd::batch<T, Arch>::size);
-  if constexpr (std::is_same<T, W>::value) {
-    const xsimd::batch<T, Arch> sum = xsimd::batch<T, Arch>::load_unaligned(s) + x;
-    sum.store_unaligned(s);
-    sum.store_unaligned(t);
-    return;
-  }
-#if XSIMD_WITH_AVX512F
-  if constexpr (std::is_same<T, float>::value && std::is_base_of<xsimd::avx512f, Arch>::value) {
-    const __m512 v = x;
-    const __m512d lo =
-        _mm512_add_pd(_mm512_loadu_pd(s), _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-    const __m512d hi = _mm512_add_pd(
-        _mm512_loadu_pd(s + 8),
-        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-    _mm512_storeu_pd(s, lo);
-    _mm512_storeu_pd(s + 8, hi);
-    _mm256_storeu_ps(t, _mm512_cvtpd_ps(lo));
-    _mm256_storeu_ps(t + 8, _mm512_cvtpd_ps(hi));
-    return;
-  }
-#endif
-#if XSIMD_WITH_AVX
-  if constexpr (std::is_same<T, float>::value && std::is_base_of<xsimd::avx, Arch>::value) {
-    const __m256 v = x;
-    const __m256d lo =
-        _mm256_add_pd(_mm256_loadu_pd(s), _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-    const __m256d hi =
-        _mm256_add_pd(_mm256_loadu_pd(s + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-    _mm256_storeu_pd(s, lo);
-    _mm256_storeu_pd(s + 4, hi);
-    _mm_storeu_ps(t, _mm256_cvtpd_ps(lo));
-    _mm_storeu_ps(t + 4, _mm256_cvtpd_ps(hi));
-    return;
-  }
-#endif
-  alignas(64) T lanes[Wd];
-  x.store_aligned(lanes);
-  for (Index l = 0; l < Wd; ++l) {
-    const W sum = s[l] + static_cast<W>(lanes[l]);
-    s[l] = sum;
-    t[l] = static_cast<T>(sum);
-  }
+  add_to_wide<Arch>(x, s);
+  for (Index l = 0; l < Wd; ++l) t[l] = static_cast<T>(s[l]);  // a vector conversion or two
+}
+
+/// body(i0, rows, c0, nv) for the register tiles of m output rows by d_v columns: tiles of R
+/// rows (rows = std::integral_constant<int, r>, the last tile r <= R) by over_column_tiles'
+/// NV-register column tiles (nv likewise); returns the first column left for a scalar tail.
+template <int R, int NV, class Arch, class T, class Body>
+inline Index over_row_column_tiles(Index m, Index d_v, Body&& body) {
+  Index tail = 0;
+  for (Index i0 = 0; i0 < m; i0 += R)
+    with_rows<R>(std::min<Index>(R, m - i0), [&](auto rows) {
+      tail =
+          over_column_tiles<NV, Arch, T>(d_v, [&](Index c0, auto nv) { body(i0, rows, c0, nv); });
+    });
+  return tail;
 }
 
 /// A chunk's state update S[k, :] += sum_i g_ik v_i over its n tokens (g: n x K, stride ldg; v:
@@ -319,33 +293,29 @@ inline void state_update(const T* g, Index ldg, const T* v, Index ldv, Index n, 
                          wide_t<T>* S, T* s_t) {
   using B = xsimd::batch<T, Arch>;
   using W = wide_t<T>;
-  constexpr int R = row_tile_tokens<Arch>();
-  constexpr int NV = row_tile_vectors<Arch>();
   constexpr Index Wd = static_cast<Index>(B::size);
-  for (Index k0 = 0; k0 < K; k0 += R)
-    with_rows<R>(std::min<Index>(R, K - k0), [&](auto rows) {
-      constexpr int RR = decltype(rows)::value;
-      const Index tail = over_column_tiles<NV, Arch, T>(d_v, [&](Index c0, auto nv) {
-        constexpr int NN = decltype(nv)::value;
-        B acc[RR][NN];
-        for (int i = 0; i < RR; ++i)
-          for (int j = 0; j < NN; ++j) acc[i][j] = B(T(0));
-        // w_(kk, i) = g[i * ldg + k0 + kk]: ldw = 1 over the rows of S, ldk = ldg over tokens
-        read_accumulate<RR, NN, Arch>(acc, g + k0, 1, v, ldv, n, c0, ldg);
-        for (int i = 0; i < RR; ++i)
-          for (int j = 0; j < NN; ++j)
-            fold_wide<Arch, T>(acc[i][j], S + (k0 + i) * d_v + c0 + j * Wd,
-                               s_t + (k0 + i) * d_v + c0 + j * Wd);
-      });
-      for (Index c = tail; c < d_v; ++c)
-        for (int i = 0; i < RR; ++i) {
-          T sum = 0;
-          for (Index t = 0; t < n; ++t) sum = std::fma(g[t * ldg + k0 + i], v[t * ldv + c], sum);
-          const W x = S[(k0 + i) * d_v + c] + static_cast<W>(sum);
-          S[(k0 + i) * d_v + c] = x;
-          s_t[(k0 + i) * d_v + c] = static_cast<T>(x);
-        }
-    });
+  const Index tail =
+      over_row_column_tiles<row_tile_tokens<Arch>(), row_tile_vectors<Arch>(), Arch, T>(
+          K, d_v, [&](Index k0, auto rows, Index c0, auto nv) {
+            constexpr int RR = decltype(rows)::value, NN = decltype(nv)::value;
+            B acc[RR][NN];
+            for (int i = 0; i < RR; ++i)
+              for (int j = 0; j < NN; ++j) acc[i][j] = B(T(0));
+            // w_(kk, i) = g[i * ldg + k0 + kk]: ldw = 1 over the rows of S, ldk = ldg over tokens
+            read_accumulate<RR, NN, Arch>(acc, g + k0, 1, v, ldv, n, c0, ldg);
+            for (int i = 0; i < RR; ++i)
+              for (int j = 0; j < NN; ++j)
+                fold_wide<Arch, T>(acc[i][j], S + (k0 + i) * d_v + c0 + j * Wd,
+                                   s_t + (k0 + i) * d_v + c0 + j * Wd);
+          });
+  for (Index c = tail; c < d_v; ++c)
+    for (Index k = 0; k < K; ++k) {
+      T sum = 0;
+      for (Index t = 0; t < n; ++t) sum = std::fma(g[t * ldg + k], v[t * ldv + c], sum);
+      const W x = S[k * d_v + c] + static_cast<W>(sum);
+      S[k * d_v + c] = x;
+      s_t[k * d_v + c] = static_cast<T>(x);
+    }
 }
 
 /// The write for n tokens: tiles of row_tile_tokens rows, then one tile of the rest.
