@@ -518,7 +518,6 @@ inline void density_grad_tile(Arch, const PackedDensityDims<T>& p, Index k0, Ind
                               Index ldx, const T* w, Index ldw, Index n, T* acc, Index ldacc,
                               DensityGradSums<W>& sums, T scale) {
   using B = xsimd::batch<T, Arch>;
-  constexpr Index Wd = static_cast<Index>(B::size);
   const Index rp = p.padded_dim;
   B a[TK], b[TK], swt[TK], swtt[TK];
   for (int c = 0; c < TK; ++c) {
