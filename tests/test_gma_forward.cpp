@@ -104,7 +104,7 @@ TYPED_TEST(GmaForward, ResponsibilitiesMatchDirectFormulaAndLieOnSimplex) {
 
 TYPED_TEST(GmaForward, SimdKernelMatchesScalarKernel) {
   using T = TypeParam;
-  for (Index K : {5, 16, 40}) {
+  for (Index K : {5, 16, 40, 64}) {
     const gma::Mixture<T> mix = test_mixture<T>(K, 9, 7 + K);
     const Matrix<T> x = random_matrix<T>(23, 9, 8 + K, 1.5);
     const Matrix<T> fast = gma::responsibilities(mix, x);
@@ -115,14 +115,19 @@ TYPED_TEST(GmaForward, SimdKernelMatchesScalarKernel) {
 
 TYPED_TEST(GmaForward, ResponsibilitiesOfRowBlockAndMap) {
   using T = TypeParam;
-  const gma::Mixture<T> mix = test_mixture<T>(6, 4, 3);
-  const Matrix<T> x = random_matrix<T>(20, 4, 4);
-  const Matrix<T> whole = gma::responsibilities(mix, x);
-  const Matrix<T> block = gma::responsibilities(mix, x.middleRows(5, 7));  // outer stride 4
-  // the per-token arithmetic does not depend on the tile a token falls in: bitwise equal
-  EXPECT_TRUE(block == whole.middleRows(5, 7));
-  Eigen::Map<const Matrix<T>> map(x.data() + 4, 10, 4);
-  EXPECT_TRUE(gma::responsibilities(mix, map) == whole.middleRows(1, 10));
+  // K = 6: one register of components; 40 and 64: three and four (AVX-512 float), whose
+  // exponentials the fused softmax takes several registers at a time across the tile's tokens
+  for (Index K : {6, 40, 64}) {
+    SCOPED_TRACE(::testing::Message() << "K " << K);
+    const gma::Mixture<T> mix = test_mixture<T>(K, 4, 3 + K);
+    const Matrix<T> x = random_matrix<T>(20, 4, 4 + K);
+    const Matrix<T> whole = gma::responsibilities(mix, x);
+    const Matrix<T> block = gma::responsibilities(mix, x.middleRows(5, 7));  // outer stride 4
+    // the per-token arithmetic does not depend on the tile a token falls in: bitwise equal
+    EXPECT_TRUE(block == whole.middleRows(5, 7));
+    Eigen::Map<const Matrix<T>> map(x.data() + 4, 10, 4);
+    EXPECT_TRUE(gma::responsibilities(mix, map) == whole.middleRows(1, 10));
+  }
 }
 
 struct Shape {

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -411,6 +412,102 @@ TEST(FastExp, MatchesExpWithinTwoUlps) {
   const std::vector<float> big = fast_exp_of({88.7f, 88.8f, 89.0f, 1e10f, inf}, false);
   EXPECT_LE(ulps_from(big[0], std::exp(double(88.7f))), 2.0);
   for (size_t i = 1; i < big.size(); ++i) EXPECT_EQ(big[i], inf) << i;
+}
+
+/// The bits of fast_exp_in_range_many<N> (in_range) or fast_exp_nonpositive_many<N> on the
+/// registers of x, N at a time, against the one-register functions on each register: the same
+/// arithmetic in another order of instructions, so every result bit for bit, and NaN for NaN.
+/// (Not a NaN's bits: where both operands of a multiply are NaN, x86 returns the first one's,
+/// and the compiler may swap a commutative multiply's operands; the SSE2 build's 2^n scaling
+/// does, for NaN inputs of either sign.)
+template <int N>
+void expect_many_matches_single(const std::vector<float>& x, bool in_range) {
+  SCOPED_TRACE("N = " + std::to_string(N) + (in_range ? ", in range" : ", nonpositive"));
+  using Arch = mixattn::detail::simd_arch;
+  using B = xsimd::batch<float, Arch>;
+  const size_t w = B::size, chunk = N * w;
+  std::vector<float> in(x);
+  in.resize((x.size() + chunk - 1) / chunk * chunk, -1.0f);
+  std::vector<float> one(in.size()), many(in.size());
+  for (size_t i = 0; i < in.size(); i += w) {
+    const B v = B::load_unaligned(in.data() + i);
+    (in_range ? mixattn::detail::fast_exp_in_range(v) : mixattn::detail::fast_exp_nonpositive(v))
+        .store_unaligned(one.data() + i);
+  }
+  for (size_t i = 0; i < in.size(); i += chunk) {
+    B v[N];
+    for (int k = 0; k < N; ++k) v[k] = B::load_unaligned(in.data() + i + k * w);
+    if (in_range)
+      mixattn::detail::fast_exp_in_range_many<N, Arch>(v);
+    else
+      mixattn::detail::fast_exp_nonpositive_many<N, Arch>(v);
+    for (int k = 0; k < N; ++k) v[k].store_unaligned(many.data() + i + k * w);
+  }
+  size_t differ = 0, first = 0;
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool same = std::isnan(one[i]) ? std::isnan(many[i])
+                                         : std::memcmp(&one[i], &many[i], sizeof(float)) == 0;
+    if (!same && differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0u) << "first at x = " << in[first] << ": " << many[first] << " vs "
+                        << one[first];
+}
+
+// widened_halves_sum against add_wide into a zero accumulator (the same value, bit for bit),
+// for float (two conversions and one add) and double (the register itself).
+template <class T>
+void check_widened_halves_sum() {
+  using Arch = mixattn::detail::simd_arch;
+  using B = xsimd::batch<T, Arch>;
+  using W = mixattn::detail::wide_t<T>;
+  using BW = xsimd::batch<W, Arch>;
+  const Matrix<T> x = random_matrix<T>(40, B::size, 5, 1e3);
+  std::vector<T> lanes(x.data(), x.data() + x.size());
+  lanes[3] = std::numeric_limits<T>::quiet_NaN();
+  lanes[B::size + 1] = std::numeric_limits<T>::infinity();
+  lanes[2 * B::size] = -std::numeric_limits<T>::min();
+  for (size_t i = 0; i + B::size <= lanes.size(); i += B::size) {
+    const B v = B::load_unaligned(lanes.data() + i);
+    BW want(W(0));
+    mixattn::detail::add_wide<Arch, T>(want, v);
+    const BW got = mixattn::detail::widened_halves_sum<Arch, T>(v);
+    alignas(64) W a[BW::size], b[BW::size];
+    want.store_aligned(a);
+    got.store_aligned(b);
+    EXPECT_EQ(std::memcmp(a, b, sizeof(a)), 0) << "register " << i / B::size;
+  }
+}
+
+TEST(FastExp, WidenedHalvesSumMatchesAddWide) {
+  check_widened_halves_sum<float>();
+  check_widened_halves_sum<double>();
+}
+
+// The multi-register exp of the softmax passes against the one-register exp, on the sweep of
+// FastExp.MatchesExpWithinTwoUlps (both functions' ranges) and its special values.
+TEST(FastExp, ManyRegistersMatchOneRegisterBitForBit) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> special = {0.0f,        -0.0f,      -1e-30f,    -1e-7f,     -0.3465736f,
+                                      -0.3465737f, -87.33654f, -87.33655f, -103.2789f, -103.9721f,
+                                      -103.9720f,  -104.0f,    -200.0f,    -1e10f,     -inf,
+                                      88.7f,       89.0f,      nan,        -nan};
+  const int steps = 400000;
+  for (bool in_range : {false, true}) {
+    // in range: [-104, 89]; nonpositive: [-110, 0] and below
+    const double lo = in_range ? -104.0 : -110.0, hi = in_range ? 89.0 : 0.0;
+    std::vector<float> x;
+    for (int i = 0; i <= steps; ++i) x.push_back(float(lo + (hi - lo) * i / steps));
+    for (float v : special)
+      if (!in_range ? !(v > 0) : (std::isnan(v) || (v >= -104.0f && v <= 89.0f))) x.push_back(v);
+    expect_many_matches_single<1>(x, in_range);
+    expect_many_matches_single<2>(x, in_range);
+    expect_many_matches_single<3>(x, in_range);
+    expect_many_matches_single<4>(x, in_range);
+    expect_many_matches_single<5>(x, in_range);
+    expect_many_matches_single<8>(x, in_range);
+    expect_many_matches_single<13>(x, in_range);
+  }
 }
 #endif
 

@@ -242,12 +242,27 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
     };
     Index x = 0;
     if constexpr (std::is_same<T, float>::value)
-      for (; x + 4 <= rows; x += 4)
+      for (; x + 4 <= rows; x += 4) {
+        // the 4 x NVp weights' exponentials stage by stage, exp_interleave registers at a time
+        // (fast_exp_nonpositive_many: exp_shifted's bits); the forward at T = 65536 3-5% faster
+        // than with exp_shifted register by register (paired timings)
+        B e[4 * NVp];
+#pragma GCC unroll 16
+        for (int k = 0; k < 4 * NVp; ++k)
+          e[k] = B::load_unaligned(st + (x + k / NVp) * mp + c0 + (k % NVp) * Wd) - mx[k % NVp];
+        constexpr int G = std::min(exp_interleave<Arch>(), 4 * NVp);
+#pragma GCC unroll 16
+        for (int g = 0; g + G <= 4 * NVp; g += G) fast_exp_nonpositive_many<G, Arch>(e + g);
+        if constexpr ((4 * NVp) % G != 0)
+          fast_exp_nonpositive_many<(4 * NVp) % G, Arch>(e + (4 * NVp) / G * G);
+#pragma GCC unroll 16
+        for (int k = 0; k < 4 * NVp; ++k)
+          e[k].store_unaligned(st + (x + k / NVp) * mp + c0 + (k % NVp) * Wd);
 #pragma GCC unroll 16
         for (int j = 0; j < NVp; ++j)
-          add_wide<Arch, T>(
-              sum_lo[j], sum_hi[j],
-              (weight(x, j) + weight(x + 1, j)) + (weight(x + 2, j) + weight(x + 3, j)));
+          add_wide<Arch, T>(sum_lo[j], sum_hi[j],
+                            (e[j] + e[NVp + j]) + (e[2 * NVp + j] + e[3 * NVp + j]));
+      }
     for (; x < rows; ++x)
 #pragma GCC unroll 16
       for (int j = 0; j < NVp; ++j) add_wide<Arch, T>(sum_lo[j], sum_hi[j], weight(x, j));

@@ -167,6 +167,42 @@ MIXATTN_ALWAYS_INLINE void add_wide(xsimd::batch<wide_t<T>, Arch>& acc,
                                     const xsimd::batch<T, Arch>& x) {
   add_wide<Arch, T>(acc, acc, x);
 }
+
+/// The lanes of x widened to wide_t<T>, low half plus high half (for double, x itself): what
+/// add_wide(acc, x) leaves in a zero acc (the sign of a lane whose halves are both -0 aside),
+/// without its two adds to zero.
+template <class Arch, class T>
+MIXATTN_ALWAYS_INLINE xsimd::batch<wide_t<T>, Arch> widened_halves_sum(
+    const xsimd::batch<T, Arch>& x) {
+  using BW = xsimd::batch<wide_t<T>, Arch>;
+  if constexpr (std::is_same<T, wide_t<T>>::value) {
+    return x;
+  } else {
+#if XSIMD_WITH_AVX512F
+    if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value) {
+      const __m512 v = x;
+      return BW(_mm512_cvtps_pd(_mm512_castps512_ps256(v))) +
+             BW(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+    }
+#endif
+#if XSIMD_WITH_AVX
+    if constexpr (std::is_base_of<xsimd::avx, Arch>::value) {
+      const __m256 v = x;
+      return BW(_mm256_cvtps_pd(_mm256_castps256_ps128(v))) +
+             BW(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    }
+#endif
+#if XSIMD_WITH_SSE2
+    if constexpr (std::is_base_of<xsimd::sse2, Arch>::value) {
+      const __m128 v = x;
+      return BW(_mm_cvtps_pd(v)) + BW(_mm_cvtps_pd(_mm_movehl_ps(v, v)));
+    }
+#endif
+    BW acc(wide_t<T>(0));
+    add_wide<Arch, T>(acc, x);
+    return acc;
+  }
+}
 #endif
 
 /// Largest of s[0..n); -inf when n == 0; NaN when any entry is NaN. (A max that skipped a NaN
