@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/run.sh — build and run mixattn's benchmarks, then summarise them.
 #
-#   bash bench/run.sh                        full sweep (37 minutes on 2 idle cores)
+#   bash bench/run.sh                        full sweep (37 to 84 minutes on 2 idle cores)
 #   MIXATTN_BENCH_QUICK=1 bash bench/run.sh  subset that still covers every target (23 min on 2 idle
 #                                            cores, 10 of them in the PyTorch extension benchmark)
 #   MIXATTN_BENCH_TORCH=1 bash bench/run.sh  also the PyTorch eager side-by-side (apt-installs
@@ -9,7 +9,7 @@
 # Where PyTorch is installed (install-deps installs it), the PyTorch extension is built into
 # $MIXATTN_BENCH_BUILD_DIR/venv and measured against eager PyTorch (bench/torch_ext_bench.py,
 # bench/results/torch_ext.json; about 15 minutes on an idle 2-core machine, 9 of them in the
-# paper's broadcast-form eager GMA).
+# paper's broadcast-form eager GMA; 54 where PyTorch's OpenBLAS runs its generic kernels).
 #
 # On a fresh Debian 12 machine run it as root (or with sudo available): it installs the build
 # dependencies through cmake/install-deps.sh. Other knobs:
