@@ -28,11 +28,14 @@ cxx=${CXX:-clang++}
 base=${MIXATTN_SANITIZE_DIR:-build}
 
 configure() {  # configure <dir> <flags> [cmake options...]
-  local dir=$1 flags=$2
+  local dir=$1 flags=$2 generator=()
   shift 2
+  # Ninja for a new tree, as in tests/run.sh: make would compile no test file until the
+  # operators' instances (the longest file) are built.
+  [[ ! -f $dir/CMakeCache.txt ]] && command -v ninja >/dev/null && generator=(-G Ninja)
   # The compile-only checks (headers on their own, compile-time refusals) are the main pass's:
   # a sanitizer has nothing to add to a build that only compiles.
-  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Sanitize -DCMAKE_CXX_COMPILER="$cxx" \
+  cmake "${generator[@]}" -S . -B "$dir" -DCMAKE_BUILD_TYPE=Sanitize -DCMAKE_CXX_COMPILER="$cxx" \
     -DCMAKE_CXX_FLAGS_SANITIZE="$flags" -DCMAKE_EXE_LINKER_FLAGS_SANITIZE="$flags" \
     -DMIXATTN_BUILD_TESTS=ON -DMIXATTN_BUILD_BENCHMARKS=OFF -DMIXATTN_BUILD_EXAMPLES=OFF \
     -DMIXATTN_BUILD_FUZZERS=OFF -DMIXATTN_INSTALL=OFF -DMIXATTN_TEST_HEADER_CHECKS=OFF "$@" >/dev/null
