@@ -25,15 +25,16 @@ cd "$root"
 bash cmake/install-deps.sh test
 jobs=${MIXATTN_JOBS:-$(nproc)}
 build=${MIXATTN_BUILD_DIR:-build/test}
-# Ninja for a new build tree (cmake/install-deps.sh installs it): make compiles a target's files
-# only after every target it links is built, so the operators' instances (the longest file)
-# held back every test file; Ninja holds back only the link. A tree keeps its generator.
-generator() { [[ ! -f $1/CMakeCache.txt ]] && command -v ninja >/dev/null && echo -GNinja || true; }
+# Ninja for new build trees (cmake/install-deps.sh installs it; CMake keeps an existing tree's
+# generator, and a CMAKE_GENERATOR already set wins): make compiles a target's files only after
+# every target it links is built, so the operators' instances (the longest file) held back every
+# test file; Ninja holds back only the link. tests/sanitize.sh and tests/fuzz/run.sh inherit it.
+if [[ -z ${CMAKE_GENERATOR:-} ]] && command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
 start=$SECONDS
 
 echo "== build and test ($build)"
 # -O2 without debug info: the suite's build time dominates CI; assertions stay on in the tests.
-cmake $(generator "$build") -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -DNDEBUG" \
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -DNDEBUG" \
   -DMIXATTN_BUILD_TESTS=ON -DMIXATTN_BUILD_EXAMPLES=ON -DMIXATTN_BUILD_BENCHMARKS=OFF >/dev/null
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 900
@@ -46,7 +47,7 @@ if [[ ${MIXATTN_SKIP_ISA:-0} != 1 && $(uname -m) == x86_64 ]]; then
   for isa in x86-64 x86-64-v3; do
     isa_start=$SECONDS
     echo "== build and test at -march=$isa ($build-$isa)"
-    cmake $(generator "$build-$isa") -S . -B "$build-$isa" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    cmake -S . -B "$build-$isa" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -DNDEBUG" -DMIXATTN_ARCH_FLAGS="-march=$isa" \
       -DMIXATTN_BUILD_TESTS=ON -DMIXATTN_BUILD_EXAMPLES=OFF -DMIXATTN_BUILD_BENCHMARKS=OFF \
       -DMIXATTN_TEST_FILTER='^test_(gma_(forward|backward|backward_kernel|state)|ovq_(backward|dictionary|exactness|streaming|reference_rules)|reference|layer)$' -DMIXATTN_INSTALL=OFF \

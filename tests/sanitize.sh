@@ -26,16 +26,15 @@ what=${1:-all}
 jobs=${MIXATTN_JOBS:-$(nproc)}
 cxx=${CXX:-clang++}
 base=${MIXATTN_SANITIZE_DIR:-build}
+# Ninja for new build trees, as in tests/run.sh (which sets it when it calls this script).
+if [[ -z ${CMAKE_GENERATOR:-} ]] && command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
 
 configure() {  # configure <dir> <flags> [cmake options...]
-  local dir=$1 flags=$2 generator=()
+  local dir=$1 flags=$2
   shift 2
-  # Ninja for a new tree, as in tests/run.sh: make would compile no test file until the
-  # operators' instances (the longest file) are built.
-  [[ ! -f $dir/CMakeCache.txt ]] && command -v ninja >/dev/null && generator=(-G Ninja)
   # The compile-only checks (headers on their own, compile-time refusals) are the main pass's:
   # a sanitizer has nothing to add to a build that only compiles.
-  cmake "${generator[@]}" -S . -B "$dir" -DCMAKE_BUILD_TYPE=Sanitize -DCMAKE_CXX_COMPILER="$cxx" \
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Sanitize -DCMAKE_CXX_COMPILER="$cxx" \
     -DCMAKE_CXX_FLAGS_SANITIZE="$flags" -DCMAKE_EXE_LINKER_FLAGS_SANITIZE="$flags" \
     -DMIXATTN_BUILD_TESTS=ON -DMIXATTN_BUILD_BENCHMARKS=OFF -DMIXATTN_BUILD_EXAMPLES=OFF \
     -DMIXATTN_BUILD_FUZZERS=OFF -DMIXATTN_INSTALL=OFF -DMIXATTN_TEST_HEADER_CHECKS=OFF "$@" >/dev/null
