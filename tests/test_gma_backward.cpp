@@ -213,6 +213,31 @@ TEST(GmaGradient, ExtremeFiniteInputsGiveFiniteResults) {
   }
 }
 
+TEST(GmaGradient, TinyVarFloorUnderVeryNegativeVarRawGivesZeroVarRawGradient) {
+  // var_floor 1e-200 and var_raw -1e8: softplus and sigmoid of var_raw are both e^-1e8 = 0 in
+  // double, so sigma^2 is the floor and the exact d var_raw = sigmoid(var_raw) . d var is 0.
+  // d var itself is a^2 (2 wtt - w) with a^2 = 1/(2 sigma^2) = 5e199 and t = (x - mu) a ~ 1e100
+  // for keys O(1) off the means, so a^2 wtt ~ 1e400 overflows double; the gradient must still
+  // come out as the exact 0, not as an overflow error.
+  const Index n = 6, r = 3, K = 2, dv = 2;
+  for (bool causal : {false, true}) {
+    gma::Mixture<double> mix = test_mixture<double>(K, r, 81);
+    mix.var_floor = 1e-200;
+    mix.var_raw.setConstant(-1e8);
+    const Matrix<double> q = random_matrix<double>(n, r, 82), k = random_matrix<double>(n, r, 83);
+    const Matrix<double> v = random_matrix<double>(n, dv, 84), w = random_matrix<double>(n, dv, 85);
+    gma::Options opt;
+    opt.causal = causal;
+    gma::Saved<double> saved;
+    gma::forward(mix, q, k, v, opt, &saved);
+    for (Index i = 0; i < n; ++i)  // the widths make gamma one-hot: every key weighs on one
+      ASSERT_DOUBLE_EQ(saved.gamma_k.row(i).maxCoeff(), 1.0) << "key " << i;
+    gma::Grad<double> g;
+    ASSERT_NO_THROW(g = gma::backward(mix, q, k, v, w, saved, opt)) << "causal " << causal;
+    EXPECT_TRUE(g.mixture.var_raw.isZero(0)) << g.mixture.var_raw;
+  }
+}
+
 TEST(GmaGradient, EmptySequence) {
   const gma::Mixture<double> mix = test_mixture<double>(3, 2, 1);
   const Matrix<double> q(0, 2), k(0, 2), v(0, 4), w(0, 4);

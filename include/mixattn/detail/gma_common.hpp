@@ -199,7 +199,8 @@ void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T
     std::copy(s.acc.row(i).data(), s.acc.row(i).data() + r, dx + i * lddx);
 }
 
-/// Mixture gradients from the token sums (SPEC 1.5): d var_raw = d var . sigmoid(var_raw),
+/// Mixture gradients from the token sums (SPEC 1.5): d var_raw = d var . sigmoid(var_raw)
+/// (formed as sigmoid(var_raw) / (2 var) . (2 wtt - w), which cannot overflow),
 /// d prior_logit = dlogpi - pi sum(dlogpi).
 template <class T, class W>
 void gma_mixture_grad(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
@@ -208,11 +209,17 @@ void gma_mixture_grad(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
   const Index K = mix.mean.rows(), r = mix.mean.cols();
   density_grad_finish(c, sums, dmu, dvar);
   grad.mean = dmu.template cast<T>();
+  // d var_raw = sigmoid(var_raw) a^2 (2 wtt - w), with the factor sigmoid(var_raw) / (2 var)
+  // formed first: it is at most 1/2 (sigmoid <= softplus), while a^2 alone overflows W for a
+  // variance at a tiny var_floor that a very negative var_raw leaves, where the exact gradient
+  // is ~0 (dvar, inf there, is not used for it).
   grad.var_raw.resize(K, r);
   for (Index kk = 0; kk < K; ++kk)
-    for (Index m = 0; m < r; ++m)
+    for (Index m = 0; m < r; ++m) {
+      const W damp = sigmoid(static_cast<W>(mix.var_raw(kk, m))) / (W(2) * c.var(kk, m));
       grad.var_raw(kk, m) =
-          static_cast<T>(dvar(kk, m) * sigmoid(static_cast<W>(mix.var_raw(kk, m))));
+          static_cast<T>(damp * (W(2) * sums.wtt(kk, m) - sums.w(kk)));
+    }
   const W total = sums.w.sum();
   grad.prior_logit = (sums.w.array() - c.log_pi.array().exp() * total).template cast<T>();
 }
