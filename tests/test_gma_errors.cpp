@@ -118,8 +118,10 @@ TEST_F(GmaErrors, NonFiniteInputs) {
   EXPECT_NO_THROW(gma::forward(mix, q, k, vb, off));
 }
 
-// Without a record the forward probes q, k and v on their own; with a record it probes each input
-// in the pass that takes its fingerprint (Fingerprint::add_checked). Either way a non-finite entry
+// Without a record the causal forward probes q, k and v on their own and the bidirectional one
+// when its kernels fail (a non-finite q or k row fails its softmax, a non-finite v entry makes
+// the output non-finite); with a record each input is probed in the pass that takes its
+// fingerprint (Fingerprint::add_checked). Either way a non-finite entry
 // anywhere, in either mode and scalar type, gets the domain_error that names its argument and
 // position, the first of q, k, v when several are bad.
 template <class T>
@@ -162,6 +164,29 @@ void non_finite_anywhere() {
         expect_named<T>(q, kb, vb, mix, opt, "k has a non-finite entry");
       }
   }
+}
+
+// The bidirectional forward without a record learns of a non-finite v from its output: that
+// holds where Gamma is one-hot too (widths at the floor, keys on distinct means), since a zero
+// responsibility times inf or NaN is NaN. Every key row's v carries the bad entry in turn.
+TEST(GmaNonFinite, ValueNamedWhereGammaIsOneHot) {
+  const Index K = 3, r = 4, dv = 5;
+  gma::Mixture<float> mix = gma::Mixture<float>::random(K, r, 31);
+  mix.var_raw.setConstant(-40.0f);  // sigma^2 = var_floor = 1e-4
+  for (Index c = 0; c < K; ++c) mix.mean.row(c).setConstant(static_cast<float>(c));
+  const Matrix<float> q = mix.mean, k = mix.mean;  // token i sits on component i
+  const Matrix<float> gamma = gma::responsibilities(mix, k);
+  ASSERT_TRUE(gamma.isIdentity(0)) << gamma;
+  const Matrix<float> v = random_matrix<float>(K, dv, 32);
+  for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()})
+    for (Index i = 0; i < K; ++i) {
+      SCOPED_TRACE(::testing::Message() << "row " << i << " " << bad);
+      Matrix<float> vb = v;
+      vb(i, 2) = bad;
+      expect_named<float>(q, k, vb, mix, gma::Options{},
+                          "v has a non-finite entry at (" + std::to_string(i) + ", 2)");
+    }
 }
 
 TEST(GmaNonFinite, NamedWhereverItIsInFloat) {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -500,6 +501,42 @@ void check_vector_softplus() {
 TEST(MixtureConstants, VectorSoftplusMatchesScalar) {
   check_vector_softplus<float>();
   check_vector_softplus<double>();
+}
+
+// The offsets' sum of log variances (log_sum: exponents summed, mantissas multiplied, one log)
+// against the sum of long double logs, for rows with vector tails, variances from subnormal to
+// huge (lanes that are not normal take scalar logs), and rows longer than one fold (16 vectors
+// a lane). Bound: the product's n roundings (n eps / 2 in the log) and the final additions and
+// the scalar logs' rounding (eps each, of at most max |log x|): n eps + (n + 2) eps max |log x|.
+TEST(MixtureConstants, LogSumMatchesLongDoubleSum) {
+  const double eps = std::numeric_limits<double>::epsilon();
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> expo(-30.0, 30.0);
+  for (Index n : {Index(1), Index(7), Index(8), Index(61), Index(64), Index(200), Index(1000)})
+    for (int kind = 0; kind < 4; ++kind) {
+      std::vector<double> x(static_cast<std::size_t>(n));
+      for (double& e : x) e = std::pow(10.0, expo(rng));
+      if (kind == 1) x[static_cast<std::size_t>(n / 2)] = 4e-320;  // a subnormal floor
+      if (kind == 2) x[0] = std::numeric_limits<double>::max();
+      if (kind == 3)
+        for (double& e : x) e = 1e-4;  // every variance at the default floor
+      long double exact = 0;
+      double worst_log = 1;
+      for (double e : x) {
+        exact += std::log(static_cast<long double>(e));
+        worst_log = std::max(worst_log, std::abs(std::log(e)));
+      }
+      const double got = detail::log_sum(x.data(), n);
+      const double bound = static_cast<double>(n) * eps + (static_cast<double>(n) + 2) * eps * worst_log;
+      EXPECT_LE(std::abs(static_cast<long double>(got) - exact), bound)
+          << "n " << n << " kind " << kind << ": " << got << " vs " << static_cast<double>(exact);
+    }
+  // not a positive number: the scalar logs' NaN and -inf
+  std::vector<double> z(16, 2.0);
+  z[3] = 0;
+  EXPECT_EQ(detail::log_sum(z.data(), 16), -std::numeric_limits<double>::infinity());
+  z[3] = -1;
+  EXPECT_TRUE(std::isnan(detail::log_sum(z.data(), 16)));
 }
 
 // The kernels' a = 1 / sqrt(2 var) is computed in vectors (MixtureConstants::scale); square root

@@ -142,8 +142,15 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
                  const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                  const gma::Options& opt, gma::Saved<T>* saved) {
   // With a record, one pass over each input takes its fingerprint and probes it (before anything
-  // of the record changes, so that a throw leaves it as it was).
-  gma_check_inputs(fn, mix, q, k, v, opt, /*values=*/saved == nullptr);
+  // of the record changes, so that a throw leaves it as it was). Without one, the fused
+  // bidirectional forward leaves the probes to the kernels (gma_probe_on_failure); the other
+  // paths probe the inputs first.
+  bool late_probes = false;
+#if MIXATTN_HAS_SIMD
+  if constexpr (!std::is_same<Arch, scalar_arch>::value)
+    late_probes = saved == nullptr && opt.check_finite && !opt.causal;
+#endif
+  gma_check_inputs(fn, mix, q, k, v, opt, /*values=*/saved == nullptr && !late_probes);
   std::uint64_t input_fp[3];
   if (saved) gma_fingerprint_inputs<T>(fn, q, k, v, opt.check_finite, input_fp);
   const FlushSubnormals flush;
@@ -162,11 +169,14 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
     if (!opt.causal) {
-      gma_bidirectional_fused<Arch, T>(s.packed, q, k, v, eps, opt.check_finite, fn,
-                                       saved != nullptr, saved ? saved->gamma_q : s.block_q,
-                                       saved ? saved->gamma_k : s.block_k, saved ? saved->vt : s.vt,
-                                       saved ? saved->z : s.z, out, den, s);
-      gma_forward_finish(fn, out, q, k, v, opt, mix, saved, saved ? input_fp : nullptr);
+      gma_probe_on_failure<T>(late_probes, fn, q, k, v, [&] {
+        gma_bidirectional_fused<Arch, T>(s.packed, q, k, v, eps, opt.check_finite, fn,
+                                         saved != nullptr, saved ? saved->gamma_q : s.block_q,
+                                         saved ? saved->gamma_k : s.block_k,
+                                         saved ? saved->vt : s.vt, saved ? saved->z : s.z, out,
+                                         den, s);
+        gma_forward_finish(fn, out, q, k, v, opt, mix, saved, saved ? input_fp : nullptr);
+      });
       return;
     }
   }
