@@ -269,7 +269,7 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
     grad.state.state_fingerprint = 0;
     gma_bidirectional_backward<Arch>(s.packed, q, k, v, grad_out, saved, panel, grad);
   }
-  gma_mixture_grad(mix, s.constants, s.sums, s.dmu, s.dvar, grad.mixture);
+  gma_mixture_grad(mix, s.constants, s.sums, s.dmu, s.dvar_raw, grad.mixture);
   if (opt.check_finite) gma_check_grad(fn, grad);
 }
 

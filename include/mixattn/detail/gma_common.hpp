@@ -223,26 +223,15 @@ void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T
 }
 
 /// Mixture gradients from the token sums (SPEC 1.5): d var_raw = d var . sigmoid(var_raw)
-/// (formed as sigmoid(var_raw) / (2 var) . (2 wtt - w), which cannot overflow),
-/// d prior_logit = dlogpi - pi sum(dlogpi).
+/// (density_grad_finish's overflow-free form), d prior_logit = dlogpi - pi sum(dlogpi).
+/// dmu, dvar_raw: scratch in W.
 template <class T, class W>
 void gma_mixture_grad(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
-                      const DensityGradSums<W>& sums, Matrix<W>& dmu, Matrix<W>& dvar,
+                      const DensityGradSums<W>& sums, Matrix<W>& dmu, Matrix<W>& dvar_raw,
                       gma::MixtureGrad<T>& grad) {
-  const Index K = mix.mean.rows(), r = mix.mean.cols();
-  density_grad_finish(c, sums, dmu, dvar);
+  density_grad_finish(c, sums, dmu, dvar_raw, &mix.var_raw);
   grad.mean = dmu.template cast<T>();
-  // d var_raw = sigmoid(var_raw) a^2 (2 wtt - w), with the factor sigmoid(var_raw) / (2 var)
-  // formed first: it is at most 1/2 (sigmoid <= softplus), while a^2 alone overflows W for a
-  // variance at a tiny var_floor that a very negative var_raw leaves, where the exact gradient
-  // is ~0 (dvar, inf there, is not used for it).
-  grad.var_raw.resize(K, r);
-  for (Index kk = 0; kk < K; ++kk)
-    for (Index m = 0; m < r; ++m) {
-      const W damp = sigmoid(static_cast<W>(mix.var_raw(kk, m))) / (W(2) * c.var(kk, m));
-      grad.var_raw(kk, m) =
-          static_cast<T>(damp * (W(2) * sums.wtt(kk, m) - sums.w(kk)));
-    }
+  grad.var_raw = dvar_raw.template cast<T>();
   const W total = sums.w.sum();
   grad.prior_logit = (sums.w.array() - c.log_pi.array().exp() * total).template cast<T>();
 }

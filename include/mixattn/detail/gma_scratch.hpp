@@ -52,21 +52,21 @@ constexpr Index gma_backward_panel = 256;
 template <class T>
 struct GmaBackwardScratch {
   using W = wide_t<T>;
-  Matrix<T> gh;           // panel x d_v: g = dO / den (bidirectional)
-  Vector<T> z_eps;        // K: z + eps (bidirectional)
-  Matrix<T> ds;           // panel x K: dGamma, then dS in place (bidirectional)
-  Matrix<T> xpad;         // panel x padded r: x, zero beyond r
-  Matrix<T> acc;          // panel x padded r: dx, when r is not a whole number of registers
-  Vector<T> panel_w;      // K: one panel's sum of dS
-  Vector<T> panel_dz;     // K: one panel's dZ (bidirectional), then the whole dZ
-  Matrix<T> upd;          // K x d_v: one panel's dVt
-  Matrix<T> dvz;          // K x d_v: the summed dVt (bidirectional)
-  Matrix<T> vzt, dvt;     // SIMD builds: d_v x K, Vt and dVt transposed
-  Matrix<W> dvz_wide;     // K x d_v
-  Vector<W> dz_wide;      // K: the summed dZ
-  Matrix<T> g, dgq, dgk;  // causal: N x d_v, N x K, M x K
-  Vector<T> h, inv_den;   // causal: N
-  Matrix<W> dmu, dvar;    // K x r
+  Matrix<T> gh;             // panel x d_v: g = dO / den (bidirectional)
+  Vector<T> z_eps;          // K: z + eps (bidirectional)
+  Matrix<T> ds;             // panel x K: dGamma, then dS in place (bidirectional)
+  Matrix<T> xpad;           // panel x padded r: x, zero beyond r
+  Matrix<T> acc;            // panel x padded r: dx, when r is not a whole number of registers
+  Vector<T> panel_w;        // K: one panel's sum of dS
+  Vector<T> panel_dz;       // K: one panel's dZ (bidirectional), then the whole dZ
+  Matrix<T> upd;            // K x d_v: one panel's dVt
+  Matrix<T> dvz;            // K x d_v: the summed dVt (bidirectional)
+  Matrix<T> vzt, dvt;       // SIMD builds: d_v x K, Vt and dVt transposed
+  Matrix<W> dvz_wide;       // K x d_v
+  Vector<W> dz_wide;        // K: the summed dZ
+  Matrix<T> g, dgq, dgk;    // causal: N x d_v, N x K, M x K
+  Vector<T> h, inv_den;     // causal: N
+  Matrix<W> dmu, dvar_raw;  // K x r
   MixtureConstants<W> constants;
   PackedDensityDims<T> packed;
   DensityGradSums<W> sums;

@@ -734,10 +734,13 @@ inline void density_grad_into(Arch arch, const PackedDensityDims<T>& p, const T*
 }
 
 /// The mixture's gradients from the token sums (SPEC 1.5, in the t form above): dmu = 2 a wt,
-/// dvar = a^2 (2 wtt - w) with a^2 = 1 / (2 var), in W. dmu, dvar: K x dim.
-template <class W>
+/// and dvar = a^2 (2 wtt - w) with a^2 = 1 / (2 var), in W; dmu, dvar: K x dim. Given var_raw,
+/// dvar holds d var_raw = dvar . sigmoid(var_raw) instead, with the factor sigmoid(var_raw) /
+/// (2 var) formed first: it is at most 1/2 (sigmoid <= softplus), while a^2 alone overflows W
+/// for a variance at a tiny var_floor that a very negative var_raw leaves, where d var_raw is ~0.
+template <class W, class T = W>
 void density_grad_finish(const MixtureConstants<W>& c, const DensityGradSums<W>& sums,
-                         Matrix<W>& dmu, Matrix<W>& dvar) {
+                         Matrix<W>& dmu, Matrix<W>& dvar, const Matrix<T>* var_raw = nullptr) {
   const Index K = c.var.rows(), r = c.var.cols();
   dmu.resize(K, r);
   dvar.resize(K, r);
@@ -745,7 +748,9 @@ void density_grad_finish(const MixtureConstants<W>& c, const DensityGradSums<W>&
     for (Index m = 0; m < r; ++m) {
       const W a2 = W(1) / (W(2) * c.var(k, m));
       dmu(k, m) = W(2) * std::sqrt(a2) * sums.wt(k, m);
-      dvar(k, m) = a2 * (W(2) * sums.wtt(k, m) - sums.w(k));
+      const W factor =
+          var_raw ? sigmoid(static_cast<W>((*var_raw)(k, m))) / (W(2) * c.var(k, m)) : a2;
+      dvar(k, m) = factor * (W(2) * sums.wtt(k, m) - sums.w(k));
     }
 }
 
