@@ -38,15 +38,6 @@ inline W softplus(W w) {
   return std::max(w, W(0)) + log1p(exp(-abs(w)));
 }
 
-/// sigmoid(w) = d softplus / dw, without overflow on either side.
-template <class W>
-inline W sigmoid(W w) {
-  using std::exp;
-  if (w >= 0) return W(1) / (W(1) + exp(-w));
-  const W e = exp(w);
-  return e / (W(1) + e);
-}
-
 /// out[i] = softplus(x[i]) + add for i < n, in W: in vectors of W where the build has them
 /// (xsimd's exp and log1p, a few ulp of double from the scalar twin softplus, which the test
 /// MixtureConstants.VectorSoftplusMatchesScalar bounds), the tail and other builds scalar. A
@@ -744,14 +735,19 @@ void density_grad_finish(const MixtureConstants<W>& c, const DensityGradSums<W>&
   const Index K = c.var.rows(), r = c.var.cols();
   dmu.resize(K, r);
   dvar.resize(K, r);
-  for (Index k = 0; k < K; ++k)
-    for (Index m = 0; m < r; ++m) {
-      const W a2 = W(1) / (W(2) * c.var(k, m));
-      dmu(k, m) = W(2) * std::sqrt(a2) * sums.wt(k, m);
-      const W factor =
-          var_raw ? sigmoid(static_cast<W>((*var_raw)(k, m))) / (W(2) * c.var(k, m)) : a2;
-      dvar(k, m) = factor * (W(2) * sums.wtt(k, m) - sums.w(k));
-    }
+  // Whole-matrix array expressions (vectorized in W where Eigen has its packets): a = c.scale.
+  dmu.array() = W(2) * c.scale.array() * sums.wt.leftCols(r).array();
+  const auto two_wtt_w = (W(2) * sums.wtt.leftCols(r).array()).colwise() - sums.w.array();
+  if (var_raw == nullptr) {
+    dvar.array() = two_wtt_w / (W(2) * c.var.array());
+    return;
+  }
+  // sigmoid(w) = (w >= 0 ? 1 : e) / (1 + e) with e = exp(-|w|) in (0, 1]: no overflow either side
+  const auto w = var_raw->template cast<W>().array();
+  dvar.array() = (-w.abs()).exp();
+  dvar.array() = (w >= W(0)).select(W(1), dvar.array()) / ((W(1) + dvar.array()) *
+                                                              (W(2) * c.var.array())) *
+                 two_wtt_w;
 }
 
 }  // namespace detail

@@ -341,10 +341,18 @@ inline wide_t<T> wide_sum(Arch, const T* a, const T* b, Index n, F f) {
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
     using BW = xsimd::batch<W, Arch>;  // float: half a register of T per register of W
-    BW acc(W(0));
-    for (; j + static_cast<Index>(BW::size) <= n; j += static_cast<Index>(BW::size))
-      acc += f(load_wide<Arch>(a + j), load_wide<Arch>(b + j));
-    sum = xsimd::hadd(acc);
+    constexpr Index S = static_cast<Index>(BW::size);
+    // Four independent sums: one would be a chain of dependent adds, the latency of a 64-entry
+    // row's 8 registers of double several times over.
+    BW acc0(W(0)), acc1(W(0)), acc2(W(0)), acc3(W(0));
+    for (; j + 4 * S <= n; j += 4 * S) {
+      acc0 += f(load_wide<Arch>(a + j), load_wide<Arch>(b + j));
+      acc1 += f(load_wide<Arch>(a + j + S), load_wide<Arch>(b + j + S));
+      acc2 += f(load_wide<Arch>(a + j + 2 * S), load_wide<Arch>(b + j + 2 * S));
+      acc3 += f(load_wide<Arch>(a + j + 3 * S), load_wide<Arch>(b + j + 3 * S));
+    }
+    for (; j + S <= n; j += S) acc0 += f(load_wide<Arch>(a + j), load_wide<Arch>(b + j));
+    sum = xsimd::hadd((acc0 + acc1) + (acc2 + acc3));
   }
 #endif
   for (; j < n; ++j) sum += f(static_cast<W>(a[j]), static_cast<W>(b[j]));
