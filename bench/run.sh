@@ -96,6 +96,12 @@ main() {
       --benchmark_out="$results/$t.json" --benchmark_out_format=json \
       ${MIXATTN_BENCH_FILTER:+--benchmark_filter="$MIXATTN_BENCH_FILTER"} \
       --benchmark_counters_tabular=false
+    # A filter that matches none of a binary's benchmarks leaves an empty file: the binary was
+    # filtered out, not broken, and the summary (run with --partial) treats it as absent.
+    if [[ -n ${MIXATTN_BENCH_FILTER:-} && ! -s $results/$t.json ]]; then
+      echo "== $t: no benchmark matches the filter"
+      rm -f "$results/$t.json"
+    fi
   done
 
   # The same malloc policy as the C++ binaries (bench_common.hpp: configure_malloc).
