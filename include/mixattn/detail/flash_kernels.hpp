@@ -150,12 +150,13 @@ void flash_forward_tiles_eigen(const ConstMatrixRef<T>& q, const ConstMatrixRef<
 #if MIXATTN_HAS_SIMD
 /// Register tile of the forward's two tile products for Arch: `rows` query rows by `vectors`
 /// registers of columns (keys for S, output dims for P V) of accumulators, plus `vectors` loads
-/// and a broadcast, must fit the register file (AVX-512: 6 x 4 + 5 of 32; AVX2/SSE: 4 x 3 + 4
-/// of 16).
+/// and a broadcast, must fit the register file (AVX-512: 6 x 4 + 5 of 32; AVX2/SSE: 6 x 2 + 3
+/// of 16, which ran 1.3x faster than 4 x 3 + 4 on Zen 3: bench/results/tuning.md, "Register
+/// tiles on 16 registers").
 template <class Arch>
 struct FlashRegisterTile {
-  static constexpr int rows = simd_registers<Arch>() >= 32 ? 6 : 4;
-  static constexpr int vectors = simd_registers<Arch>() >= 32 ? 4 : 3;
+  static constexpr int rows = 6;
+  static constexpr int vectors = simd_registers<Arch>() >= 32 ? 4 : 2;
 };
 
 /// s[m][c] = sum_l qs[m][l] k[c][l] for m < MR, c < NV registers of keys: one register tile of

@@ -251,7 +251,7 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
   GmaBackwardScratch<T>& s = grad.scratch;
   mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
   pack_density_dims_into<Arch>(s.packed, mix.mean, s.constants);
-  const Index panel = std::max<Index>(1, std::min(gma_backward_panel, std::max(N, M)));
+  const Index panel = std::max<Index>(1, std::min(gma_backward_panel_rows<Arch>(), std::max(N, M)));
   if (s.packed.padded_dim != r) {  // else the kernel works on x and dx in place
     s.xpad.setZero(panel, s.packed.padded_dim);
     s.acc.resize(panel, s.packed.padded_dim);

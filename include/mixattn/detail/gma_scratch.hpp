@@ -11,6 +11,8 @@
 #include "mixattn/detail/gma_scan.hpp"
 #include "mixattn/detail/log_density.hpp"
 
+#include <type_traits>
+
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
 
@@ -47,6 +49,17 @@ constexpr Index gma_causal_block = 256;
 /// components, and the kernel's in-panel float sums stay short (the sweep: bench/results/tuning.md,
 /// "GMA backward panel").
 constexpr Index gma_backward_panel = 256;
+
+/// The panel for Arch: with 16 registers the kernel's tile holds 2 components, so x and dx pass
+/// through it K / 2 times a panel; 32 rows keep both in L1 (16 KiB at r = 64 in float), where 256
+/// rows streamed them from L2 at the rate of its bandwidth (bench/results/tuning.md, "Register
+/// tiles on 16 registers").
+template <class Arch>
+constexpr Index gma_backward_panel_rows() {
+  return !std::is_same<Arch, scalar_arch>::value && simd_registers<Arch>() < 32
+             ? 32
+             : gma_backward_panel;
+}
 
 /// Scratch of one backward call, reused by every panel and, through Grad, by later calls.
 template <class T>

@@ -387,6 +387,108 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
   return failed;
 }
 
+/// a[0] + ... + a[R-1] in float, pairwise as responsibilities_tile adds a token's registers.
+template <int R, class Arch>
+MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> pairwise_sum(const xsimd::batch<float, Arch>* a) {
+  static_assert(R >= 1 && R <= 4, "four registers at most in a token's float sum");
+  if constexpr (R == 4)
+    return (a[0] + a[1]) + (a[2] + a[3]);
+  else if constexpr (R == 3)
+    return (a[0] + a[1]) + a[2];
+  else if constexpr (R == 2)
+    return a[0] + a[1];
+  else
+    return a[0];
+}
+
+/// e[0 .. R) = exp(e - shift) in place, stored back to s (R registers from s), and their float
+/// pairwise sum widened into sum: one group of a token's exp pass.
+template <int R, class Arch>
+MIXATTN_ALWAYS_INLINE void exp_group(float* s, const xsimd::batch<float, Arch>& shift,
+                                     xsimd::batch<double, Arch>& sum) {
+  using B = xsimd::batch<float, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  B e[R];
+#pragma GCC unroll 4
+  for (int g = 0; g < R; ++g) e[g] = B::load_unaligned(s + g * Wd) - shift;
+  fast_exp_nonpositive_many<R, Arch>(e);
+#pragma GCC unroll 4
+  for (int g = 0; g < R; ++g) e[g].store_unaligned(s + g * Wd);
+  sum += widened_halves_sum<Arch, float>(pairwise_sum<R, Arch>(e));
+}
+
+/// Softmax of TI rows of float scores s (stride lds, kv registers each, as log_density_rows
+/// leaves them) into out (stride ldo, K entries a row): responsibilities_tile's epilogue for rows
+/// too long to stay in registers. The same max and exp; each token's exponentials are added in
+/// float in groups of at most 4 registers (pairwise: each lane's group within 2 eps of its exact
+/// sum), each group widened, the sum over groups and lanes wide. One pass for the maxima (their
+/// reduction chains overlap across the TI tokens), one for the exponentials and their sum, one
+/// for the scaling, where softmax_row made four. Returns a bit mask of the tokens whose softmax
+/// failed (no finite max, or a NaN score, padding included); their rows of out are not written.
+template <int TI, class Arch>
+inline unsigned softmax_score_rows(Arch, float* s, Index lds, Index kv, Index K, float* out,
+                                   Index ldo) {
+  using B = xsimd::batch<float, Arch>;
+  using BW = xsimd::batch<double, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  constexpr int G = 4;  // registers per group, and in lockstep through the exp
+  static_assert(TI <= 32, "the failure mask has 32 bits");
+  unsigned failed = 0;
+  float shift[TI];
+  for (int i = 0; i < TI; ++i) {
+    const float* row = s + i * lds;
+    B mx = B::load_unaligned(row);
+    auto bad = xsimd::isnan(mx);
+    for (Index j = 1; j < kv; ++j) {
+      const B x = B::load_unaligned(row + j * Wd);
+      mx = xsimd::max(mx, x);
+      bad = bad | xsimd::isnan(x);
+    }
+    shift[i] = reduce_max(mx);
+    // a NaN lane may hide the true max from the vector max: such a row is not exponentiated
+    if (xsimd::any(bad) || shift[i] == -std::numeric_limits<float>::infinity()) failed |= 1u << i;
+  }
+  // Stage by stage over the tokens again (exponentials and sums, then reciprocals, then
+  // scalings): token by token, each token's reciprocal and scaling waited on its sum, and the
+  // responsibilities took ~5% longer (Zen 3).
+  BW sum[TI];
+  for (int i = 0; i < TI; ++i) {
+    sum[i] = BW(1.0);  // a failed token's row is not exponentiated nor written
+    if (failed & (1u << i)) continue;
+    float* row = s + i * lds;
+    const B sh(shift[i]);
+    BW acc(0.0);
+    Index j = 0;
+    for (; j + G <= kv; j += G) exp_group<G, Arch>(row + j * Wd, sh, acc);
+    const Index rest = kv - j;  // the last group, of fewer than G registers
+    if (rest == 3)
+      exp_group<3, Arch>(row + j * Wd, sh, acc);
+    else if (rest == 2)
+      exp_group<2, Arch>(row + j * Wd, sh, acc);
+    else if (rest == 1)
+      exp_group<1, Arch>(row + j * Wd, sh, acc);
+    sum[i] = acc;
+  }
+  float inv[TI];
+  for (int i = 0; i < TI; ++i)  // sum >= 1: the max contributes exp(0)
+    inv[i] = static_cast<float>(1.0 / xsimd::hadd(sum[i]));
+  alignas(64) float lanes[Wd];
+  for (int i = 0; i < TI; ++i) {
+    if (failed & (1u << i)) continue;
+    const float* row = s + i * lds;
+    float* o = out + i * ldo;
+    const B f(inv[i]);
+    Index j = 0;
+    for (; (j + 1) * Wd <= K; ++j)
+      (B::load_unaligned(row + j * Wd) * f).store_unaligned(o + j * Wd);
+    if (j * Wd < K) {  // the last, partial register: padding lanes are not written
+      (B::load_unaligned(row + j * Wd) * f).store_aligned(lanes);
+      std::copy(lanes, lanes + (K - j * Wd), o + j * Wd);
+    }
+  }
+  return failed;
+}
+
 /// responsibilities_tile for a row of kv <= TK registers (a run-time count).
 template <int TI, int TK, class Arch, class T>
 inline unsigned responsibilities_rows(Arch arch, const PackedDensity<T>& p, Index kv, const T* x,
@@ -445,11 +547,13 @@ inline bool responsibilities_row_wide(const PackedDensity<T>& p, const T* x, T* 
 }
 
 /// Register tile (tokens x component vectors) for Arch: TI*TK accumulators + 2*TK a/b registers
-/// + a broadcast and a temporary must fit the register file. The sweep behind the choice:
-/// bench/results/tuning.md, "Log-density register tile".
+/// + a broadcast and a temporary must fit the register file (32: 5 x 4 + 8 + 2; 16: 5 x 2 + 4 +
+/// 2, all of them: at 3 x 2 the six accumulators' FMA chains left the two FMA pipes idle a third
+/// of the time). The sweeps behind the choice: bench/results/tuning.md, "Log-density register
+/// tile".
 template <class Arch>
 struct DensityTile {
-  static constexpr int tokens = simd_registers<Arch>() >= 32 ? 5 : 3;
+  static constexpr int tokens = 5;
   static constexpr int vectors = simd_registers<Arch>() >= 32 ? 4 : 2;
 };
 
@@ -504,16 +608,27 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
       return failed;
     }
     scratch.resize(static_cast<std::size_t>(TI * P));
+    // the softmax of `rows` score rows in scratch into rows [i0, i0 + rows) of out
+    const auto softmax = [&](auto rows, Index i0) {
+      constexpr int R = decltype(rows)::value;
+      if constexpr (std::is_same<T, float>::value) {
+        unsigned bad = softmax_score_rows<R>(arch, scratch.data(), P, kv, K, out + i0 * ldo, ldo);
+        for (int t = 0; bad != 0; ++t, bad >>= 1)
+          if (bad & 1u) settle(false, i0 + t);
+      } else {
+        for (int t = 0; t < R; ++t)
+          settle(softmax_row(arch, scratch.data() + t * P, P, K, out + (i0 + t) * ldo), i0 + t);
+      }
+    };
     Index i = 0;
     for (; i + TI <= n; i += TI) {
       log_density_rows<TI, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
-      for (int t = 0; t < TI; ++t)
-        settle(softmax_row(arch, scratch.data() + t * P, P, K, out + (i + t) * ldo), i + t);
+      softmax(std::integral_constant<int, TI>{}, i);
       rows_done(i, Index(TI));
     }
     for (; i < n; ++i) {  // token tail: one row at a time
       log_density_rows<1, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
-      settle(softmax_row(arch, scratch.data(), P, K, out + i * ldo), i);
+      softmax(std::integral_constant<int, 1>{}, i);
       rows_done(i, Index(1));
     }
     return failed;

@@ -101,7 +101,7 @@ inline void transpose_padded(const Eigen::Ref<const Matrix<T>>& a, T* dst, Index
 
 #if MIXATTN_HAS_SIMD
 /// Value-side registers of one tile: R x NV accumulators or slices, plus NV for the memory row
-/// and R broadcasts (R = 5, NV = 4: 29 of AVX-512's 32 registers).
+/// and a broadcast (R = 5, NV = 4: 25 of AVX-512's 32 registers; NV = 2: 13 of 16).
 template <class Arch>
 constexpr int row_tile_vectors() {
   return simd_registers<Arch>() >= 32 ? 4 : 2;
@@ -111,15 +111,17 @@ constexpr int row_tile_vectors() {
 /// its rows is one tile.
 template <class Arch>
 constexpr int row_tile_tokens() {
-  return simd_registers<Arch>() >= 32 ? 5 : 3;
+  return 5;
 }
 
 /// Rows of a tile that keeps no other vectors live (OVQ's score and read-out tiles, the
 /// nearest-centroid search): R x NV accumulators, NV loaded vectors and a broadcast (AVX-512:
-/// 6 x 4 + 4 + 1 = 29 of 32 registers).
+/// 6 x 4 + 4 + 1 = 29 of 32 registers; 16 registers: 6 x 2 + 2 + 1 = 15, where 3 x 2 left six
+/// FMA chains for two pipes of latency 4: bench/results/tuning.md, "Register tiles on 16
+/// registers").
 template <class Arch>
 constexpr int plain_tile_rows() {
-  return simd_registers<Arch>() >= 32 ? 6 : 3;
+  return 6;
 }
 
 /// Write for R tokens and the NV registers of value columns from c0:
