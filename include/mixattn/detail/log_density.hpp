@@ -282,6 +282,21 @@ inline void log_density_rows(Arch arch, const PackedDensity<T>& p, const T* x, I
     for (; v < kv; ++v) log_density_tile<TI, 1>(arch, p, x, ldx, v, s, lds);
 }
 
+/// a[0] + ... + a[R-1] in float, pairwise: a token's exponentials, each lane's group of at most 4
+/// terms in [0, 1] within 2 eps of its exact sum, before one widening.
+template <int R, class Arch>
+MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> pairwise_sum(const xsimd::batch<float, Arch>* a) {
+  static_assert(R >= 1 && R <= 4, "four registers at most in a token's float sum");
+  if constexpr (R == 4)
+    return (a[0] + a[1]) + (a[2] + a[3]);
+  else if constexpr (R == 3)
+    return (a[0] + a[1]) + a[2];
+  else if constexpr (R == 2)
+    return a[0] + a[1];
+  else
+    return a[0];
+}
+
 /// Responsibilities of TI tokens when the whole padded row is TK registers (K <= TK lanes): the
 /// log-density tile's accumulators go through the softmax (softmax.hpp's row: same exp, same
 /// exact max; the sum in W, each lane's registers added in float first) without leaving
@@ -346,16 +361,7 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
     if constexpr (N % G != 0) fast_exp_nonpositive_many<N % G, Arch>(&acc[0][0] + N / G * G);
 #pragma GCC unroll 32
     for (int i = 0; i < TI; ++i) {
-      B f = acc[i][0];
-      if constexpr (TK == 4)
-        f = (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]);
-      else if constexpr (TK == 3)
-        f = (acc[i][0] + acc[i][1]) + acc[i][2];
-      else if constexpr (TK == 2)
-        f = acc[i][0] + acc[i][1];
-      else
-        static_assert(TK == 1, "four registers at most in a token's float sum");
-      sum[i] = widened_halves_sum<Arch, T>(f);
+      sum[i] = widened_halves_sum<Arch, T>(pairwise_sum<TK, Arch>(acc[i]));
     }
   } else {
     for (int i = 0; i < TI; ++i) {
@@ -385,20 +391,6 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
     }
   }
   return failed;
-}
-
-/// a[0] + ... + a[R-1] in float, pairwise as responsibilities_tile adds a token's registers.
-template <int R, class Arch>
-MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> pairwise_sum(const xsimd::batch<float, Arch>* a) {
-  static_assert(R >= 1 && R <= 4, "four registers at most in a token's float sum");
-  if constexpr (R == 4)
-    return (a[0] + a[1]) + (a[2] + a[3]);
-  else if constexpr (R == 3)
-    return (a[0] + a[1]) + a[2];
-  else if constexpr (R == 2)
-    return a[0] + a[1];
-  else
-    return a[0];
 }
 
 /// e[0 .. R) = exp(e - shift) in place, stored back to s (R registers from s), and their float
