@@ -540,9 +540,9 @@ inline bool responsibilities_row_wide(const PackedDensity<T>& p, const T* x, T* 
 
 /// Register tile (tokens x component vectors) for Arch: TI*TK accumulators + 2*TK a/b registers
 /// + a broadcast and a temporary must fit the register file (32: 5 x 4 + 8 + 2; 16: 5 x 2 + 4 +
-/// 2, all of them: at 3 x 2 the six accumulators' FMA chains left the two FMA pipes idle a third
-/// of the time). The sweeps behind the choice: bench/results/tuning.md, "Log-density register
-/// tile".
+/// 2, all of them: with 3 x 2, six accumulators for two FMA pipes of latency 4, the kernel ran at
+/// three quarters of this rate). The sweeps behind the choice: bench/results/tuning.md,
+/// "Log-density register tile" and "Register tiles on 16 registers".
 template <class Arch>
 struct DensityTile {
   static constexpr int tokens = 5;
