@@ -18,7 +18,9 @@
 #   MIXATTN_BENCH_REPETITIONS  repetitions of every point (default 3; the summary gives no verdict
 #                            from a point with fewer than 3 repetitions and fewer than 3 iterations)
 #   MIXATTN_BENCH_FILTER     --benchmark_filter regex applied to every binary (the summary then
-#                            accepts absent benchmarks)
+#                            accepts absent benchmarks); a filtered run writes its results to
+#                            bench/results/filtered/, so that it never replaces the recorded full
+#                            run's summary and plots
 #   MIXATTN_BENCH_CPU        core the single-threaded binaries are pinned to (default: the last)
 #   MIXATTN_BENCH_BUILD_DIR  build directory (default build/bench)
 #   MIXATTN_BENCH_MALLOC=keep  make glibc keep freed memory instead of returning it to the kernel
@@ -27,7 +29,8 @@
 #                            glibc's defaults, as a user's program does (bench/bench_common.hpp)
 #   MIXATTN_BENCH_MEMORY_MANAGER=0  skip Google Benchmark's extra memory-accounting run (the
 #                            default in quick mode)
-# Results: bench/results/<binary>.json, bench/results/summary.md, time_vs_n.png, memory_vs_n.png.
+# Results: bench/results/<binary>.json, bench/results/summary.md, time_vs_n.png, memory_vs_n.png
+# (bench/results/filtered/ for a filtered run).
 # Exit status: non-zero if a binary did not build, or if bench/summary.py refuses the results (a
 # measurement beyond its physical bound, or a missing benchmark).
 set -euo pipefail
@@ -39,6 +42,7 @@ main() {
   cd "$root"
   build=$(realpath -m "${MIXATTN_BENCH_BUILD_DIR:-build/bench}")
   results=bench/results
+  [[ -n ${MIXATTN_BENCH_FILTER:-} ]] && results=bench/results/filtered
   quick=${MIXATTN_BENCH_QUICK:-0}
   [[ $quick == 0 ]] && quick=
   min_time=${MIXATTN_BENCH_MIN_TIME:-$([[ -n $quick ]] && echo 0.05 || echo 0.2)}
