@@ -418,7 +418,7 @@ MIXATTN_ALWAYS_INLINE void exp_group(float* s, const xsimd::batch<float, Arch>& 
 /// for the scaling, where softmax_row made four. Returns a bit mask of the tokens whose softmax
 /// failed (no finite max, or a NaN score, padding included); their rows of out are not written.
 template <int TI, class Arch>
-inline unsigned softmax_score_rows(Arch, float* s, Index lds, Index kv, Index K, float* out,
+inline unsigned softmax_score_rows(Arch arch, float* s, Index lds, Index kv, Index K, float* out,
                                    Index ldo) {
   using B = xsimd::batch<float, Arch>;
   using BW = xsimd::batch<double, Arch>;
@@ -428,17 +428,9 @@ inline unsigned softmax_score_rows(Arch, float* s, Index lds, Index kv, Index K,
   unsigned failed = 0;
   float shift[TI];
   for (int i = 0; i < TI; ++i) {
-    const float* row = s + i * lds;
-    B mx = B::load_unaligned(row);
-    auto bad = xsimd::isnan(mx);
-    for (Index j = 1; j < kv; ++j) {
-      const B x = B::load_unaligned(row + j * Wd);
-      mx = xsimd::max(mx, x);
-      bad = bad | xsimd::isnan(x);
-    }
-    shift[i] = reduce_max(mx);
-    // a NaN lane may hide the true max from the vector max: such a row is not exponentiated
-    if (xsimd::any(bad) || shift[i] == -std::numeric_limits<float>::infinity()) failed |= 1u << i;
+    // NaN when any score is NaN (which may hide the true max): such a row is not exponentiated
+    shift[i] = row_max(arch, s + i * lds, kv * Wd);
+    if (!(shift[i] > -std::numeric_limits<float>::infinity())) failed |= 1u << i;
   }
   // Stage by stage over the tokens again (exponentials and sums, then reciprocals, then
   // scalings): token by token, each token's reciprocal and scaling waited on its sum, and the
@@ -464,19 +456,11 @@ inline unsigned softmax_score_rows(Arch, float* s, Index lds, Index kv, Index K,
   float inv[TI];
   for (int i = 0; i < TI; ++i)  // sum >= 1: the max contributes exp(0)
     inv[i] = static_cast<float>(1.0 / xsimd::hadd(sum[i]));
-  alignas(64) float lanes[Wd];
-  for (int i = 0; i < TI; ++i) {
+  for (int i = 0; i < TI; ++i) {  // padding lanes are not written
     if (failed & (1u << i)) continue;
-    const float* row = s + i * lds;
-    float* o = out + i * ldo;
-    const B f(inv[i]);
-    Index j = 0;
-    for (; (j + 1) * Wd <= K; ++j)
-      (B::load_unaligned(row + j * Wd) * f).store_unaligned(o + j * Wd);
-    if (j * Wd < K) {  // the last, partial register: padding lanes are not written
-      (B::load_unaligned(row + j * Wd) * f).store_aligned(lanes);
-      std::copy(lanes, lanes + (K - j * Wd), o + j * Wd);
-    }
+    const float f = inv[i];
+    zip_rows(arch, s + i * lds, s + i * lds, out + i * ldo, K,
+             [f](auto e, auto) { return e * decltype(e)(f); });
   }
   return failed;
 }
@@ -583,11 +567,12 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
     constexpr int TI = DensityTile<Arch>::tokens, TK = DensityTile<Arch>::vectors;
     const Index kv = P / p.width;
+    // the rows of a failure mask (bit t: row i0 + t) again in the wide type
+    const auto retry = [&](unsigned bad, Index i0) {
+      for (int t = 0; bad != 0; ++t, bad >>= 1)
+        if (bad & 1u) settle(false, i0 + t);
+    };
     if (kv <= TK) {  // the whole row fits the tile: scores stay in registers
-      const auto retry = [&](unsigned bad, Index i0) {
-        for (int t = 0; bad != 0; ++t, bad >>= 1)
-          if (bad & 1u) settle(false, i0 + t);
-      };
       Index i = 0;
       for (; i + TI <= n; i += TI) {
         retry(responsibilities_rows<TI, TK>(arch, p, kv, x + i * ldx, ldx, out + i * ldo, ldo), i);
@@ -604,9 +589,7 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
     const auto softmax = [&](auto rows, Index i0) {
       constexpr int R = decltype(rows)::value;
       if constexpr (std::is_same<T, float>::value) {
-        unsigned bad = softmax_score_rows<R>(arch, scratch.data(), P, kv, K, out + i0 * ldo, ldo);
-        for (int t = 0; bad != 0; ++t, bad >>= 1)
-          if (bad & 1u) settle(false, i0 + t);
+        retry(softmax_score_rows<R>(arch, scratch.data(), P, kv, K, out + i0 * ldo, ldo), i0);
       } else {
         for (int t = 0; t < R; ++t)
           settle(softmax_row(arch, scratch.data() + t * P, P, K, out + (i0 + t) * ldo), i0 + t);
