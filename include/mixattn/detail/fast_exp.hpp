@@ -31,6 +31,31 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> fnma_one_rounding(
   return xsimd::fnma(x, y, z);
 }
 
+/// 1.5 * 2^23 + 254. t = x log2(e) + exp_round_magic rounds x log2(e) to an integer n (|n| < 2^22;
+/// the constant is even, so ties go to the same n as with 1.5 * 2^23 alone), and t's bits are then
+/// 0x4B400000 + u with u = n + 254: the biased exponents of the two factors of 2^n below, in one
+/// integer the FMA already made.
+constexpr float exp_round_magic = 12583166.0f;
+
+/// p 2^n from t = n + exp_round_magic (n in [-150, 128]), without AVX-512's scalef: 2^n as two
+/// normal factors 2^n1 2^n2, n1 = floor(n / 2) and n2 = n - n1 in [-75, 64], so that p 2^n1 is
+/// exact and the second product rounds once (to a subnormal, or to inf). Their biased exponents
+/// are n1 + 127 = u >> 1 and n2 + 127 = u - (u >> 1) for u = n + 254 in [104, 382]; the bits of t
+/// and t >> 1 (arithmetic) carry them above 0x4B400000 and 0x25A00000, whose low 21 bits are zero
+/// and which the shift by 23 into the exponent field drops. Four integer instructions (seven with
+/// n itself rebiased twice; the same bits).
+template <class Arch>
+MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> times_two_to_n(const xsimd::batch<float, Arch>& p,
+                                                               const xsimd::batch<float, Arch>& t) {
+  using B = xsimd::batch<float, Arch>;
+  using I = xsimd::batch<std::int32_t, Arch>;
+  const I bits = xsimd::bitwise_cast<I>(t);
+  const I half = bits >> 1;  // arithmetic shift of a positive integer: floor
+  const B s1 = xsimd::bitwise_cast<B>(half << 23);
+  const B s2 = xsimd::bitwise_cast<B>((bits - half) << 23);
+  return (p * s1) * s2;
+}
+
 /// exp(x) lane by lane, float, for x in [-104, 89] or NaN, within ~1 ulp of the correctly
 /// rounded value (the unit test sweeps the range densely; subnormal results are rounded once,
 /// from a normal number), in about half the instructions of xsimd::exp:
@@ -38,13 +63,13 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> fnma_one_rounding(
 ///   exp(r) = 1 + r + r^2 P(r) on |r| <= ln2 / 2, P of degree 4 (near-minimax: Chebyshev
 ///   interpolation of (e^r - 1 - r) / r^2; 0.2 ulp before rounding),
 ///   exp(x) = 2^n exp(r).
-/// The round is one FMA against 1.5 * 2^23, whose low mantissa bits then hold n as an integer.
+/// The round is one FMA against exp_round_magic, whose low mantissa bits then hold n + 254.
 /// NaN stays NaN. Callers clamp: fast_exp and fast_exp_nonpositive below.
 template <class Arch>
 MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> fast_exp_in_range(
     const xsimd::batch<float, Arch>& x) {
   using B = xsimd::batch<float, Arch>;
-  const B magic(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer (|n| < 2^22)
+  const B magic(exp_round_magic);
   const B t = xsimd::fma(x, B(1.44269504088896341f), magic);
   const B n = t - magic;
   B r = fnma_one_rounding<Arch>(n, B(0.693359375f), x);   // ln2_hi: 9 bits: n ln2_hi is exact
@@ -62,15 +87,7 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> fast_exp_in_range(
     return B(_mm512_scalef_ps(p, n));
   }
 #endif
-  // 2^n as two normal factors 2^n1 2^n2, n1 = floor(n / 2) and n2 = n - n1 in [-75, 64] for n
-  // in [-150, 128]: p 2^n1 is exact, the second product rounds once (to a subnormal, or to inf).
-  using I = xsimd::batch<std::int32_t, Arch>;
-  const I ni = xsimd::bitwise_cast<I>(t) - I(0x4B400000);  // the bits of magic
-  const I n1 = ni >> 1;                                    // arithmetic shift: floor
-  const I n2 = ni - n1;
-  const B s1 = xsimd::bitwise_cast<B>((n1 + I(127)) << 23);
-  const B s2 = xsimd::bitwise_cast<B>((n2 + I(127)) << 23);
-  return (p * s1) * s2;
+  return times_two_to_n<Arch>(p, t);
 }
 
 /// fast_exp_in_range of x[0 .. N) in place, bit for bit, written stage by stage across the N
@@ -82,7 +99,7 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> fast_exp_in_range(
 template <int N, class Arch>
 MIXATTN_ALWAYS_INLINE void fast_exp_in_range_many(xsimd::batch<float, Arch>* x) {
   using B = xsimd::batch<float, Arch>;
-  const B magic(12582912.0f);
+  const B magic(exp_round_magic);
   B t[N], n[N], r[N], p[N];
 #pragma GCC unroll 32
   for (int k = 0; k < N; ++k) t[k] = xsimd::fma(x[k], B(1.44269504088896341f), magic);
@@ -111,16 +128,8 @@ MIXATTN_ALWAYS_INLINE void fast_exp_in_range_many(xsimd::batch<float, Arch>* x) 
     return;
   }
 #endif
-  using I = xsimd::batch<std::int32_t, Arch>;
 #pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) {
-    const I ni = xsimd::bitwise_cast<I>(t[k]) - I(0x4B400000);
-    const I n1 = ni >> 1;
-    const I n2 = ni - n1;
-    const B s1 = xsimd::bitwise_cast<B>((n1 + I(127)) << 23);
-    const B s2 = xsimd::bitwise_cast<B>((n2 + I(127)) << 23);
-    x[k] = (p[k] * s1) * s2;
-  }
+  for (int k = 0; k < N; ++k) x[k] = times_two_to_n<Arch>(p[k], t[k]);
 }
 
 /// exp(x) for any x, float (fast_exp_in_range's accuracy). x is clamped to [-104, 89] first:
