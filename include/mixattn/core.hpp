@@ -335,14 +335,21 @@ const char* scalar_name() {
   return std::is_same<S, float>::value ? "float" : "double";
 }
 
-/// Whether every entry of x is finite: one vectorised pass (x * 0 is 0 for finite x, NaN
-/// otherwise), summed row by row so that any outer stride works.
+/// The sum of x * 0 over every entry: 0 when every entry is finite, NaN otherwise (inf * 0 and NaN
+/// are NaN). One vectorised pass, row by row so that any outer stride works; probes of blocks add
+/// up to the probe of their union.
 template <class Derived>
-inline bool all_finite(const Eigen::DenseBase<Derived>& x) {
+inline typename Derived::Scalar finite_probe(const Eigen::DenseBase<Derived>& x) {
   using S = typename Derived::Scalar;
   S probe = S(0);
   for (Index i = 0; i < x.rows(); ++i) probe += (x.derived().row(i).array() * S(0)).sum();
-  return probe == S(0);
+  return probe;
+}
+
+/// Whether every entry of x is finite.
+template <class Derived>
+inline bool all_finite(const Eigen::DenseBase<Derived>& x) {
+  return finite_probe(x) == typename Derived::Scalar(0);
 }
 
 /// With checks on, a result that is not finite although every input was finite overflowed the

@@ -151,11 +151,14 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
 /// dS_Q,i = gamma_q,i . (P_i + h_i (z + eps)) without a second dot product (and without the
 /// cancellation in den_i - gamma_q,i . z that a computed one would carry). [dVt | dZ] sums over
 /// all N queries; each panel's part is added in W.
+/// With probe_finite, returns whether the gradients of q, k and v were seen finite, panel by panel
+/// as they were written (while in cache), so that gma_check_grad need not read them again. False
+/// without probe_finite, without SIMD tiles (not probed), or when an entry is not finite.
 template <class Arch, class T>
-void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrixRef<T>& q,
+bool gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrixRef<T>& q,
                                 const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                                 const ConstMatrixRef<T>& grad_out, const gma::Saved<T>& saved,
-                                Index panel, gma::Grad<T>& grad) {
+                                Index panel, gma::Grad<T>& grad, bool probe_finite) {
   using W = wide_t<T>;
   GmaBackwardScratch<T>& s = grad.scratch;
   const Index N = q.rows(), M = k.rows(), K = p.components, r = p.dim, d_v = v.cols();
@@ -171,6 +174,13 @@ void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
   // transposed copy; the scalar build uses Eigen's GEMM.
   constexpr bool tiles = MIXATTN_HAS_SIMD && !std::is_same<Arch, scalar_arch>::value;
   if constexpr (tiles) s.vzt = saved.vt.transpose();
+  // sum of 0 * every gradient entry written (finite_probe): 0 unless one is inf or NaN
+  T probe = T(0);
+  const auto probe_rows = [&](const Matrix<T>& g, Index i0, Index n) {
+    if (probe_finite)
+      probe += finite_probe(
+          Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(g.row(i0).data(), n * g.cols()));
+  };
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);
     Eigen::Map<Matrix<T>> g(s.gh.data(), n, d_v), ds(s.ds.data(), n, K);
@@ -205,15 +215,12 @@ void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
     gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(), gq, K,
                               ds.data(), K, n, s, s.sums, grad.q.data() + i0 * r, r,
                               /*softmax_done=*/true);
+    probe_rows(grad.q, i0, n);
   }
   s.dvz = s.dvz_wide.template cast<T>();      // dVt, K x d_v
   s.panel_dz = s.dz_wide.template cast<T>();  // dZ
 #if MIXATTN_HAS_SIMD
-  if constexpr (tiles) {
-    s.dvt = s.dvz.transpose();
-    read_block<Arch, T>(ReadSources<T>{saved.gamma_k.data(), K, s.dvz.data(), d_v, K}, M, d_v,
-                        nullptr, grad.v.data(), d_v);
-  }
+  if constexpr (tiles) s.dvt = s.dvz.transpose();
 #endif
   if constexpr (!tiles)
     gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz), T(1), false, s.gemm);
@@ -221,10 +228,15 @@ void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
     const Index n = std::min(panel, M - j0);
     Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
 #if MIXATTN_HAS_SIMD
-    if constexpr (tiles)
+    if constexpr (tiles) {
+      // dV = Gamma_K dVt panel by panel (each row its own sum: the bits of one pass over M)
+      read_block<Arch, T>(ReadSources<T>{saved.gamma_k.data() + j0 * K, K, s.dvz.data(), d_v, K}, n,
+                          d_v, nullptr, grad.v.data() + j0 * d_v, d_v);
+      probe_rows(grad.v, j0, n);
       read_block<Arch, T>(
           ReadSources<T>{v.data() + j0 * v.outerStride(), v.outerStride(), s.dvt.data(), K, d_v}, n,
           K, nullptr, ds.data(), K);
+    }
 #endif
     if constexpr (!tiles)
       gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz), T(1), false, s.gemm);
@@ -234,7 +246,9 @@ void gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
     gma_density_backward_rows(Arch{}, p, k.data() + j0 * k.outerStride(), k.outerStride(),
                               saved.gamma_k.data() + j0 * K, K, ds.data(), K, n, s, s.sums,
                               grad.k.data() + j0 * r, r);
+    probe_rows(grad.k, j0, n);
   }
+  return tiles && probe_finite && probe == T(0);
 }
 
 /// backward_into's body; `fn` names the public entry point in messages.
@@ -261,16 +275,18 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
   grad.q.resize(N, r);
   grad.k.resize(M, r);
   grad.v.resize(M, d_v);
+  bool qkv_finite = false;  // the gradients of q, k and v already probed and finite
   if (opt.causal) {
     gma_causal_backward_all<Arch>(s.packed, q, k, v, grad_out, saved, grad_state_out, panel, grad);
   } else {
     grad.state.S.resize(0, 0);
     grad.state.z.resize(0);
     grad.state.state_fingerprint = 0;
-    gma_bidirectional_backward<Arch>(s.packed, q, k, v, grad_out, saved, panel, grad);
+    qkv_finite = gma_bidirectional_backward<Arch>(s.packed, q, k, v, grad_out, saved, panel, grad,
+                                                  opt.check_finite);
   }
   gma_mixture_grad(mix, s.constants, s.sums, s.dmu, s.dvar_raw, grad.mixture);
-  if (opt.check_finite) gma_check_grad(fn, grad);
+  if (opt.check_finite) gma_check_grad(fn, grad, qkv_finite);
 }
 
 }  // namespace detail
