@@ -4,7 +4,9 @@
 #      built by the main command, bench/run.sh); then builds the PyTorch extension into a
 #      virtual environment and runs its pytest suite (tests/python.sh; skipped without PyTorch);
 #   2. builds and runs the test suite again for the instruction sets most users' binaries are built
-#      for: the x86-64 baseline (-march=x86-64, SSE2) and x86-64-v3 (AVX2 + FMA). These passes
+#      for: the x86-64 baseline (-march=x86-64, SSE2) and x86-64-v3 (AVX2 + FMA), each skipped
+#      where xsimd selects the same SIMD architecture for it as for -march=native (x86-64-v3 on
+#      an AVX2 machine without AVX-512: the main pass already ran those kernels). These passes
 #      build the test files that exercise the kernels (GMA forward, backward, backward kernel and
 #      state; OVQ backward, dictionary, exactness, streaming and reference rules; the softmax
 #      reference; the layer: every SIMD kernel against its twin and every finite-difference
@@ -43,8 +45,23 @@ if [[ ${MIXATTN_SKIP_PYTHON:-0} != 1 ]]; then
   bash tests/python.sh
 fi
 
+# The SIMD architecture xsimd selects under -march=$1 (the kernels' code path), or nothing if the
+# probe does not compile.
+simd_arch_for() {
+  printf '#include <xsimd/xsimd.hpp>\n#include <cstdio>\nint main() { std::puts(xsimd::default_arch::name()); }\n' |
+    "${CXX:-c++}" -std=c++17 "-march=$1" -x c++ - -o "$build-arch-probe" 2>/dev/null &&
+    "$build-arch-probe" && rm -f "$build-arch-probe"
+}
+
 if [[ ${MIXATTN_SKIP_ISA:-0} != 1 && $(uname -m) == x86_64 ]]; then
+  native_arch=$(simd_arch_for native || true)
   for isa in x86-64 x86-64-v3; do
+    # A pass whose SIMD architecture is the main pass's own (-march=native on an AVX2 machine
+    # without AVX-512 selects fma3+avx2, as x86-64-v3 does) would run the same kernels again.
+    if [[ -n $native_arch && $(simd_arch_for "$isa" || true) == "$native_arch" ]]; then
+      echo "== -march=$isa: skipped (its SIMD architecture, $native_arch, is the main pass's)"
+      continue
+    fi
     isa_start=$SECONDS
     echo "== build and test at -march=$isa ($build-$isa)"
     cmake -S . -B "$build-$isa" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
