@@ -153,7 +153,7 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
 /// all N queries; each panel's part is added in W.
 /// With probe_finite, returns whether the gradients of q, k and v were seen finite, panel by panel
 /// as they were written (while in cache), so that gma_check_grad need not read them again. False
-/// without probe_finite, without SIMD tiles (not probed), or when an entry is not finite.
+/// without probe_finite, or when an entry is not finite.
 template <class Arch, class T>
 bool gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrixRef<T>& q,
                                 const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
@@ -178,8 +178,8 @@ bool gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
   T probe = T(0);
   const auto probe_rows = [&](const Matrix<T>& g, Index i0, Index n) {
     if (probe_finite)
-      probe += finite_probe(
-          Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(g.row(i0).data(), n * g.cols()));
+      probe += finite_probe(Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(
+          g.data() + i0 * g.cols(), n * g.cols()));
   };
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);
@@ -222,8 +222,10 @@ bool gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
 #if MIXATTN_HAS_SIMD
   if constexpr (tiles) s.dvt = s.dvz.transpose();
 #endif
-  if constexpr (!tiles)
+  if constexpr (!tiles) {
     gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz), T(1), false, s.gemm);
+    probe_rows(grad.v, 0, M);
+  }
   for (Index j0 = 0; j0 < M; j0 += panel) {
     const Index n = std::min(panel, M - j0);
     Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
@@ -248,7 +250,7 @@ bool gma_bidirectional_backward(const PackedDensityDims<T>& p, const ConstMatrix
                               grad.k.data() + j0 * r, r);
     probe_rows(grad.k, j0, n);
   }
-  return tiles && probe_finite && probe == T(0);
+  return probe_finite && probe == T(0);
 }
 
 /// backward_into's body; `fn` names the public entry point in messages.
