@@ -45,9 +45,12 @@ fuzz_one() {  # fuzz_one <target>: fuzzes into $build/<target>.log, returns libF
   local t=$1 work="$build/corpus/$1"
   mkdir -p "$work"
   # A fixed seed and a bounded number of executions (MIXATTN_FUZZ_SEED, default 1;
-  # MIXATTN_FUZZ_RUNS, default 20000, -1 for unbounded) make a CI run explore the same inputs every
-  # time from a fresh working corpus; a slower machine that hits the time bound first explores a
-  # prefix of them. Vary the seed and lift the bound for longer campaigns.
+  # MIXATTN_FUZZ_RUNS, default 20000, -1 for unbounded) bound a CI run. They do not make it
+  # reproducible: which edges an input covers depends on the addresses its buffers get (aligned
+  # or not) and on scratch reused from earlier inputs, so two runs with the same seed keep
+  # different corpora and drift apart. A failing input is therefore printed (hex) with the
+  # failure, so that a CI log alone is enough to replay it. Vary the seed and lift the bound for
+  # longer campaigns.
   "$build/tests/fuzz/$t" -seed="${MIXATTN_FUZZ_SEED:-1}" -runs="${MIXATTN_FUZZ_RUNS:-20000}" \
     -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
     -print_final_stats=1 -artifact_prefix="$build/artifacts/$t-" \
@@ -57,6 +60,7 @@ for t in "${targets[@]}"; do
   while (($(jobs -rp | wc -l) >= jobs)); do wait -n || true; done
   echo "== $t: up to ${seconds} s"
   rm -f "$build/$t.rc"
+  touch "$build/$t.started"  # artifacts newer than this are this run's
   (fuzz_one "$t" && echo 0 >"$build/$t.rc" || echo $? >"$build/$t.rc") &
 done
 wait
@@ -70,6 +74,12 @@ for t in "${targets[@]}"; do
     status=1
     summary+=("$t: FAILED after $execs executions (see $log)")
     grep -E 'oracle|runtime error|ERROR|SUMMARY|Test unit written' "$log" | head -n 8
+    # The input itself, as hex (`xxd -r -p` turns the lines back into the file to replay).
+    find "$build/artifacts" -name "$t-*" -newer "$build/$t.started" | while read -r a; do
+      echo "input $(basename "$a") ($(wc -c <"$a") bytes), hex:"
+      od -An -v -tx1 "$a" | tr -d ' \n' | fold -w 64
+      echo
+    done
   else
     summary+=("$t: $execs executions, no failure")
   fi
