@@ -258,9 +258,9 @@ void run_case(fz::Bytes& in) {
     // 2 s max|v| max|grad_out| / (|x| + norm_eps) (the normalisation's Jacobian is at most
     // 1 / norm_eps, reached by a zero row): a tiny norm_eps can overflow the gradients of finite,
     // moderate inputs, which the backward reports as std::domain_error.
-    const double grad_bound = magnitude_product(
-        {2 * static_cast<double>(tn + 1) * std::abs(s) / opt.norm_eps, bex.flags.max_abs,
-         bex.flags.max_abs});
+    const double grad_bound =
+        magnitude_product({2 * static_cast<double>(tn + 1) * std::abs(s) / opt.norm_eps,
+                           bex.flags.max_abs, bex.flags.max_abs});
     if (!(grad_bound < (is_float ? 1e36 : 1e300))) bex.flags.extreme = true;
     Matrix<T> g = dout;
     ovq::Options bopt = opt;
