@@ -191,6 +191,123 @@ TYPED_TEST(GmaForward, FusedReadWriteMatchesGemmPathAndExplicitFormula) {
   }
 }
 
+#if MIXATTN_HAS_SIMD
+// The fused bidirectional forward shows its output finite from Vt and den alone
+// (detail::gma_bidirectional_output_bounded) instead of reading it: whenever the bound holds, the
+// output must be finite (the slow twin: reading it). Values from ordinary to float's limit, and
+// eps down to 1e-30, where Vt or the bound overflow and the forward reads its output instead: it
+// then returns a finite output or throws domain_error, with and without a record alike. Ordinary
+// values must take the bound (else the fast path would never run).
+TEST(GmaForwardOutputBound, HoldsOnlyForFiniteOutputs) {
+  const gma::Mixture<float> mix = test_mixture<float>(6, 5, 81);
+  const Matrix<float> q = random_matrix<float>(40, 5, 82), k = random_matrix<float>(33, 5, 83);
+  int bounded_cases = 0;
+  for (const double scale : {1.0, 1e30, 1e36, 3e37, 1e38, 3e38})
+    for (const double eps : {1e-6, 1e-30}) {
+      SCOPED_TRACE(::testing::Message() << "v scale " << scale << " eps " << eps);
+      const Matrix<float> v = random_matrix<float>(33, 7, 84, scale);
+      gma::Options opt;
+      opt.eps = eps;
+      gma::Saved<float> saved;
+      bool returned = false;
+      Matrix<float> out;
+      try {
+        out = gma::forward(mix, q, k, v, opt, &saved);
+        returned = true;
+      } catch (const std::domain_error&) {
+      }
+      if (returned) {
+        EXPECT_TRUE(out.allFinite());
+        const bool bounded = detail::gma_bidirectional_output_bounded(saved.vt, saved.den);
+        if (bounded) ++bounded_cases;
+        if (scale == 1.0) {
+          EXPECT_TRUE(bounded);
+        }
+        // the same call without a record: the same outcome and bits
+        EXPECT_TRUE(gma::forward(mix, q, k, v, opt) == out);
+      } else {
+        EXPECT_THROW(gma::forward(mix, q, k, v, opt), std::domain_error);
+      }
+    }
+  EXPECT_GE(bounded_cases, 2);
+  // the bound at its edge: max|Vt| / min den at exactly half the largest float holds, beyond it
+  // does not; a NaN or inf in Vt or den, or a denominator that is not positive, never holds
+  const float big = std::numeric_limits<float>::max() / 4;
+  Matrix<float> vt = Matrix<float>::Ones(6, 7);
+  Vector<float> den = Vector<float>::Constant(40, 0.5f);
+  vt(2, 3) = -big;
+  EXPECT_TRUE(detail::gma_bidirectional_output_bounded(vt, den));
+  den(7) = 0.25f;
+  EXPECT_FALSE(detail::gma_bidirectional_output_bounded(vt, den));
+  den(7) = 0.5f;
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    Matrix<float> vb = vt;
+    vb(5, 6) = bad;
+    EXPECT_FALSE(detail::gma_bidirectional_output_bounded(vb, den));
+    Vector<float> db = den;
+    db(0) = bad;
+    EXPECT_FALSE(detail::gma_bidirectional_output_bounded(vt, db));
+  }
+  for (const float nonpositive : {0.0f, -1.0f}) {
+    Vector<float> db = den;
+    db(39) = nonpositive;
+    EXPECT_FALSE(detail::gma_bidirectional_output_bounded(vt, db));
+  }
+}
+
+// The responsibilities' softmax over score rows too long for registers
+// (detail::softmax_score_rows) against the softmax in double, and its failures: a NaN
+// anywhere in a row (the maxima pass does not look for one: the sum finds it, whichever lane it
+// is in) or a row of -inf fails that row alone, which is then not written.
+TEST(GmaSoftmaxScoreRows, MatchesSoftmaxRowAndFailsOnNanAnywhere) {
+  using B = xsimd::batch<float, detail::simd_arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  constexpr int TI = 3;
+  const Index K = 70, kv = (K + Wd - 1) / Wd, lds = kv * Wd;
+  std::mt19937 gen(91);
+  std::normal_distribution<float> normal(0.0f, 8.0f);
+  Matrix<float> scores(TI, lds);
+  for (Index i = 0; i < TI; ++i)
+    for (Index j = 0; j < lds; ++j)
+      scores(i, j) = j < K ? normal(gen) - 40.0f : -std::numeric_limits<float>::infinity();
+  const auto run = [&](Matrix<float> s, Matrix<float>& out) {
+    out.setConstant(TI, K, -7.0f);  // rows a failure leaves alone keep this
+    return detail::softmax_score_rows<TI>(detail::simd_arch{}, s.data(), lds, kv, K, out.data(), K);
+  };
+  Matrix<float> out, clean;
+  ASSERT_EQ(run(scores, clean), 0u);
+  out = clean;
+  for (Index i = 0; i < TI; ++i) {  // the softmax in double
+    const Eigen::ArrayXd row = scores.row(i).head(K).transpose().cast<double>();
+    const Eigen::ArrayXd e = (row - row.maxCoeff()).exp();
+    const Eigen::ArrayXd expect = e / e.sum();
+    // relative: the rounding of x = s - max in float (|x| u, as exp turns absolute error into
+    // relative), exp's ~1 ulp, the sum's and the scaling's: (|x| + 4) 2u with u = 2^-24
+    for (Index j = 0; j < K; ++j) {
+      const double x = std::abs(row(j) - row.maxCoeff());
+      EXPECT_NEAR(clean(i, j), expect(j), (x + 4) * 0x1p-23 * expect(j)) << i << " " << j;
+    }
+  }
+  for (Index i = 0; i < TI; ++i)
+    for (Index j = 0; j < lds; ++j) {
+      Matrix<float> bad = scores;
+      bad(i, j) = std::numeric_limits<float>::quiet_NaN();
+      ASSERT_EQ(run(bad, out), 1u << i) << "NaN at " << i << ", " << j;
+      EXPECT_TRUE((out.row(i).array() == -7.0f).all()) << "NaN at " << i << ", " << j;
+      for (Index t = 0; t < TI; ++t) {  // the other rows as without the NaN, bit for bit
+        if (t != i) {
+          EXPECT_TRUE(out.row(t) == clean.row(t)) << "NaN at " << i << ", " << j;
+        }
+      }
+    }
+  Matrix<float> dead = scores;
+  dead.row(1).setConstant(-std::numeric_limits<float>::infinity());
+  EXPECT_EQ(run(dead, out), 2u);
+  EXPECT_TRUE((out.row(1).array() == -7.0f).all());
+}
+#endif
+
 #if defined(__SSE2__)
 // The kernels flush subnormals while they run (detail::FlushSubnormals) and give the caller's
 // floating-point mode back, after a return and after a throw alike.

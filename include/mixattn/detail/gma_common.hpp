@@ -168,17 +168,16 @@ inline Index gma_chunk(const gma::Options& opt) {
 }
 
 /// Gamma of the n rows of x (N x r view) into out (N x K), for a mixture already reduced to its
-/// packed constants; `scores` (optional) keeps the kernel's score rows between calls, and
-/// `rows_done` sees each finished block of rows (responsibilities_into). A row that
-/// overflows even in the wide fallback is reported (with checks on) as std::domain_error naming
-/// `arg`.
+/// packed constants; `scores` (optional) keeps the kernel's score rows between calls. A row
+/// that overflows even in the wide fallback is reported (with checks on) as std::domain_error
+/// naming `arg`.
 /// (x may be rows from row0 on of the caller's argument, for the message.)
-template <class Arch, class T, class Hook = NoRowsHook>
+template <class Arch, class T>
 void gma_gamma_into(const PackedDensity<T>& p, const ConstMatrixRef<T>& x, T* out, bool check,
                     const char* fn, const char* arg, std::vector<T>* scores = nullptr,
-                    Hook&& rows_done = Hook{}, Index row0 = 0) {
+                    Index row0 = 0) {
   const Index bad = responsibilities_into(Arch{}, p, x.data(), x.outerStride(), x.rows(), out,
-                                          p.components, scores, std::forward<Hook>(rows_done));
+                                          p.components, scores);
   if (bad >= 0 && check)
     raise_domain_error(concat(fn, ": ", arg, " row ", row0 + bad, " (largest magnitude ",
                               x.row(bad).cwiseAbs().maxCoeff(),

@@ -413,10 +413,14 @@ MIXATTN_ALWAYS_INLINE void exp_group(float* s, const xsimd::batch<float, Arch>& 
 /// leaves them) into out (stride ldo, K entries a row): responsibilities_tile's epilogue for rows
 /// too long to stay in registers. The same max and exp; each token's exponentials are added in
 /// float in groups of at most 4 registers (pairwise: each lane's group within 2 eps of its exact
-/// sum), each group widened, the sum over groups and lanes wide. One pass for the maxima (their
-/// reduction chains overlap across the TI tokens), one for the exponentials and their sum, one
-/// for the scaling, where softmax_row made four. Returns a bit mask of the tokens whose softmax
-/// failed (no finite max, or a NaN score, padding included); their rows of out are not written.
+/// sum), each group widened, the sum over groups and lanes wide. One pass for the maxima, one
+/// for the exponentials and their sum, one for the scaling, where softmax_row made four. The
+/// maxima pass does not look for NaN (a compare and an or per register, ~1% of the forward):
+/// exp keeps NaN, so a NaN score makes its token's sum NaN, whatever the vector max made of it
+/// (with a NaN lane the max may miss the true maximum; the other lanes' exponentials are then
+/// meaningless, but lane arithmetic without undefined behaviour, and the row is not written).
+/// Returns a bit mask of the tokens whose softmax failed (no finite max, or a NaN score, padding
+/// included); their rows of out are not written.
 template <int TI, class Arch>
 inline unsigned softmax_score_rows(Arch arch, float* s, Index lds, Index kv, Index K, float* out,
                                    Index ldo) {
@@ -428,34 +432,49 @@ inline unsigned softmax_score_rows(Arch arch, float* s, Index lds, Index kv, Ind
   unsigned failed = 0;
   float shift[TI];
   for (int i = 0; i < TI; ++i) {
-    // NaN when any score is NaN (which may hide the true max): such a row is not exponentiated
-    shift[i] = row_max(arch, s + i * lds, kv * Wd);
+    // the vector max in two chains; a max of -inf or NaN fails the row now, a NaN the max missed
+    // fails it after the sum
+    const float* row = s + i * lds;
+    B m0 = B::load_unaligned(row), m1 = m0;
+    Index j = 1;
+    for (; j + 2 <= kv; j += 2) {
+      m0 = xsimd::max(m0, B::load_unaligned(row + j * Wd));
+      m1 = xsimd::max(m1, B::load_unaligned(row + (j + 1) * Wd));
+    }
+    if (j < kv) m0 = xsimd::max(m0, B::load_unaligned(row + j * Wd));
+    shift[i] = reduce_max(xsimd::max(m0, m1));
     if (!(shift[i] > -std::numeric_limits<float>::infinity())) failed |= 1u << i;
   }
-  // Stage by stage over the tokens again (exponentials and sums, then reciprocals, then
-  // scalings): token by token, each token's reciprocal and scaling waited on its sum, and the
-  // responsibilities took ~5% longer (Zen 3).
+  // Stage by stage over the tokens (exponentials and sums, then reciprocals, then scalings):
+  // token by token, each token's reciprocal and scaling waited on its sum, and the
+  // responsibilities took ~5% longer (Zen 3). The exponentials go group by group across the
+  // tokens (group j of every token, then group j + 1), so that consecutive groups are
+  // independent chains (~1% of the forward, Zen 3). A failed token's row is not exponentiated
+  // nor written.
   BW sum[TI];
+  for (int i = 0; i < TI; ++i) sum[i] = BW(failed & (1u << i) ? 1.0 : 0.0);
+  Index j = 0;
+  for (; j + G <= kv; j += G)
+    for (int i = 0; i < TI; ++i)
+      if (!(failed & (1u << i))) exp_group<G, Arch>(s + i * lds + j * Wd, B(shift[i]), sum[i]);
+  const Index rest = kv - j;  // the last group, of fewer than G registers
   for (int i = 0; i < TI; ++i) {
-    sum[i] = BW(1.0);  // a failed token's row is not exponentiated nor written
     if (failed & (1u << i)) continue;
-    float* row = s + i * lds;
-    const B sh(shift[i]);
-    BW acc(0.0);
-    Index j = 0;
-    for (; j + G <= kv; j += G) exp_group<G, Arch>(row + j * Wd, sh, acc);
-    const Index rest = kv - j;  // the last group, of fewer than G registers
+    float* row = s + i * lds + j * Wd;
     if (rest == 3)
-      exp_group<3, Arch>(row + j * Wd, sh, acc);
+      exp_group<3, Arch>(row, B(shift[i]), sum[i]);
     else if (rest == 2)
-      exp_group<2, Arch>(row + j * Wd, sh, acc);
+      exp_group<2, Arch>(row, B(shift[i]), sum[i]);
     else if (rest == 1)
-      exp_group<1, Arch>(row + j * Wd, sh, acc);
-    sum[i] = acc;
+      exp_group<1, Arch>(row, B(shift[i]), sum[i]);
   }
+  // sum >= 1 (the max contributes exp(0)), or NaN after a NaN score
   float inv[TI];
-  for (int i = 0; i < TI; ++i)  // sum >= 1: the max contributes exp(0)
-    inv[i] = static_cast<float>(1.0 / xsimd::hadd(sum[i]));
+  for (int i = 0; i < TI; ++i) {
+    const double total = xsimd::hadd(sum[i]);
+    if (std::isnan(total)) failed |= 1u << i;
+    inv[i] = static_cast<float>(1.0 / total);
+  }
   for (int i = 0; i < TI; ++i) {  // padding lanes are not written
     if (failed & (1u << i)) continue;
     const float f = inv[i];
@@ -537,18 +556,9 @@ struct DensityTile {
 /// log-densities all overflow T are recomputed in a wider type (responsibilities_row_wide).
 /// Returns the first row that overflows even there (its gamma is left NaN), or -1. `reuse`
 /// (optional) holds the score rows between calls, so that repeated calls allocate nothing.
-/// `rows_done(i0, count)` is called as soon as rows [i0, i0 + count) of out are final (blocks of
-/// at most DensityTile::tokens rows, in order), so that a consumer can use them while they are
-/// still in L1.
-/// What responsibilities_into calls after each finished block of rows: nothing.
-struct NoRowsHook {
-  void operator()(Index, Index) const {}
-};
-
-template <class Arch, class T, class Hook = NoRowsHook>
+template <class Arch, class T>
 inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T* x, Index ldx,
-                                   Index n, T* out, Index ldo, std::vector<T>* reuse = nullptr,
-                                   Hook&& rows_done = Hook{}) {
+                                   Index n, T* out, Index ldo, std::vector<T>* reuse = nullptr) {
   const Index K = p.components, P = p.padded;
   std::vector<T> own;
   std::vector<T>& scratch = reuse != nullptr ? *reuse : own;
@@ -574,14 +584,10 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
     };
     if (kv <= TK) {  // the whole row fits the tile: scores stay in registers
       Index i = 0;
-      for (; i + TI <= n; i += TI) {
+      for (; i + TI <= n; i += TI)
         retry(responsibilities_rows<TI, TK>(arch, p, kv, x + i * ldx, ldx, out + i * ldo, ldo), i);
-        rows_done(i, Index(TI));
-      }
-      for (; i < n; ++i) {
+      for (; i < n; ++i)
         retry(responsibilities_rows<1, TK>(arch, p, kv, x + i * ldx, ldx, out + i * ldo, ldo), i);
-        rows_done(i, Index(1));
-      }
       return failed;
     }
     scratch.resize(static_cast<std::size_t>(TI * P));
@@ -599,12 +605,10 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
     for (; i + TI <= n; i += TI) {
       log_density_rows<TI, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
       softmax(std::integral_constant<int, TI>{}, i);
-      rows_done(i, Index(TI));
     }
     for (; i < n; ++i) {  // token tail: one row at a time
       log_density_rows<1, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
       softmax(std::integral_constant<int, 1>{}, i);
-      rows_done(i, Index(1));
     }
     return failed;
   }
@@ -614,7 +618,6 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
   for (Index i = 0; i < n; ++i) {
     log_density_row_scalar(p, x + i * ldx, scratch.data());
     settle(softmax_row(scalar_arch{}, scratch.data(), K, K, out + i * ldo), i);
-    rows_done(i, Index(1));
   }
   return failed;
 }
