@@ -11,6 +11,7 @@
 #include "mixattn/detail/gma_scan.hpp"
 #include "mixattn/detail/log_density.hpp"
 
+#include <algorithm>
 #include <type_traits>
 
 MIXATTN_BEGIN_NAMESPACE
@@ -59,6 +60,13 @@ constexpr Index gma_backward_panel_rows() {
   return !std::is_same<Arch, scalar_arch>::value && simd_registers<Arch>() < 32
              ? 32
              : gma_backward_panel;
+}
+
+/// Queries whose terms of the bidirectional backward's dVt are summed in T before they are added
+/// to its wide sum: whole panels, about 256 rows (a sum in T as long as the density backward's
+/// in-panel sums at gma_backward_panel; the sum over all N queries is wide).
+constexpr Index gma_backward_fold_rows(Index panel) {
+  return std::max<Index>(1, 256 / panel) * panel;
 }
 
 /// Scratch of one backward call, reused by every panel and, through Grad, by later calls.
