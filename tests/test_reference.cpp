@@ -414,6 +414,80 @@ TEST(FastExp, MatchesExpWithinTwoUlps) {
   for (size_t i = 1; i < big.size(); ++i) EXPECT_EQ(big[i], inf) << i;
 }
 
+/// f applied to x through whole registers of double (the remainder padded with p).
+template <class F>
+std::vector<double> double_lanes_of(const std::vector<double>& x, double p, F f) {
+  using B = xsimd::batch<double, mixattn::detail::simd_arch>;
+  const size_t w = B::size;
+  std::vector<double> in(x), out((x.size() + w - 1) / w * w);
+  in.resize(out.size(), p);
+  for (size_t i = 0; i < in.size(); i += w)
+    f(B::load_unaligned(in.data() + i)).store_unaligned(out.data() + i);
+  out.resize(x.size());
+  return out;
+}
+
+/// |got - want| / (|want| eps), want in long double.
+double rel_eps(double got, long double want) {
+  return static_cast<double>(std::fabs(static_cast<long double>(got) - want) /
+                             (std::fabs(want) * std::numeric_limits<double>::epsilon()));
+}
+
+// The mixture constants' double exp and log1p (detail/fast_exp.hpp) against long double, on
+// dense sweeps of their domains (exp: x in [-708, 0], the clamp below; log1p: u = 0 and normal u
+// up to 1, both sides of the branch at sqrt 2 - 1, and tiny u where log1p(u) = u; softplus
+// gives it u = exp(-|w|) >= exp(-708)). 2 eps relative: exp's
+// polynomial is good to 5e-18 and its reduction and Horner steps round about 1 eps in all;
+// log1p's s rounds twice (its sum and its quotient) and the series and ln 2 about once more.
+TEST(FastExp, DoubleExpAndLog1pWithinTwoEps) {
+  namespace d = mixattn::detail;
+  std::vector<double> x;
+  for (int i = 0; i <= 400000; ++i) x.push_back(-708.0 * i / 400000);
+  for (double v : {-0.0, -1e-300, -1e-17, -0.34657359027997264, -0.34657359027997265, -707.9})
+    x.push_back(v);
+  const std::vector<double> e =
+      double_lanes_of(x, 0.0, [](auto v) { return d::exp_nonpositive_double(v); });
+  double worst = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double err = rel_eps(e[i], std::exp(static_cast<long double>(x[i])));
+    worst = std::max(worst, err);
+    EXPECT_LE(err, 2.0) << "exp at " << x[i];
+  }
+  RecordProperty("worst_eps_exp", std::to_string(worst));
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> es =
+      double_lanes_of({0.0, -709.0, -1e6, -inf, std::numeric_limits<double>::quiet_NaN()}, 0.0,
+                      [](auto v) { return d::exp_nonpositive_double(v); });
+  EXPECT_EQ(es[0], 1.0);
+  for (size_t i = 1; i < 4; ++i) {  // clamped at -708: below the sums' resolution, never above
+    EXPECT_GT(es[i], 0.0);
+    EXPECT_LE(es[i], 3.4e-308);
+  }
+  EXPECT_TRUE(std::isnan(es[4]));
+  std::vector<double> u;
+  for (int i = 0; i <= 400000; ++i) u.push_back(1.0 * i / 400000);
+  for (int k = 1; k <= 300; ++k) u.push_back(std::pow(10.0, -k));
+  for (double v : {0.41421356237309503, 0.41421356237309504880, 0.41421356237309510, 0.5,
+                   0.49999999999999994, 1.0, 2.2250738585072014e-308})
+    u.push_back(v);
+  const std::vector<double> l =
+      double_lanes_of(u, 0.0, [](auto v) { return d::log1p_unit_double(v); });
+  worst = 0;
+  for (size_t i = 0; i < u.size(); ++i) {
+    const long double want = std::log1p(static_cast<long double>(u[i]));
+    if (want == 0) {
+      EXPECT_EQ(l[i], 0.0) << "log1p at " << u[i];
+      continue;
+    }
+    const double err = rel_eps(l[i], want);
+    worst = std::max(worst, err);
+    EXPECT_LE(err, 2.0) << "log1p at " << u[i];
+  }
+  RecordProperty("worst_eps_log1p", std::to_string(worst));
+  EXPECT_TRUE(std::isnan(double_lanes_of({std::numeric_limits<double>::quiet_NaN()}, 0.0,
+                                         [](auto v) { return d::log1p_unit_double(v); })[0]));
+}
+
 /// The bits of fast_exp_in_range_many<N> (in_range) or fast_exp_nonpositive_many<N> on the
 /// registers of x, N at a time, against the one-register functions on each register: the same
 /// arithmetic in another order of instructions, so every result bit for bit, and NaN for NaN.

@@ -167,6 +167,75 @@ MIXATTN_ALWAYS_INLINE void fast_exp_nonpositive_many(xsimd::batch<float, Arch>* 
   for (int k = 0; k < N; ++k) x[k] = xsimd::max(B(-104.0f), x[k]);
   fast_exp_in_range_many<N, Arch>(x);
 }
+
+/// exp(x) lane by lane, double, for x <= 0 or NaN, within ~1 ulp: x clamped at -708 (exp(-708)
+/// is near the smallest normal double; below, the callers' sums cannot tell it from the true
+/// value), n = round(x log2 e) by one FMA against 1.5 * 2^52 (whose low bits then hold n),
+/// r = x - n ln2 in two steps (n ln2_hi exact: ln2_hi has 21 trailing zero bits), exp(r) by its
+/// Taylor polynomial of degree 13 (the remainder below 5e-18 relative on |r| <= ln2 / 2), and
+/// 2^n built in the exponent field from the same low bits. For the mixture constants (softplus
+/// of K r raw variances on every call): xsimd 8.1's double exp converts its exponent through
+/// memory, and took ~4x as long on AVX2.
+template <class Arch>
+MIXATTN_ALWAYS_INLINE xsimd::batch<double, Arch> exp_nonpositive_double(
+    const xsimd::batch<double, Arch>& x_in) {
+  using B = xsimd::batch<double, Arch>;
+  using I = xsimd::batch<std::int64_t, Arch>;
+  const B magic(6755399441055744.0);        // 1.5 * 2^52
+  const B x = xsimd::max(B(-708.0), x_in);  // NaN stays: max returns its second operand
+  const B t = xsimd::fma(x, B(1.4426950408889634074), magic);
+  const B n = t - magic;
+  B r = xsimd::fnma(n, B(6.93147180369123816490e-01), x);  // ln2_hi
+  r = xsimd::fnma(n, B(1.90821492927058770002e-10), r);    // ln2_lo = ln 2 - ln2_hi
+  B p(1.0 / 6227020800.0);                                 // 1 / 13!
+  p = xsimd::fma(p, r, B(1.0 / 479001600.0));
+  p = xsimd::fma(p, r, B(1.0 / 39916800.0));
+  p = xsimd::fma(p, r, B(1.0 / 3628800.0));
+  p = xsimd::fma(p, r, B(1.0 / 362880.0));
+  p = xsimd::fma(p, r, B(1.0 / 40320.0));
+  p = xsimd::fma(p, r, B(1.0 / 5040.0));
+  p = xsimd::fma(p, r, B(1.0 / 720.0));
+  p = xsimd::fma(p, r, B(1.0 / 120.0));
+  p = xsimd::fma(p, r, B(1.0 / 24.0));
+  p = xsimd::fma(p, r, B(1.0 / 6.0));
+  p = xsimd::fma(p, r, B(0.5));
+  p = xsimd::fma(p, r, B(1.0));
+  p = xsimd::fma(p, r, B(1.0));
+  // t's bits are those of 1.5 * 2^52 plus n (n in [-1022, 0]); the constant's low 12 bits are
+  // zero, so (bits + 1023) << 52 is the biased exponent n + 1023 alone: 2^n
+  const I bits = xsimd::bitwise_cast<I>(t);
+  return p * xsimd::bitwise_cast<B>((bits + I(1023)) << 52);
+}
+
+/// log1p(u) lane by lane, double, for u in [0, 1] or NaN, within ~1.5 ulp: with m = 1 + u (or
+/// (1 + u) / 2 above sqrt 2 - 1, adding ln 2) in [0.707, 1.414], s = (m - 1) / (m + 1) formed
+/// from u directly (u / (u + 2), or (u - 1) / (u + 3)), |s| <= 0.1716, and
+/// log m = 2 s (1 + z / 3 + z^2 / 5 + ... + z^11 / 23), z = s^2 (the series' tail below 1e-18).
+/// The second half of softplus(w) = max(w, 0) + log1p(exp(-|w|)); xsimd 8.1's log1p took ~5x as
+/// long on AVX2.
+template <class Arch>
+MIXATTN_ALWAYS_INLINE xsimd::batch<double, Arch> log1p_unit_double(
+    const xsimd::batch<double, Arch>& u) {
+  using B = xsimd::batch<double, Arch>;
+  const auto big = u > B(0.41421356237309504880);
+  const B s = xsimd::select(big, u - B(1.0), u) / (u + xsimd::select(big, B(3.0), B(2.0)));
+  const B z = s * s, two_s = s + s;
+  B q(1.0 / 23.0);
+  q = xsimd::fma(q, z, B(1.0 / 21.0));
+  q = xsimd::fma(q, z, B(1.0 / 19.0));
+  q = xsimd::fma(q, z, B(1.0 / 17.0));
+  q = xsimd::fma(q, z, B(1.0 / 15.0));
+  q = xsimd::fma(q, z, B(1.0 / 13.0));
+  q = xsimd::fma(q, z, B(1.0 / 11.0));
+  q = xsimd::fma(q, z, B(1.0 / 9.0));
+  q = xsimd::fma(q, z, B(1.0 / 7.0));
+  q = xsimd::fma(q, z, B(1.0 / 5.0));
+  q = xsimd::fma(q, z, B(1.0 / 3.0));
+  const B log_m = xsimd::fma(two_s * z, q, two_s);
+  // ln 2 in two parts, the small one first: their sum with log_m rounds once at the end
+  return xsimd::select(big, (log_m + B(2.3190468138462996154e-17)) + B(6.9314718055994528623e-01),
+                       log_m);
+}
 #endif
 
 }  // namespace detail

@@ -38,26 +38,28 @@ inline W softplus(W w) {
   return std::max(w, W(0)) + log1p(exp(-abs(w)));
 }
 
-/// out[i] = softplus(x[i]) + add for i < n, in W: in vectors of W where the build has them
-/// (xsimd's exp and log1p, a few ulp of double from the scalar twin softplus, which the test
-/// MixtureConstants.VectorSoftplusMatchesScalar bounds), the tail and other builds scalar. A
-/// mixture's K x r variances are computed on every call: at K = r = 64 the scalar libm calls
-/// alone took longer than the responsibilities of 300 tokens.
+/// out[i] = softplus(x[i]) + add for i < n, in W: in vectors of double where the build has them
+/// (fast_exp.hpp's exp_nonpositive_double and log1p_unit_double, a few ulp of double from the
+/// scalar twin softplus, which the test MixtureConstants.VectorSoftplusMatchesScalar bounds), the
+/// tail and other builds scalar. A mixture's K x r variances are computed on every call: at
+/// K = r = 64 the scalar libm calls alone took longer than the responsibilities of 300 tokens,
+/// and xsimd's double exp and log1p still ~1% of a forward at N = 4096 (AVX2).
 template <class W, class T>
 inline void softplus_into(const T* x, Index n, W add, W* out) {
   Index i = 0;
 #if MIXATTN_HAS_SIMD
-  if constexpr (!std::is_same<simd_arch, scalar_arch>::value && std::is_same<W, wide_t<T>>::value) {
+  if constexpr (!std::is_same<simd_arch, scalar_arch>::value && std::is_same<W, double>::value &&
+                std::is_same<W, wide_t<T>>::value) {
     using BW = xsimd::batch<W, simd_arch>;
     constexpr Index WW = static_cast<Index>(BW::size);
     const Index whole = n / WW * WW;
     // Two passes, e = exp(-|w|) into out and then the rest: in one, each register's exp and
     // log1p form one long dependent chain and the loop took 40% longer (K = r = 64, AVX-512).
-    for (; i < whole; i += WW)  // exp_shifted: clamped below (no out-of-range exponent), NaN kept
-      exp_shifted(-xsimd::abs(load_wide<simd_arch>(x + i)), BW(W(0))).store_unaligned(out + i);
+    for (; i < whole; i += WW)
+      exp_nonpositive_double(-xsimd::abs(load_wide<simd_arch>(x + i))).store_unaligned(out + i);
     for (i = 0; i < whole; i += WW) {
       const BW w = load_wide<simd_arch>(x + i);
-      (xsimd::max(w, BW(W(0))) + xsimd::log1p(BW::load_unaligned(out + i)) + BW(add))
+      (xsimd::max(w, BW(W(0))) + log1p_unit_double(BW::load_unaligned(out + i)) + BW(add))
           .store_unaligned(out + i);
     }
   }
