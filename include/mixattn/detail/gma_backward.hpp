@@ -152,7 +152,7 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
 /// gamma_q,i . P_i + h_i gamma_q,i . z = -h_i den_i + h_i (den_i - eps) = -h_i eps exactly, so
 /// dS_Q,i = gamma_q,i . (P_i + h_i (z + eps)) without a second dot product (and without the
 /// cancellation in den_i - gamma_q,i . z that a computed one would carry). [dVt | dZ] sums over
-/// all N queries; each panel's part is added in W.
+/// all N queries; each run of panels' part (gma_backward_fold_rows) is added in W.
 /// With probe_finite, returns whether the gradients of q, k and v were seen finite, panel by panel
 /// as they were written (while in cache), so that gma_check_grad need not read them again. False
 /// without probe_finite, or when an entry is not finite. With probe_finite, grad_out is probed
