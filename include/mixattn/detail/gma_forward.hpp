@@ -47,7 +47,7 @@ void gma_bidirectional_forward(const Matrix<T>& gq, const Matrix<T>& gk, const C
 /// the GEMMs, in another order. A block's responsibilities are all computed before its write or
 /// read (not tile by tile), so that the density kernel's coefficients stay in L1 across the
 /// block's tiles instead of being evicted by [Vt | z] after each one (N = 4096, K = r = d_v = 64,
-/// AVX2: the forward ~2% faster).
+/// AVX2: the forward ~3% faster).
 template <class Arch, class T>
 void gma_bidirectional_fused(const PackedDensity<T>& p, const ConstMatrixRef<T>& q,
                              const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T eps,
@@ -78,6 +78,7 @@ void gma_bidirectional_fused(const PackedDensity<T>& p, const ConstMatrixRef<T>&
                      out.data() + i0 * d_v, d_v);
   });
 }
+
 /// Whether the bidirectional output out_i = (gamma_i . Vt) / den_i is finite for certain, from
 /// Vt and den alone: O(K d_v + N) instead of a pass over the N x d_v output. gamma_i >= 0 sums to
 /// 1 up to K roundings, so each of the read's partial sums and its result are at most
