@@ -36,9 +36,9 @@ struct GmaForwardScratch {
   GemmSpace<T> gemm;
 };
 
-/// Rows of Gamma a bidirectional forward without a record holds at a time (a multiple of the
-/// density tile's 5 and 3 tokens: 15 KiB at K = 64 in float, in L1 beside the kernel's 32 KiB of
-/// coefficients).
+/// Rows of Gamma a bidirectional forward computes before their write or read (with a record or
+/// without, when it holds only these rows at a time): a multiple of the density tile's 5 and 3
+/// tokens, 15 KiB at K = 64 in float, in L1 beside the kernel's 32 KiB of coefficients.
 constexpr Index gma_gamma_block = 60;
 
 /// Tokens of Gamma a causal forward without a record holds at a time (rounded up to whole

@@ -107,8 +107,9 @@ constexpr int row_tile_vectors() {
   return simd_registers<Arch>() >= 32 ? 4 : 2;
 }
 
-/// Tokens per tile: as many as the density kernel's tile (DensityTile::tokens), so a block of
-/// its rows is one tile.
+/// Tokens per tile: as many as the density kernel's tile (DensityTile::tokens), and a divisor of
+/// the bidirectional forward's block of Gamma rows (gma_gamma_block), so that a block is whole
+/// tiles.
 template <class Arch>
 constexpr int row_tile_tokens() {
   return 5;
