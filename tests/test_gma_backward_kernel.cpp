@@ -98,7 +98,7 @@ void check_kernel(const Matrix<T>& mean, const Matrix<T>& var_raw, T var_floor, 
   Matrix<T> xpad = Matrix<T>::Zero(n, p.padded_dim), acc = Matrix<T>::Zero(n, p.padded_dim);
   xpad.leftCols(r) = x;
   acc.leftCols(r).setConstant(std::numeric_limits<T>::quiet_NaN());
-  detail::DensityGradSums<W> sums;
+  detail::DensityGradSums<T> sums;
   sums.reset(K, p.padded_dim);
   for (Index i = 0; i < n; ++i)
     for (Index k = 0; k < K; ++k) sums.w(k) += static_cast<W>(w(i, k));
@@ -178,6 +178,105 @@ TYPED_TEST(GmaBackwardKernel, FarFromOriginDoesNotCancel) {
   check_kernel<detail::simd_arch, T>(mean, var_raw, T(1e-4), x, w, 100, KernelTol<T>::far);
   check_kernel<detail::scalar_arch, T>(mean, var_raw, T(1e-4), x, w, 100, KernelTol<T>::far);
 }
+
+#if MIXATTN_HAS_SIMD
+/// Whether xsimd's fma rounds once on Arch, as std::fma does (not on a build without FMA
+/// instructions, where it is a product and a sum): with h = ceil(digits / 2),
+/// (1 + 2^-h)^2 - (1 + 2^(1-h)) is 2^-2h, which the product alone rounds away (2^-24 in float).
+template <class T, class Arch>
+bool vector_fma_is_fused() {
+  using B = xsimd::batch<T, Arch>;
+  const int h = (std::numeric_limits<T>::digits + 1) / 2;
+  const T a = T(1) + std::ldexp(T(1), -h), c = T(1) + std::ldexp(T(1), 1 - h);
+  return xsimd::fma(B(a), B(a), B(-c)).get(0) == std::fma(a, a, -c);
+}
+
+// With one component per register tile (16-register builds) each dx entry takes the components'
+// FMAs in order from +0, as the scalar twin (detail::density_grad_scalar) does, and within one
+// call the token sums in T go into the wide sums once, as the twin's do: the same bits for dx,
+// sum w t and sum w t^2, where the vector FMA rounds once as the twin's std::fma does. Shapes
+// with a lone dims register beside the two-register tiles, and with dims padded to whole
+// registers.
+TYPED_TEST(GmaBackwardKernel, OneComponentTileHasTheScalarTwinsBits) {
+  using T = TypeParam;
+  using Arch = detail::simd_arch;
+  if (detail::DensityGradTile<Arch>::components != 1) GTEST_SKIP() << "a multi-component tile";
+  if (!vector_fma_is_fused<T, Arch>()) GTEST_SKIP() << "xsimd's fma is not fused here";
+  using W = detail::wide_t<T>;
+  const Index width = static_cast<Index>(detail::simd_width<Arch, T>::value);
+  for (const Shape s : {Shape{45, 3 * width, 7}, Shape{32, 2 * width - 3, 5}, Shape{9, 5, 2}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << s.n << " r " << s.r << " K " << s.K);
+    const std::uint64_t seed = static_cast<std::uint64_t>(s.n * 7 + s.r * 3 + s.K);
+    const Matrix<T> mean = random_matrix<T>(s.K, s.r, seed);
+    const Matrix<T> var_raw = random_matrix<T>(s.K, s.r, seed + 1, 0.7);
+    const detail::MixtureConstants<W> c =
+        detail::mixture_constants<W>(mean, var_raw, Vector<T>(Vector<T>::Zero(s.K)), T(1e-4));
+    const detail::PackedDensityDims<T> p = detail::pack_density_dims<Arch, T>(mean, c);
+    const Index ld = p.padded_dim;
+    Matrix<T> x = Matrix<T>::Zero(s.n, ld);
+    x.leftCols(s.r) = random_matrix<T>(s.n, s.r, seed + 2);
+    const Matrix<T> w = random_matrix<T>(s.n, s.K, seed + 3);
+    Matrix<T> fast = Matrix<T>::Zero(s.n, ld), slow = Matrix<T>::Zero(s.n, ld);
+    detail::DensityGradSums<T> fast_sums, slow_sums;
+    fast_sums.reset(s.K, ld);
+    slow_sums.reset(s.K, ld);
+    detail::density_grad_into(Arch{}, p, x.data(), ld, w.data(), s.K, s.n, fast.data(), ld,
+                              fast_sums, T(-2));
+    fast_sums.fold();
+    detail::density_grad_into(detail::scalar_arch{}, p, x.data(), ld, w.data(), s.K, s.n,
+                              slow.data(), ld, slow_sums, T(-2));
+    EXPECT_TRUE(fast.leftCols(s.r) == slow.leftCols(s.r));
+    EXPECT_TRUE(fast_sums.wt.leftCols(s.r) == slow_sums.wt.leftCols(s.r));
+    EXPECT_TRUE(fast_sums.wtt.leftCols(s.r) == slow_sums.wtt.leftCols(s.r));
+    EXPECT_GT(slow.norm(), 1e-3);  // not trivially zero
+  }
+}
+
+// Over many short panels the kernel keeps its token sums in T for at most
+// density_grad_fold_tokens tokens, then folds them into the wide sums: after every call the T
+// sums hold no more than that, and the result is the direct formula's within the error of sums
+// in T of that length (KernelTol's near bound covers 300 terms).
+TYPED_TEST(GmaBackwardKernel, ShortPanelsFoldTheirSumsInTime) {
+  using T = TypeParam;
+  using W = detail::wide_t<T>;
+  using Arch = detail::simd_arch;
+  const Index n = 1000, r = 11, K = 6, panel = 32;
+  const Matrix<T> mean = random_matrix<T>(K, r, 201);
+  const Matrix<T> var_raw = random_matrix<T>(K, r, 202, 0.7);
+  const Matrix<T> x = random_matrix<T>(n, r, 203);
+  const Matrix<T> w = random_matrix<T>(n, K, 204);
+  const detail::MixtureConstants<W> c =
+      detail::mixture_constants<W>(mean, var_raw, Vector<T>(Vector<T>::Zero(K)), T(1e-4));
+  const detail::PackedDensityDims<T> p = detail::pack_density_dims<Arch, T>(mean, c);
+  const Index ld = p.padded_dim;
+  Matrix<T> xpad = Matrix<T>::Zero(n, ld), acc = Matrix<T>::Zero(n, ld);
+  xpad.leftCols(r) = x;
+  detail::DensityGradSums<T> sums;
+  sums.reset(K, ld);
+  for (Index i = 0; i < n; ++i)
+    for (Index k = 0; k < K; ++k) sums.w(k) += static_cast<W>(w(i, k));
+  Index folds = 0;
+  for (Index i0 = 0; i0 < n; i0 += panel) {
+    const Index rows = std::min(panel, n - i0), before = sums.part_tokens;
+    detail::density_grad_into(Arch{}, p, xpad.data() + i0 * ld, ld, w.data() + i0 * K, K, rows,
+                              acc.data() + i0 * ld, ld, sums, T(-2));
+    EXPECT_LE(sums.part_tokens, detail::density_grad_fold_tokens);
+    if (sums.part_tokens < before + rows) ++folds;
+  }
+  EXPECT_GE(folds, 3);  // 1000 tokens in sums of at most 256 (none on the scalar fallback)
+  Matrix<W> dmu, dvar;
+  detail::density_grad_finish(c, sums, dmu, dvar);
+  EXPECT_EQ(sums.part_tokens, 0);
+  const Direct d =
+      direct_density_backward(mean.template cast<double>(), var_raw.template cast<double>(), 1e-4,
+                              x.template cast<double>(), w.template cast<double>());
+  EXPECT_TRUE(within(acc.leftCols(r).template cast<double>(), d.dx, d.dx_abs, KernelTol<T>::near))
+      << "dx";
+  EXPECT_TRUE(within(dmu.template cast<double>(), d.dmu, d.dmu_abs, KernelTol<T>::near)) << "dmu";
+  EXPECT_TRUE(within(dvar.template cast<double>(), d.dvar, d.dvar_abs, KernelTol<T>::near))
+      << "dvar";
+}
+#endif
 
 // The whole backward with the SIMD kernel against the same backward on the scalar fallback
 // (Arch = scalar_arch, plain loops), across several panels (N, M > gma_backward_panel, not

@@ -308,6 +308,41 @@ TEST(GmaSoftmaxScoreRows, MatchesSoftmaxRowAndFailsOnNanAnywhere) {
 }
 #endif
 
+// The fused forward's column sums of Gamma_K (detail::add_rows: up to 8 registers of z side by
+// side) against the plain loop, which adds the rows in the same order: the same bits. Its
+// denominators (detail::dot_rows: 8 rows side by side) against the same dot product a row at a
+// time (dot_rows_tile<1>), whose arithmetic a row's is whatever the tile: the same bits. Widths
+// around the register counts, and row counts off the tiles.
+TYPED_TEST(GmaForward, ColumnSumsAndRowDotsMatchTheirLoops) {
+  using T = TypeParam;
+  using Arch = detail::simd_arch;
+  for (const Index K : {1, 3, 8, 15, 16, 17, 63, 64, 65, 130, 200})
+    for (const Index n : {1, 7, 8, 9, 60}) {
+      SCOPED_TRACE(::testing::Message() << "K " << K << " n " << n);
+      const Index ldg = K + 3;
+      const Matrix<T> g = random_matrix<T>(n, ldg, 300 + K * 7 + n);
+      const Matrix<T> z0 = random_matrix<T>(1, K, 400 + K);
+      Matrix<T> fast = z0, slow = z0;
+      detail::add_rows(Arch{}, g.data(), ldg, n, K, fast.data());
+      for (Index j = 0; j < K; ++j)
+        for (Index i = 0; i < n; ++i) slow(0, j) += g(i, j);
+      EXPECT_TRUE(fast == slow) << "add_rows";
+      Vector<T> dots(n), one(n);
+      detail::dot_rows(Arch{}, g.data(), ldg, n, K, z0.data(), T(0.25), dots.data());
+      for (Index i = 0; i < n; ++i)
+        detail::dot_rows_tile<1>(Arch{}, g.data() + i * ldg, ldg, K, z0.data(), T(0.25),
+                                 one.data() + i);
+      EXPECT_TRUE(dots == one) << "dot_rows";
+      // and a dot product in T at all: within the bound of K + 1 roundings on the terms' sizes
+      const auto terms = (g.row(n - 1).leftCols(K).template cast<double>().array() *
+                          z0.template cast<double>().array())
+                             .eval();
+      const double eps = static_cast<double>(std::numeric_limits<T>::epsilon());
+      EXPECT_NEAR(static_cast<double>(dots(n - 1)), terms.sum() + 0.25,
+                  static_cast<double>(K + 1) * eps * (terms.abs().sum() + 0.25));
+    }
+}
+
 #if defined(__SSE2__)
 // The kernels flush subnormals while they run (detail::FlushSubnormals) and give the caller's
 // floating-point mode back, after a return and after a throw alike.

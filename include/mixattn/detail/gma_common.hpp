@@ -192,11 +192,12 @@ void gma_gamma_into(const PackedDensity<T>& p, const ConstMatrixRef<T>& x, T* ou
 /// mixture's token sums go to `sums`.
 /// When r is a whole number of registers the kernel reads x and accumulates into dx in place;
 /// otherwise through the zero-padded copies in s.
-template <class Arch, class T, class W>
+template <class Arch, class T>
 void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T* x, Index ldx,
                                const T* gamma, Index ldg, T* ds, Index ldds, Index n,
-                               GmaBackwardScratch<T>& s, DensityGradSums<W>& sums, T* dx,
+                               GmaBackwardScratch<T>& s, DensityGradSums<T>& sums, T* dx,
                                Index lddx, bool softmax_done = false) {
+  using W = wide_t<T>;
   const Index K = p.components, r = p.dim, rp = p.padded_dim;
   // the panel's sum of dS in T (a few hundred terms, as the kernel's own in-panel sums), then
   // added to the sum over all tokens in W
@@ -226,7 +227,7 @@ void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T
 /// dmu, dvar_raw: scratch in W.
 template <class T, class W>
 void gma_mixture_grad(const gma::Mixture<T>& mix, const MixtureConstants<W>& c,
-                      const DensityGradSums<W>& sums, Matrix<W>& dmu, Matrix<W>& dvar_raw,
+                      DensityGradSums<T>& sums, Matrix<W>& dmu, Matrix<W>& dvar_raw,
                       gma::MixtureGrad<T>& grad) {
   density_grad_finish(c, sums, dmu, dvar_raw, &mix.var_raw);
   grad.mean = dmu.template cast<T>();

@@ -51,10 +51,11 @@ constexpr Index gma_causal_block = 256;
 /// "GMA backward panel").
 constexpr Index gma_backward_panel = 256;
 
-/// The panel for Arch: with 16 registers the kernel's tile holds 2 components, so x and dx pass
-/// through it K / 2 times a panel; 32 rows keep both in L1 (16 KiB at r = 64 in float), where 256
-/// rows streamed them from L2 at the rate of its bandwidth (bench/results/tuning.md, "Register
-/// tiles on 16 registers").
+/// The panel for Arch: with 16 registers the kernel's tile holds one component (by two registers
+/// of dims), so each register of x and dx passes through it K times a panel; 32 rows keep both in
+/// L1 (16 KiB at r = 64 in float), where 256 rows streamed them from L2 at the rate of its
+/// bandwidth (bench/results/tuning.md, "Register tiles on 16 registers"). The kernel's sums in T
+/// run over several such panels (density_grad_fold_tokens).
 template <class Arch>
 constexpr Index gma_backward_panel_rows() {
   return !std::is_same<Arch, scalar_arch>::value && simd_registers<Arch>() < 32
@@ -90,7 +91,7 @@ struct GmaBackwardScratch {
   Matrix<W> dmu, dvar_raw;  // K x r
   MixtureConstants<W> constants;
   PackedDensityDims<T> packed;
-  DensityGradSums<W> sums;
+  DensityGradSums<T> sums;
   Matrix<W> G;  // causal: K x d_v, the suffix state dL/dS (when grad.state does not hold it)
   Vector<W> u;  // causal: K, dL/dz
   GmaScanScratch<T> scan;

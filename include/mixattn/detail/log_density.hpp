@@ -673,104 +673,157 @@ PackedDensityDims<T> pack_density_dims(const Matrix<T>& mean, const MixtureConst
   return p;
 }
 
-/// Token sums of the backward (see above), in the wide type W: they run over all N + M tokens,
-/// and a float running sum of that length drifts by O(N eps) relative. Inside one panel (a few
-/// hundred tokens) the kernel sums in T; each panel's partial sums are then added here.
-template <class W>
+/// Tokens whose terms the backward kernel sums in T before they go into the wide sums: its
+/// in-register sums over a panel, then (panels shorter than this) their running sum over panels
+/// in T. As long as the 256-row panels of 32-register builds, which fold once a panel.
+constexpr Index density_grad_fold_tokens = 256;
+
+/// Token sums of the backward (see above), in the wide type W = wide_t<T>: they run over all
+/// N + M tokens, and a float running sum of that length drifts by O(N eps) relative. The kernel
+/// sums in T over at most density_grad_fold_tokens tokens (part_wt, part_wtt: its panels' sums
+/// added in T, a load, an add and a store a register, where widening each 32-row panel's sums
+/// took ~10% of the kernel's time on AVX2), then fold() adds them here.
+template <class T>
 struct DensityGradSums {
+  using W = wide_t<T>;
   Matrix<W> wt;   // K x padded_dim: sum_i w_ik t_ikm
   Matrix<W> wtt;  // K x padded_dim: sum_i w_ik t_ikm^2
   Vector<W> w;    // K: sum_i w_ik
+  std::vector<T> part_wt, part_wtt;  // K x padded_dim each: the terms not yet in wt and wtt
+  Index part_tokens = 0;             // tokens summed into part_wt and part_wtt since the last fold
   void reset(Index K, Index padded_dim) {
     wt.setZero(K, padded_dim);
     wtt.setZero(K, padded_dim);
     w.setZero(K);
+    part_wt.assign(static_cast<std::size_t>(K * padded_dim), T(0));
+    part_wtt.assign(static_cast<std::size_t>(K * padded_dim), T(0));
+    part_tokens = 0;
+  }
+  /// The T sums into the wide ones, and the T sums cleared.
+  void fold() {
+    if (part_tokens == 0) return;
+    const Index n = wt.size();
+    Eigen::Map<Vector<T>> pwt(part_wt.data(), n), pwtt(part_wtt.data(), n);
+    Eigen::Map<Vector<W>>(wt.data(), n) += pwt.template cast<W>();
+    Eigen::Map<Vector<W>>(wtt.data(), n) += pwtt.template cast<W>();
+    pwt.setZero();
+    pwtt.setZero();
+    part_tokens = 0;
   }
 };
 
 #if MIXATTN_HAS_SIMD
-/// TK components (from k0) by one register of dims (from m0) over n tokens:
+/// TK components (from k0) by TM registers of dims (from m0) over n tokens:
 /// acc_im += sum_k a_km w_ik t_ikm (into acc, which holds -dx / 2), and the panel's token sums
 /// of w t and w t^2 go to `sums`. x and acc: n x padded_dim (strides ldx, ldacc); w: n x K (ldw).
 /// First: acc is not read (the first tile of components starts the sum); Last: acc receives the
 /// sum times `scale` (the last tile ends it), so that no pass zeroes acc before or scales it
-/// after the kernel.
-template <int TK, bool First, bool Last, class Arch, class T, class W>
+/// after the kernel. With one component (TK = 1) each acc entry takes one FMA per tile, in
+/// component order from +0 as in the scalar twin, whose bits it then has; with more, a token's
+/// terms go into two partial sums first, which halves their dependent chain.
+template <int TK, int TM, bool First, bool Last, class Arch, class T>
 inline void density_grad_tile(Arch, const PackedDensityDims<T>& p, Index k0, Index m0, const T* x,
                               Index ldx, const T* w, Index ldw, Index n, T* acc, Index ldacc,
-                              DensityGradSums<W>& sums, T scale) {
+                              DensityGradSums<T>& sums, T scale) {
   using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
   const Index rp = p.padded_dim;
-  B a[TK], b[TK], swt[TK], swtt[TK];
-  for (int c = 0; c < TK; ++c) {
-    a[c] = B::load_unaligned(p.a.data() + (k0 + c) * rp + m0);
-    b[c] = B::load_unaligned(p.b.data() + (k0 + c) * rp + m0);
-    swt[c] = B(T(0));
-    swtt[c] = B(T(0));
-  }
+  B a[TK][TM], b[TK][TM], swt[TK][TM], swtt[TK][TM];
+  for (int c = 0; c < TK; ++c)
+    for (int j = 0; j < TM; ++j) {
+      a[c][j] = B::load_unaligned(p.a.data() + (k0 + c) * rp + m0 + j * Wd);
+      b[c][j] = B::load_unaligned(p.b.data() + (k0 + c) * rp + m0 + j * Wd);
+      swt[c][j] = B(T(0));
+      swtt[c][j] = B(T(0));
+    }
   const T* wi = w + k0;
   for (Index i = 0; i < n; ++i, x += ldx, acc += ldacc, wi += ldw) {
-    const B xv = B::load_unaligned(x + m0);
-    // two partial dx sums halve the dependent FMA chain over the components
-    B d0 = First ? B(T(0)) : B::load_unaligned(acc + m0), d1(T(0));
-    for (int c = 0; c < TK; ++c) {
-      const B t = xsimd::fms(xv, a[c], b[c]);
-      const B wt = t * B(wi[c]);
-      if (c % 2 == 0)
-        d0 = xsimd::fma(a[c], wt, d0);
-      else
-        d1 = xsimd::fma(a[c], wt, d1);
-      swt[c] += wt;
-      swtt[c] = xsimd::fma(wt, t, swtt[c]);
+    if constexpr (TK == 1) {
+      const B wb(wi[0]);  // one broadcast for the TM registers
+      for (int j = 0; j < TM; ++j) {
+        T* const at = acc + m0 + j * Wd;
+        const B t = xsimd::fms(B::load_unaligned(x + m0 + j * Wd), a[0][j], b[0][j]);
+        const B wt = t * wb;
+        swt[0][j] += wt;
+        swtt[0][j] = xsimd::fma(wt, t, swtt[0][j]);
+        const B d = xsimd::fma(a[0][j], wt, First ? B(T(0)) : B::load_unaligned(at));
+        (Last ? d * B(scale) : d).store_unaligned(at);
+      }
+    } else {
+      for (int j = 0; j < TM; ++j) {
+        T* const at = acc + m0 + j * Wd;
+        const B xv = B::load_unaligned(x + m0 + j * Wd);
+        // two partial dx sums halve the dependent FMA chain over the components
+        B d0 = First ? B(T(0)) : B::load_unaligned(at), d1(T(0));
+        for (int c = 0; c < TK; ++c) {
+          const B t = xsimd::fms(xv, a[c][j], b[c][j]);
+          const B wt = t * B(wi[c]);
+          if (c % 2 == 0)
+            d0 = xsimd::fma(a[c][j], wt, d0);
+          else
+            d1 = xsimd::fma(a[c][j], wt, d1);
+          swt[c][j] += wt;
+          swtt[c][j] = xsimd::fma(wt, t, swtt[c][j]);
+        }
+        if constexpr (Last)
+          ((d0 + d1) * B(scale)).store_unaligned(at);
+        else
+          (d0 + d1).store_unaligned(at);
+      }
     }
-    if constexpr (Last)
-      ((d0 + d1) * B(scale)).store_unaligned(acc + m0);
-    else
-      (d0 + d1).store_unaligned(acc + m0);
   }
-  // the panel's sums into the wide totals, a register at a time (lane by lane, this epilogue
-  // took about a tenth of the tile's time at a 256-token panel)
-  for (int c = 0; c < TK; ++c) {
-    add_to_wide<Arch>(swt[c], sums.wt.data() + (k0 + c) * rp + m0);
-    add_to_wide<Arch>(swtt[c], sums.wtt.data() + (k0 + c) * rp + m0);
-  }
+  // the panel's sums into the running sums in T, a register at a time
+  for (int c = 0; c < TK; ++c)
+    for (int j = 0; j < TM; ++j) {
+      T* const pwt = sums.part_wt.data() + (k0 + c) * rp + m0 + j * Wd;
+      T* const pwtt = sums.part_wtt.data() + (k0 + c) * rp + m0 + j * Wd;
+      (B::load_unaligned(pwt) + swt[c][j]).store_unaligned(pwt);
+      (B::load_unaligned(pwtt) + swtt[c][j]).store_unaligned(pwtt);
+    }
 }
 
 /// density_grad_tile of `rest` <= TK components (a run-time count), first and/or last.
-template <int TK, class Arch, class T, class W>
+template <int TK, int TM, class Arch, class T>
 inline void density_grad_tiles(Arch arch, Index rest, bool first, bool last,
                                const PackedDensityDims<T>& p, Index k0, Index m0, const T* x,
                                Index ldx, const T* w, Index ldw, Index n, T* acc, Index ldacc,
-                               DensityGradSums<W>& sums, T scale) {
+                               DensityGradSums<T>& sums, T scale) {
   if constexpr (TK > 1)
     if (rest < TK)
-      return density_grad_tiles<TK - 1>(arch, rest, first, last, p, k0, m0, x, ldx, w, ldw, n, acc,
-                                        ldacc, sums, scale);
+      return density_grad_tiles<TK - 1, TM>(arch, rest, first, last, p, k0, m0, x, ldx, w, ldw, n,
+                                            acc, ldacc, sums, scale);
   if (first && last)
-    density_grad_tile<TK, true, true>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums, scale);
+    density_grad_tile<TK, TM, true, true>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums,
+                                          scale);
   else if (first)
-    density_grad_tile<TK, true, false>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums, scale);
+    density_grad_tile<TK, TM, true, false>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums,
+                                           scale);
   else if (last)
-    density_grad_tile<TK, false, true>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums, scale);
+    density_grad_tile<TK, TM, false, true>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums,
+                                           scale);
   else
-    density_grad_tile<TK, false, false>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums,
-                                        scale);
+    density_grad_tile<TK, TM, false, false>(arch, p, k0, m0, x, ldx, w, ldw, n, acc, ldacc, sums,
+                                            scale);
 }
 
-/// Register tile of the backward kernel: 4 TK registers (a, b and two sums per component) plus
-/// x, two dx partials and temporaries must fit the register file: 6 is the largest whose 4 TK + 6
-/// registers fit in 32, and larger tiles gain nothing (bench/results/tuning.md, "Log-density
-/// backward register tile").
+/// Register tile of the backward kernel: components by registers of dims. Each (component,
+/// register) holds a, b and two sums, beside x, the dx partials and temporaries. 32 registers:
+/// 6 components by one register (4 x 6 + 6 of 32; larger tiles gain nothing:
+/// bench/results/tuning.md, "Log-density backward register tile"). 16 registers: one component
+/// by two registers (4 x 2 + 6 of 16), so that each weight's broadcast serves two registers
+/// (2 components by one register broadcast once a register, and ran ~5% slower on Zen 3).
 template <class Arch>
 struct DensityGradTile {
-  static constexpr int components = simd_registers<Arch>() >= 32 ? 6 : 2;
+  static constexpr int components = simd_registers<Arch>() >= 32 ? 6 : 1;
+  static constexpr int dim_registers = simd_registers<Arch>() >= 32 ? 1 : 2;
 };
 #endif
 
 /// Scalar twin of the backward kernel (also the fallback without SIMD), same arguments.
-template <class T, class W>
+template <class T>
 inline void density_grad_scalar(const PackedDensityDims<T>& p, const T* x, Index ldx, const T* w,
-                                Index ldw, Index n, T* acc, Index ldacc, DensityGradSums<W>& sums) {
+                                Index ldw, Index n, T* acc, Index ldacc, DensityGradSums<T>& sums) {
+  using W = wide_t<T>;
   const Index K = p.components, rp = p.padded_dim;
   for (Index k = 0; k < K; ++k)
     for (Index m = 0; m < p.dim; ++m) {
@@ -789,25 +842,35 @@ inline void density_grad_scalar(const PackedDensityDims<T>& p, const T* x, Index
     }
 }
 
-/// Backward through the log-density for n tokens (one panel, a few hundred rows at most so that
-/// the in-panel sums stay short): acc_im = scale sum_k a_km w_ik t_ikm over the first `dim`
-/// entries of each row (scale = -2 gives dx), and the token sums go to `sums` (sums.w is the
-/// caller's: it needs no kernel). x is n x padded_dim with zeros beyond dim, acc n x padded_dim
+/// Backward through the log-density for n tokens (one panel, at most density_grad_fold_tokens
+/// rows so that the sums in T stay short): acc_im = scale sum_k a_km w_ik t_ikm over the first
+/// `dim` entries of each row (scale = -2 gives dx), and the token sums go to `sums` (sums.w is
+/// the caller's: it needs no kernel; the others wait in T until sums.fold(), which this call
+/// makes first if the n tokens would take them past density_grad_fold_tokens, and
+/// density_grad_finish last). x is n x padded_dim with zeros beyond dim, acc n x padded_dim
 /// (strides ldx, ldacc; both n x dim when dim is a whole number of registers); w = dS is n x K.
-template <class Arch, class T, class W>
+template <class Arch, class T>
 inline void density_grad_into(Arch arch, const PackedDensityDims<T>& p, const T* x, Index ldx,
                               const T* w, Index ldw, Index n, T* acc, Index ldacc,
-                              DensityGradSums<W>& sums, T scale) {
+                              DensityGradSums<T>& sums, T scale) {
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
-    constexpr int TK = DensityGradTile<Arch>::components;
+    if (sums.part_tokens + n > density_grad_fold_tokens) sums.fold();
+    sums.part_tokens += n;
+    constexpr int TK = DensityGradTile<Arch>::components, TM = DensityGradTile<Arch>::dim_registers;
     constexpr Index Wd = static_cast<Index>(simd_width<Arch, T>::value);
     const Index K = p.components;
     for (Index k0 = 0; k0 < K; k0 += TK) {
       const Index rest = std::min<Index>(TK, K - k0);
-      for (Index m0 = 0; m0 < p.padded_dim; m0 += Wd)
-        density_grad_tiles<TK>(arch, rest, k0 == 0, k0 + TK >= K, p, k0, m0, x, ldx, w, ldw, n, acc,
-                               ldacc, sums, scale);
+      const bool first = k0 == 0, last = k0 + TK >= K;
+      Index m0 = 0;
+      for (; m0 + TM * Wd <= p.padded_dim; m0 += TM * Wd)
+        density_grad_tiles<TK, TM>(arch, rest, first, last, p, k0, m0, x, ldx, w, ldw, n, acc,
+                                   ldacc, sums, scale);
+      if constexpr (TM > 1)
+        for (; m0 < p.padded_dim; m0 += Wd)
+          density_grad_tiles<TK, 1>(arch, rest, first, last, p, k0, m0, x, ldx, w, ldw, n, acc,
+                                    ldacc, sums, scale);
     }
     return;
   }
@@ -824,9 +887,11 @@ inline void density_grad_into(Arch arch, const PackedDensityDims<T>& p, const T*
 /// dvar holds d var_raw = dvar . sigmoid(var_raw) instead, with the factor sigmoid(var_raw) /
 /// (2 var) formed first: it is at most 1/2 (sigmoid <= softplus), while a^2 alone overflows W
 /// for a variance at a tiny var_floor that a very negative var_raw leaves, where d var_raw is ~0.
-template <class W, class T = W>
-void density_grad_finish(const MixtureConstants<W>& c, const DensityGradSums<W>& sums,
-                         Matrix<W>& dmu, Matrix<W>& dvar, const Matrix<T>* var_raw = nullptr) {
+template <class W, class T>
+void density_grad_finish(const MixtureConstants<W>& c, DensityGradSums<T>& sums, Matrix<W>& dmu,
+                         Matrix<W>& dvar, const Matrix<T>* var_raw = nullptr) {
+  static_assert(std::is_same<W, wide_t<T>>::value, "the sums are in wide_t<T>");
+  sums.fold();
   const Index K = c.var.rows(), r = c.var.cols();
   dmu.resize(K, r);
   dvar.resize(K, r);
