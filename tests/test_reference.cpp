@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -527,6 +528,52 @@ void expect_many_matches_single(const std::vector<float>& x, bool in_range) {
                         << one[first];
 }
 
+/// fast_exp_nonpositive_flush_many<N> against fast_exp_nonpositive_many<N> on the registers of x:
+/// the same bits, except a 0 where the latter is below 2^-127; with subnormals flushed
+/// (FlushSubnormals, as the kernels run), the same bits everywhere. NaN for NaN.
+template <int N>
+void expect_flush_matches(const std::vector<float>& x) {
+  SCOPED_TRACE("N = " + std::to_string(N));
+  using Arch = mixattn::detail::simd_arch;
+  using B = xsimd::batch<float, Arch>;
+  const size_t w = B::size, chunk = N * w;
+  std::vector<float> in(x);
+  in.resize((x.size() + chunk - 1) / chunk * chunk, -1.0f);
+  for (bool flushed : {false, true}) {
+    SCOPED_TRACE(flushed ? "subnormals flushed" : "subnormals kept");
+    std::vector<float> plain(in.size()), flush(in.size());
+    {
+      std::unique_ptr<mixattn::detail::FlushSubnormals> scope;
+      if (flushed) scope = std::make_unique<mixattn::detail::FlushSubnormals>();
+      for (size_t i = 0; i < in.size(); i += chunk) {
+        B a[N], b[N];
+        for (int k = 0; k < N; ++k) a[k] = b[k] = B::load_unaligned(in.data() + i + k * w);
+        mixattn::detail::fast_exp_nonpositive_many<N, Arch>(a);
+        mixattn::detail::fast_exp_nonpositive_flush_many<N, Arch>(b);
+        for (int k = 0; k < N; ++k) {
+          a[k].store_unaligned(plain.data() + i + k * w);
+          b[k].store_unaligned(flush.data() + i + k * w);
+        }
+      }
+    }
+    size_t differ = 0, first = 0, zeroed = 0;
+    for (size_t i = 0; i < in.size(); ++i) {
+      bool same = std::isnan(plain[i]) ? std::isnan(flush[i])
+                                       : std::memcmp(&plain[i], &flush[i], sizeof(float)) == 0;
+      if (!same && !flushed && flush[i] == 0.0f && !std::signbit(flush[i]) &&
+          plain[i] < std::ldexp(1.0f, -127)) {
+        same = true;
+        ++zeroed;
+      }
+      if (!same && differ++ == 0) first = i;
+    }
+    EXPECT_EQ(differ, 0u) << "first at x = " << in[first] << ": " << flush[first] << " vs "
+                          << plain[first];
+    if (!flushed && std::numeric_limits<float>::has_denorm == std::denorm_present)
+      EXPECT_GT(zeroed, 0u);  // the sweep reaches below 2^-127 (and the check can tell)
+  }
+}
+
 // widened_halves_sum against add_wide into a zero accumulator (the same value, bit for bit),
 // for float (two conversions and one add) and double (the register itself).
 template <class T>
@@ -555,6 +602,24 @@ void check_widened_halves_sum() {
 TEST(FastExp, WidenedHalvesSumMatchesAddWide) {
   check_widened_halves_sum<float>();
   check_widened_halves_sum<double>();
+}
+
+// GMA's softmax exp (2^n in one factor, results below 2^-127 zero) against the multi-register exp,
+// on the nonpositive sweep of the test below and its special values.
+TEST(FastExp, FlushVariantIsTheExpOrZeroBelowTwoToMinus127) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> x;
+  const int steps = 400000;
+  for (int i = 0; i <= steps; ++i) x.push_back(float(-110.0 * i / steps));
+  for (float v :
+       {0.0f, -0.0f, -1e-30f, -0.3465736f, -87.33654f, -87.33655f, -88.0297f, -88.0298f, -88.72284f,
+        -88.72283f, -103.2789f, -103.9721f, -104.0f, -200.0f, -1e10f, -inf, nan, -nan})
+    x.push_back(v);
+  expect_flush_matches<1>(x);
+  expect_flush_matches<3>(x);
+  expect_flush_matches<4>(x);
+  expect_flush_matches<8>(x);
 }
 
 // The multi-register exp of the softmax passes against the one-register exp, on the sweep of

@@ -300,8 +300,10 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> pairwise_sum(const xsimd::batch<
 }
 
 /// Responsibilities of TI tokens when the whole padded row is TK registers (K <= TK lanes): the
-/// log-density tile's accumulators go through the softmax (softmax.hpp's row: same exp, same
-/// exact max; the sum in W, each lane's registers added in float first) without leaving
+/// log-density tile's accumulators go through the softmax (softmax.hpp's row: same exact max,
+/// the same exp in float but for results below 2^-127, which are 0 here as when subnormals are
+/// flushed (fast_exp_nonpositive_flush_many); the sum in W, each lane's registers added in float
+/// first) without leaving
 /// registers, and gamma goes straight to out (stride ldo, K entries a row). The arithmetic of a
 /// token does not depend on TI (bitwise), so the tile a token falls in does not matter. Returns
 /// a bit mask of the tokens whose softmax failed (no finite max, or a NaN logit, padding
@@ -347,7 +349,8 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
   }
   BW sum[TI];
   if constexpr (std::is_same<T, float>::value) {
-    // exp_shifted of the whole tile, exp_interleave registers in lockstep (the same bits). Each
+    // exp_shifted of the whole tile (its bits, but 0 below 2^-127: the forward flushes those
+    // anyway), exp_interleave registers in lockstep. Each
     // token's registers are then added in float, pairwise, before one widening: each lane's
     // group of at most 4 terms in [0, 1] is within 2 eps of its exact sum, and the sum over
     // lanes is wide. Against exp_shifted and add_wide register by register, the epilogue went
@@ -359,8 +362,8 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
       for (int j = 0; j < TK; ++j) acc[i][j] = acc[i][j] - shift[i];
     constexpr int N = TI * TK, G = std::min(exp_interleave<Arch>(), N);
 #pragma GCC unroll 32
-    for (int g = 0; g + G <= N; g += G) fast_exp_nonpositive_many<G, Arch>(&acc[0][0] + g);
-    if constexpr (N % G != 0) fast_exp_nonpositive_many<N % G, Arch>(&acc[0][0] + N / G * G);
+    for (int g = 0; g + G <= N; g += G) fast_exp_nonpositive_flush_many<G, Arch>(&acc[0][0] + g);
+    if constexpr (N % G != 0) fast_exp_nonpositive_flush_many<N % G, Arch>(&acc[0][0] + N / G * G);
 #pragma GCC unroll 32
     for (int i = 0; i < TI; ++i) {
       sum[i] = widened_halves_sum<Arch, T>(pairwise_sum<TK, Arch>(acc[i]));
@@ -396,7 +399,8 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
 }
 
 /// e[0 .. R) = exp(e - shift) in place, stored back to s (R registers from s), and their float
-/// pairwise sum widened into sum: one group of a token's exp pass.
+/// pairwise sum widened into sum: one group of a token's exp pass (results below 2^-127 are 0:
+/// fast_exp_nonpositive_flush_many).
 template <int R, class Arch>
 MIXATTN_ALWAYS_INLINE void exp_group(float* s, const xsimd::batch<float, Arch>& shift,
                                      xsimd::batch<double, Arch>& sum) {
@@ -405,7 +409,7 @@ MIXATTN_ALWAYS_INLINE void exp_group(float* s, const xsimd::batch<float, Arch>& 
   B e[R];
 #pragma GCC unroll 4
   for (int g = 0; g < R; ++g) e[g] = B::load_unaligned(s + g * Wd) - shift;
-  fast_exp_nonpositive_many<R, Arch>(e);
+  fast_exp_nonpositive_flush_many<R, Arch>(e);
 #pragma GCC unroll 4
   for (int g = 0; g < R; ++g) e[g].store_unaligned(s + g * Wd);
   sum += widened_halves_sum<Arch, float>(pairwise_sum<R, Arch>(e));
