@@ -52,14 +52,16 @@ constexpr Index gma_causal_block = 256;
 constexpr Index gma_backward_panel = 256;
 
 /// The panel for Arch: with 16 registers the kernel's tile holds one component (by two registers
-/// of dims), so each register of x and dx passes through it K times a panel; 32 rows keep both in
-/// L1 (16 KiB at r = 64 in float), where 256 rows streamed them from L2 at the rate of its
-/// bandwidth (bench/results/tuning.md, "Register tiles on 16 registers"). The kernel's sums in T
-/// run over several such panels (density_grad_fold_tokens).
+/// of dims), so each register of x and dx passes through it K times a panel; 30 rows keep both in
+/// L1 (15 KiB at r = 64 in float), where 256 rows streamed them from L2 at the rate of its
+/// bandwidth (bench/results/tuning.md, "Register tiles on 16 registers"), and are whole 5-row
+/// tiles of the panel's reads and writes (row_tile_tokens), which a 32-row panel ended with a
+/// 2-row tile of a third of the FMA chains: per row 4% slower reads and 3% slower writes (Zen 3).
+/// The kernel's sums in T run over several such panels (density_grad_fold_tokens).
 template <class Arch>
 constexpr Index gma_backward_panel_rows() {
   return !std::is_same<Arch, scalar_arch>::value && simd_registers<Arch>() < 32
-             ? 32
+             ? 30
              : gma_backward_panel;
 }
 
