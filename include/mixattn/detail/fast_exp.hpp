@@ -90,17 +90,22 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> fast_exp_in_range(
   return times_two_to_n<Arch>(p, t);
 }
 
-/// fast_exp_in_range of x[0 .. N) in place, bit for bit, written stage by stage across the N
-/// registers (every t, then every n, every r, each Horner step, every scaling). One register's
-/// exp is a chain of ~10 dependent FMAs (4 cycles each), and the compiler keeps source order: in
-/// a loop over registers the core does not overlap enough of the chains. Zen 5, a pass over 256
-/// registers in L1: fast_exp_nonpositive register by register 6.3-6.6 cycles per register, 4 or 8
-/// registers in lockstep 5.6-6.0, 16 (spilled) 8.1; the FMA ports' bound is 4.5 (9 FMAs).
+/// fast_exp_in_range's stages before its scaling, for x[0 .. N) stage by stage across the N
+/// registers (every t, then every n, every r, each Horner step): t = x log2 e + magic, n = t -
+/// magic, r = x - n ln2, and p = c (1 + r + r^2 P(r)), the Horner steps on coefficients times c
+/// (c = 1, or 1/2: halving commutes with rounding, so c p exactly). One register's exp is a chain
+/// of ~10 dependent FMAs (4 cycles each), and the compiler keeps source order: in a loop over
+/// registers the core does not overlap enough of the chains. Zen 5, a pass over 256 registers in
+/// L1: fast_exp_nonpositive register by register 6.3-6.6 cycles per register, 4 or 8 registers
+/// in lockstep 5.6-6.0, 16 (spilled) 8.1; the FMA ports' bound is 4.5 (9 FMAs).
 template <int N, class Arch>
-MIXATTN_ALWAYS_INLINE void fast_exp_in_range_many(xsimd::batch<float, Arch>* x) {
+MIXATTN_ALWAYS_INLINE void fast_exp_poly_many(const xsimd::batch<float, Arch>* x, float magic_value,
+                                              float c, xsimd::batch<float, Arch>* t,
+                                              xsimd::batch<float, Arch>* n,
+                                              xsimd::batch<float, Arch>* p) {
   using B = xsimd::batch<float, Arch>;
-  const B magic(exp_round_magic);
-  B t[N], n[N], r[N], p[N];
+  const B magic(magic_value);
+  B r[N];
 #pragma GCC unroll 32
   for (int k = 0; k < N; ++k) t[k] = xsimd::fma(x[k], B(1.44269504088896341f), magic);
 #pragma GCC unroll 32
@@ -110,17 +115,27 @@ MIXATTN_ALWAYS_INLINE void fast_exp_in_range_many(xsimd::batch<float, Arch>* x) 
 #pragma GCC unroll 32
   for (int k = 0; k < N; ++k) r[k] = fnma_one_rounding<Arch>(n[k], B(-2.12194440e-4f), r[k]);
 #pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(B(1.3927690538e-3f), r[k], B(8.3643854334e-3f));
+  for (int k = 0; k < N; ++k)
+    p[k] = xsimd::fma(B(c * 1.3927690538e-3f), r[k], B(c * 8.3643854334e-3f));
 #pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(4.1666545384e-2f));
+  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(c * 4.1666545384e-2f));
 #pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(1.6666569599e-1f));
+  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(c * 1.6666569599e-1f));
 #pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(0.5f));
+  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(c * 0.5f));
 #pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(1.0f));
+  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(c));
 #pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(1.0f));
+  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(c));
+}
+
+/// fast_exp_in_range of x[0 .. N) in place, bit for bit, stage by stage (fast_exp_poly_many,
+/// then every scaling).
+template <int N, class Arch>
+MIXATTN_ALWAYS_INLINE void fast_exp_in_range_many(xsimd::batch<float, Arch>* x) {
+  using B = xsimd::batch<float, Arch>;
+  B t[N], n[N], p[N];
+  fast_exp_poly_many<N, Arch>(x, exp_round_magic, 1.0f, t, n, p);
 #if XSIMD_WITH_AVX512F
   if constexpr (std::is_base_of<xsimd::avx512f, Arch>::value) {
 #pragma GCC unroll 32
@@ -187,33 +202,11 @@ MIXATTN_ALWAYS_INLINE void fast_exp_nonpositive_flush_many(xsimd::batch<float, A
 #endif
   using B = xsimd::batch<float, Arch>;
   using I = xsimd::batch<std::int32_t, Arch>;
-  // 1.5 * 2^23 + 128: even, as exp_round_magic, so ties round to the same n
-  const B magic(12583040.0f);
-  B t[N], n[N], r[N], p[N];
+  B t[N], n[N], p[N];
 #pragma GCC unroll 32
   for (int k = 0; k < N; ++k) x[k] = xsimd::max(B(-104.0f), x[k]);
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) t[k] = xsimd::fma(x[k], B(1.44269504088896341f), magic);
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) n[k] = t[k] - magic;
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) r[k] = fnma_one_rounding<Arch>(n[k], B(0.693359375f), x[k]);
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) r[k] = fnma_one_rounding<Arch>(n[k], B(-2.12194440e-4f), r[k]);
-    // fast_exp_in_range's coefficients halved
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k)
-    p[k] = xsimd::fma(B(0.5f * 1.3927690538e-3f), r[k], B(0.5f * 8.3643854334e-3f));
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(0.5f * 4.1666545384e-2f));
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(0.5f * 1.6666569599e-1f));
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(0.25f));
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(0.5f));
-#pragma GCC unroll 32
-  for (int k = 0; k < N; ++k) p[k] = xsimd::fma(p[k], r[k], B(0.5f));
+  // 1.5 * 2^23 + 128: even, as exp_round_magic, so ties round to the same n; p / 2
+  fast_exp_poly_many<N, Arch>(x, 12583040.0f, 0.5f, t, n, p);
   // t's bits are 0x4B400000 + u, u = n + 128 in [-22, 128]; below 0x4B400000 the clamp makes
   // u = 0; the shift by 23 drops the constant's bits (its low 22 are zero, bit 22 goes past 31)
   const I base(0x4B400000);
