@@ -569,8 +569,9 @@ void expect_flush_matches(const std::vector<float>& x) {
     }
     EXPECT_EQ(differ, 0u) << "first at x = " << in[first] << ": " << flush[first] << " vs "
                           << plain[first];
-    if (!flushed && std::numeric_limits<float>::has_denorm == std::denorm_present)
+    if (!flushed && std::numeric_limits<float>::has_denorm == std::denorm_present) {
       EXPECT_GT(zeroed, 0u);  // the sweep reaches below 2^-127 (and the check can tell)
+    }
   }
 }
 
