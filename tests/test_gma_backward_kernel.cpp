@@ -263,7 +263,7 @@ TYPED_TEST(GmaBackwardKernel, ShortPanelsFoldTheirSumsInTime) {
     EXPECT_LE(sums.part_tokens, detail::density_grad_fold_tokens);
     if (sums.part_tokens < before + rows) ++folds;
   }
-  EXPECT_GE(folds, 3);  // 1000 tokens in sums of at most 256 (none on the scalar fallback)
+  EXPECT_GE(folds, 3);  // 1000 tokens in sums of at most 256
   Matrix<W> dmu, dvar;
   detail::density_grad_finish(c, sums, dmu, dvar);
   EXPECT_EQ(sums.part_tokens, 0);
