@@ -37,6 +37,11 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> fnma_one_rounding(
 /// integer the FMA already made.
 constexpr float exp_round_magic = 12583166.0f;
 
+/// 1.5 * 2^23 + 128, for the one-factor scaling of fast_exp_nonpositive_flush_many: the same
+/// rounding to n (even as well), and t's bits 0x4B400000 + u with u = n + 128, the biased
+/// exponent of 2^(n + 1).
+constexpr float exp_round_magic_flush = 12583040.0f;
+
 /// p 2^n from t = n + exp_round_magic (n in [-150, 128]), without AVX-512's scalef: 2^n as two
 /// normal factors 2^n1 2^n2, n1 = floor(n / 2) and n2 = n - n1 in [-75, 64], so that p 2^n1 is
 /// exact and the second product rounds once (to a subnormal, or to inf). Their biased exponents
@@ -205,8 +210,7 @@ MIXATTN_ALWAYS_INLINE void fast_exp_nonpositive_flush_many(xsimd::batch<float, A
   B t[N], n[N], p[N];
 #pragma GCC unroll 32
   for (int k = 0; k < N; ++k) x[k] = xsimd::max(B(-104.0f), x[k]);
-  // 1.5 * 2^23 + 128: even, as exp_round_magic, so ties round to the same n; p / 2
-  fast_exp_poly_many<N, Arch>(x, 12583040.0f, 0.5f, t, n, p);
+  fast_exp_poly_many<N, Arch>(x, exp_round_magic_flush, 0.5f, t, n, p);  // p / 2
   // t's bits are 0x4B400000 + u, u = n + 128 in [-22, 128]; below 0x4B400000 the clamp makes
   // u = 0; the shift by 23 drops the constant's bits (its low 22 are zero, bit 22 goes past 31)
   const I base(0x4B400000);

@@ -256,14 +256,6 @@ inline void read_rows(const ReadSources<T>& s, Index d_v, const T* den, T* out, 
     }
 }
 
-/// f(std::integral_constant<int, rows>) for a run-time rows in [1, R].
-template <int R, class F>
-inline void with_rows(Index rows, F&& f) {
-  if constexpr (R > 1)
-    if (rows < R) return with_rows<R - 1>(rows, std::forward<F>(f));
-  f(std::integral_constant<int, R>{});
-}
-
 /// s[0 .. W) += the lanes of x widened to wide_t<T>, and t[0 .. W) = the new values of s in T:
 /// one register of a chunk's update folded into a wide running state and its T copy.
 template <class Arch, class T>

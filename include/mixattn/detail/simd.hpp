@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <type_traits>
+#include <utility>
 
 #include "mixattn/core.hpp"
 
@@ -44,6 +45,15 @@ using simd_arch = scalar_arch;
 /// The best instruction set this translation unit is compiled for.
 using simd_arch = xsimd::default_arch;
 #endif
+
+/// f(std::integral_constant<int, rows>) for a run-time rows in [1, R]: a tile's count of rows
+/// (or registers) made a compile-time one.
+template <int R, class F>
+inline void with_rows(Index rows, F&& f) {
+  if constexpr (R > 1)
+    if (rows < R) return with_rows<R - 1>(rows, std::forward<F>(f));
+  f(std::integral_constant<int, R>{});
+}
 
 /// Lanes of one register of T for Arch (1 for the scalar fallback).
 template <class Arch, class T, class = void>

@@ -291,14 +291,6 @@ MIXATTN_ALWAYS_INLINE void add_rows_tile(const T* g, Index ldg, Index n, T* z) {
 #pragma GCC unroll 16
   for (int j = 0; j < NV; ++j) acc[j].store_unaligned(z + j * Wd);
 }
-
-/// add_rows_tile of `regs` <= NV registers (a run-time count, at least 1).
-template <int NV, class Arch, class T>
-inline void add_rows_tiles(Index regs, const T* g, Index ldg, Index n, T* z) {
-  if constexpr (NV > 1)
-    if (regs < NV) return add_rows_tiles<NV - 1, Arch>(regs, g, ldg, n, z);
-  add_rows_tile<NV, Arch>(g, ldg, n, z);
-}
 #endif
 
 /// z[j] += sum_i g[i * ldg + j] for j < K over n rows, each in row order: each register of z
@@ -315,7 +307,8 @@ inline void add_rows(Arch, const T* g, Index ldg, Index n, Index K, T* z) {
     for (; j + NV * Wd <= K; j += NV * Wd) add_rows_tile<NV, Arch>(g + j, ldg, n, z + j);
     if (j + Wd <= K) {
       const Index regs = (K - j) / Wd;
-      add_rows_tiles<NV - 1, Arch>(regs, g + j, ldg, n, z + j);
+      with_rows<NV - 1>(
+          regs, [&](auto nv) { add_rows_tile<decltype(nv)::value, Arch>(g + j, ldg, n, z + j); });
       j += regs * Wd;
     }
   }
