@@ -7,9 +7,12 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -162,6 +165,54 @@ TYPED_TEST(GmaState, RejectsNonCausalMismatchedAndNonFiniteStates) {
 
 /// Three pieces, backward in reverse (each fed its successor's grad.state) against one call:
 /// every gradient.
+// The state's finiteness probe (detail::finite_probe over contiguous scalars, 32 sums side by
+// side) against Eigen's sum of x * 0, its slow twin, and through a decoding step: a state with
+// one inf or NaN anywhere (the unrolled part, the tail past the last 32, z) is rejected before
+// anything changes; a finite state of any size passes.
+TEST(GmaStateCheck, FiniteProbeFindsEveryNonFiniteEntry) {
+  using W = double;
+  for (Index n : {0, 1, 31, 32, 33, 64, 100, 4096 + 5}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n);
+    Vector<W> x = random_matrix<W>(n, 1, 40 + n, 1e300).col(0);
+    EXPECT_EQ(detail::finite_probe(x.data(), n), W(0));
+    EXPECT_EQ((x.array() * W(0)).sum(), W(0));
+    for (Index at : {Index(0), n / 2, n - 1}) {
+      if (n == 0) break;
+      for (W bad : {std::numeric_limits<W>::infinity(), -std::numeric_limits<W>::infinity(),
+                    std::numeric_limits<W>::quiet_NaN()}) {
+        Vector<W> y = x;
+        y(at) = bad;
+        EXPECT_TRUE(std::isnan(detail::finite_probe(y.data(), n))) << "at " << at;
+        EXPECT_TRUE(std::isnan((y.array() * W(0)).sum())) << "at " << at;
+      }
+    }
+  }
+  // K x d_v = 35 (one round of 32 and a tail of 3) and 4096 (a decoding step's state)
+  for (const auto& kd : {std::pair<Index, Index>{7, 5}, std::pair<Index, Index>{64, 64}}) {
+    const Index K = kd.first, dv = kd.second, r = 4;
+    SCOPED_TRACE(::testing::Message() << "K " << K << " d_v " << dv);
+    const gma::Mixture<float> mix = test_mixture<float>(K, r, 50 + K);
+    const gma::Prepared<float> prep(mix);
+    const Matrix<float> q = random_matrix<float>(9, r, 51), v = random_matrix<float>(9, dv, 52);
+    gma::Options opt;
+    opt.causal = true;
+    gma::State<float> st = gma::State<float>::empty(K, dv);
+    gma::forward(prep, q.topRows(8), q.topRows(8), v.topRows(8), opt, st);
+    for (Index at : {Index(0), K * dv / 2, K * dv - 33, K * dv - 1, K * dv + K - 1}) {
+      SCOPED_TRACE(::testing::Message() << "entry " << at);
+      gma::State<float> bad = st;
+      double& e = at < K * dv ? bad.S.data()[at] : bad.z(at - K * dv);
+      e = std::numeric_limits<double>::infinity();
+      const gma::State<float> before = bad;
+      EXPECT_THROW(gma::forward(prep, q.row(8), q.row(8), v.row(8), opt, bad), std::domain_error);
+      EXPECT_TRUE(bad.S == before.S && bad.z == before.z && bad.tokens_seen == before.tokens_seen);
+    }
+    gma::State<float> good = st;
+    EXPECT_NO_THROW(gma::forward(prep, q.row(8), q.row(8), v.row(8), opt, good));
+    EXPECT_EQ(good.tokens_seen, 9);
+  }
+}
+
 TEST(GmaStateGrad, PiecesBackwardEqualsOneCall) {
   using T = double;
   const Index N = 90, K = 6, r = 4, dv = 5;

@@ -346,6 +346,22 @@ inline typename Derived::Scalar finite_probe(const Eigen::DenseBase<Derived>& x)
   return probe;
 }
 
+/// finite_probe of n contiguous scalars: the same 0 or NaN, in 32 independent sums (x * 0 + acc,
+/// exact, each one FMA where the compiler fuses them), where Eigen's sum has two: over a decoding
+/// step's K x d_v state (AVX2, K = d_v = 64) its latency chain took 30% of the step.
+template <class S>
+inline S finite_probe(const S* x, Index n) {
+  constexpr int L = 32;
+  S acc[L] = {};
+  Index i = 0;
+  for (; i + L <= n; i += L)
+    for (int j = 0; j < L; ++j) acc[j] += x[i + j] * S(0);
+  for (; i < n; ++i) acc[0] += x[i] * S(0);
+  S probe = S(0);
+  for (int j = 0; j < L; ++j) probe += acc[j];
+  return probe;
+}
+
 /// Whether every entry of x is finite.
 template <class Derived>
 inline bool all_finite(const Eigen::DenseBase<Derived>& x) {

@@ -141,14 +141,10 @@ void gma_check_state(const char* fn, const gma::State<T>& st, Index K, Index d_v
           "state.tokens_seen is ", st.tokens_seen, "; with ", n,
           " more tokens it must stay in [0, max Index]");
   if (opt.check_finite) {
-    // One vectorised probe over the contiguous state (x * 0 is 0 only for finite x); the
-    // row-wise scan that names the entry runs only on failure.
+    // One probe over the contiguous state (x * 0 is 0 only for finite x); the row-wise scan
+    // that names the entry runs only on failure.
     using W = wide_t<T>;
-    const W probe =
-        (Eigen::Map<const Eigen::Matrix<W, 1, Eigen::Dynamic>>(st.S.data(), st.S.size()).array() *
-         W(0))
-            .sum() +
-        (st.z.array() * W(0)).sum();
+    const W probe = finite_probe(st.S.data(), st.S.size()) + finite_probe(st.z.data(), st.z.size());
     if (probe == W(0)) return;
     require_finite(st.S, fn, "state.S");
     require_finite(st.z, fn, "state.z");

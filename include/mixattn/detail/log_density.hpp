@@ -271,17 +271,16 @@ inline void log_density_tile(Arch, const PackedDensity<T>& p, const T* x, Index 
   }
 }
 
-/// All component vectors for TI tokens: full TK groups, then the remainder group.
+/// The component vectors from v0 on for TI tokens: full TK groups, then the rest in groups of
+/// TK / 2, TK / 4, ... (a token's arithmetic does not depend on the group it falls in: bitwise).
 template <int TI, int TK, class Arch, class T>
 inline void log_density_rows(Arch arch, const PackedDensity<T>& p, const T* x, Index ldx, T* s,
-                             Index lds) {
+                             Index lds, Index v0 = 0) {
   const Index kv = p.padded / p.width;
-  Index v = 0;
+  Index v = v0;
   for (; v + TK <= kv; v += TK) log_density_tile<TI, TK>(arch, p, x, ldx, v, s, lds);
-  if constexpr (TK > 2)
-    for (; v + 2 <= kv; v += 2) log_density_tile<TI, 2>(arch, p, x, ldx, v, s, lds);
   if constexpr (TK > 1)
-    for (; v < kv; ++v) log_density_tile<TI, 1>(arch, p, x, ldx, v, s, lds);
+    if (v < kv) log_density_rows<TI, TK / 2>(arch, p, x, ldx, s, lds, v);
 }
 
 /// a[0] + ... + a[R-1] in float, pairwise: a token's exponentials, each lane's group of at most 4
@@ -555,6 +554,10 @@ template <class Arch>
 struct DensityTile {
   static constexpr int tokens = 5;
   static constexpr int vectors = simd_registers<Arch>() >= 32 ? 4 : 2;
+  // A lone token (the tail of a call, every call of a decoding step): half the registers as
+  // accumulators, so that its FMA chains (one per component vector, each m after the last) are
+  // enough to cover the FMA latency, where `vectors` alone left it latency-bound.
+  static constexpr int single_token_vectors = simd_registers<Arch>() / 2;
 };
 
 /// gamma (n x K, row-major, stride ldo) of the n rows of x (stride ldx). Rows whose
@@ -611,8 +614,9 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
       log_density_rows<TI, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
       softmax(std::integral_constant<int, TI>{}, i);
     }
-    for (; i < n; ++i) {  // token tail: one row at a time
-      log_density_rows<1, TK>(arch, p, x + i * ldx, ldx, scratch.data(), P);
+    for (; i < n; ++i) {  // token tail (and a decoding step): one row at a time
+      log_density_rows<1, DensityTile<Arch>::single_token_vectors>(arch, p, x + i * ldx, ldx,
+                                                                   scratch.data(), P);
       softmax(std::integral_constant<int, 1>{}, i);
     }
     return failed;
