@@ -163,8 +163,6 @@ TYPED_TEST(GmaState, RejectsNonCausalMismatchedAndNonFiniteStates) {
   EXPECT_THROW(gma::backward(mix, q, q, v, dout, cont, opt, &gs), std::domain_error);
 }
 
-/// Three pieces, backward in reverse (each fed its successor's grad.state) against one call:
-/// every gradient.
 // The state's finiteness probe (detail::finite_probe over contiguous scalars, 32 sums side by
 // side) against Eigen's sum of x * 0, its slow twin, and through a decoding step: a state with
 // one inf or NaN anywhere (the unrolled part, the tail past the last 32, z) is rejected before
@@ -213,6 +211,8 @@ TEST(GmaStateCheck, FiniteProbeFindsEveryNonFiniteEntry) {
   }
 }
 
+/// Three pieces, backward in reverse (each fed its successor's grad.state) against one call:
+/// every gradient.
 TEST(GmaStateGrad, PiecesBackwardEqualsOneCall) {
   using T = double;
   const Index N = 90, K = 6, r = 4, dv = 5;
