@@ -211,6 +211,43 @@ TEST(GmaStateCheck, FiniteProbeFindsEveryNonFiniteEntry) {
   }
 }
 
+/// finite_probe of a matrix expression: contiguous ones (a whole matrix of either storage order,
+/// whole rows of a row-major one, a map) in one pointer probe, the others row by row. Each sees
+/// every non-finite entry of its own and none of the parent's outside it.
+TEST(GmaStateCheck, FiniteProbeOfBlocksSeesExactlyTheirEntries) {
+  using T = float;
+  const T inf = std::numeric_limits<T>::infinity();
+  const Matrix<T> base = random_matrix<T>(9, 37, 60);  // 37 columns: a round of 32 and a tail
+  const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> col_major = base;
+  EXPECT_EQ(detail::finite_probe(base), T(0));
+  EXPECT_EQ(detail::finite_probe(col_major), T(0));
+  for (Index i = 0; i < base.rows(); ++i)
+    for (Index j = 0; j < base.cols(); ++j) {
+      SCOPED_TRACE(::testing::Message() << "entry (" << i << ", " << j << ")");
+      Matrix<T> m = base;
+      m(i, j) = inf;
+      Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic> c = col_major;
+      c(i, j) = std::numeric_limits<T>::quiet_NaN();
+      EXPECT_TRUE(std::isnan(detail::finite_probe(m)));
+      EXPECT_TRUE(std::isnan(detail::finite_probe(c)));
+      // rows 2 .. 6 (contiguous), columns 3 .. 33 (strided rows), the same columns as a map
+      const bool in_rows = i >= 2 && i < 7, in_cols = j >= 3 && j < 34;
+      EXPECT_EQ(std::isnan(detail::finite_probe(m.middleRows(2, 5))), in_rows);
+      EXPECT_EQ(std::isnan(detail::finite_probe(m.middleCols(3, 31))), in_cols);
+      EXPECT_EQ(std::isnan(detail::finite_probe(m.block(2, 3, 5, 31))), in_rows && in_cols);
+      EXPECT_EQ(std::isnan(detail::finite_probe(c.middleCols(3, 31))), in_cols);
+      EXPECT_EQ(std::isnan(detail::finite_probe(c.middleRows(2, 5))), in_rows);
+      const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> strided(
+          m.data() + 3, m.rows(), 31, Eigen::OuterStride<>(m.cols()));
+      EXPECT_EQ(std::isnan(detail::finite_probe(strided)), in_cols);
+      EXPECT_EQ(std::isnan(detail::finite_probe(m.row(i))), true);
+      EXPECT_EQ(std::isnan(detail::finite_probe(c.col(j))), true);
+      EXPECT_EQ(std::isnan(detail::finite_probe(m.col(j))), true);
+      EXPECT_EQ(std::isnan(detail::finite_probe(m.row((i + 1) % m.rows()))), false);
+      EXPECT_EQ(std::isnan(detail::finite_probe(c.col((j + 1) % c.cols()))), false);
+    }
+}
+
 /// Three pieces, backward in reverse (each fed its successor's grad.state) against one call:
 /// every gradient.
 TEST(GmaStateGrad, PiecesBackwardEqualsOneCall) {

@@ -335,18 +335,8 @@ const char* scalar_name() {
   return std::is_same<S, float>::value ? "float" : "double";
 }
 
-/// The sum of x * 0 over every entry: 0 when every entry is finite, NaN otherwise (inf * 0 and NaN
-/// are NaN). One vectorised pass, row by row so that any outer stride works; probes of blocks add
-/// up to the probe of their union.
-template <class Derived>
-inline typename Derived::Scalar finite_probe(const Eigen::DenseBase<Derived>& x) {
-  using S = typename Derived::Scalar;
-  S probe = S(0);
-  for (Index i = 0; i < x.rows(); ++i) probe += (x.derived().row(i).array() * S(0)).sum();
-  return probe;
-}
-
-/// finite_probe of n contiguous scalars: the same 0 or NaN, in 32 independent sums (x * 0 + acc,
+/// The sum of x * 0 over n contiguous scalars: 0 when every one is finite, NaN otherwise (inf * 0
+/// and NaN are NaN), in 32 independent sums (x * 0 + acc,
 /// exact, each one FMA where the compiler fuses them), where Eigen's sum has two: over a decoding
 /// step's K x d_v state (AVX2, K = d_v = 64) its latency chain took 30% of the step.
 template <class S>
@@ -359,6 +349,23 @@ inline S finite_probe(const S* x, Index n) {
   for (; i < n; ++i) acc[0] += x[i] * S(0);
   S probe = S(0);
   for (int j = 0; j < L; ++j) probe += acc[j];
+  return probe;
+}
+
+/// finite_probe over every entry of x: in one finite_probe(const S*, Index) when its entries are
+/// contiguous (a plain matrix, a block of whole rows of a row-major one, a contiguous map), else
+/// row by row with Eigen's sums so that any outer stride works. Probes of blocks add up to the
+/// probe of their union.
+template <class Derived>
+inline typename Derived::Scalar finite_probe(const Eigen::DenseBase<Derived>& x) {
+  using S = typename Derived::Scalar;
+  const Derived& d = x.derived();
+  if constexpr (bool(Derived::Flags & Eigen::DirectAccessBit)) {
+    if (d.innerStride() == 1 && (d.outerStride() == d.innerSize() || d.outerSize() <= 1))
+      return finite_probe(d.data(), d.size());
+  }
+  S probe = S(0);
+  for (Index i = 0; i < d.rows(); ++i) probe += (d.row(i).array() * S(0)).sum();
   return probe;
 }
 
