@@ -212,8 +212,9 @@ TEST(GmaStateCheck, FiniteProbeFindsEveryNonFiniteEntry) {
 }
 
 /// finite_probe of a matrix expression: contiguous ones (a whole matrix of either storage order,
-/// whole rows of a row-major one, a map) in one pointer probe, the others row by row. Each sees
-/// every non-finite entry of its own and none of the parent's outside it.
+/// whole rows of a row-major one, whole columns of a column-major one, one row or column) in one
+/// pointer probe, the others (columns of a row-major matrix, a strided map) row by row. Each
+/// sees every non-finite entry of its own and none of the parent's outside it.
 TEST(GmaStateCheck, FiniteProbeOfBlocksSeesExactlyTheirEntries) {
   using T = float;
   const T inf = std::numeric_limits<T>::infinity();

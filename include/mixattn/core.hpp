@@ -336,9 +336,9 @@ const char* scalar_name() {
 }
 
 /// The sum of x * 0 over n contiguous scalars: 0 when every one is finite, NaN otherwise (inf * 0
-/// and NaN are NaN), in 32 independent sums (x * 0 + acc,
-/// exact, each one FMA where the compiler fuses them), where Eigen's sum has two: over a decoding
-/// step's K x d_v state (AVX2, K = d_v = 64) its latency chain took 30% of the step.
+/// and NaN are NaN), in 32 independent sums (x * 0 + acc, exact, each one FMA where the compiler
+/// fuses them), where Eigen's sum has two: over a decoding step's K x d_v state (AVX2, K = d_v =
+/// 64) its latency chain took 30% of the step.
 template <class S>
 inline S finite_probe(const S* x, Index n) {
   constexpr int L = 32;
