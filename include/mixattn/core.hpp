@@ -295,46 +295,6 @@ void check_qkv_shapes(const char* fn, const ConstMatrixRef<T>& q, const ConstMat
           ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
 }
 
-/// Throws std::domain_error naming `arg` when any entry of `x` is NaN or infinite.
-template <class Derived>
-inline void require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, const char* arg) {
-  // Vectorised fast path: x * 0 is 0 for finite x and NaN otherwise, so one SIMD sum per row
-  // decides (rows are contiguous in the row-major views the library takes, whatever the outer
-  // stride). The locating scan below runs only when something is wrong.
-  using S = typename Derived::Scalar;
-  S probe = S(0);
-  bool whole = false;
-  if constexpr (bool(Derived::Flags & Eigen::DirectAccessBit) &&
-                (bool(Derived::IsRowMajor) || bool(Derived::IsVectorAtCompileTime))) {
-    // Contiguous storage (a Matrix or Vector, a Ref/Map without padding): one long SIMD sum,
-    // whose several accumulators hide the add latency that a sum per row exposes.
-    const bool contiguous = Derived::IsVectorAtCompileTime
-                                ? x.derived().innerStride() == 1
-                                : x.derived().outerStride() == x.cols() || x.rows() <= 1;
-    if (contiguous) {
-      probe = (Eigen::Map<const Eigen::Array<S, Eigen::Dynamic, 1>>(x.derived().data(), x.size()) *
-               S(0))
-                  .sum();
-      whole = true;
-    }
-  }
-  if (!whole)
-    for (Index i = 0; i < x.rows(); ++i) probe += (x.derived().row(i).array() * S(0)).sum();
-  if (probe == S(0)) return;
-  const Index rows = x.rows(), cols = x.cols();
-  for (Index i = 0; i < rows; ++i)
-    for (Index j = 0; j < cols; ++j)
-      if (!std::isfinite(static_cast<double>(x(i, j))))
-        raise_domain_error(concat(fn, ": ", arg, " has a non-finite entry at (", i, ", ", j,
-                                  ") of ", rows, " x ", cols));
-}
-
-/// "float" or "double", for messages.
-template <class S>
-const char* scalar_name() {
-  return std::is_same<S, float>::value ? "float" : "double";
-}
-
 /// The sum of x * 0 over n contiguous scalars: 0 when every one is finite, NaN otherwise (inf * 0
 /// and NaN are NaN), in 32 independent sums (x * 0 + acc, exact, each one FMA where the compiler
 /// fuses them), where Eigen's sum has two: over a decoding step's K x d_v state (AVX2, K = d_v =
@@ -367,6 +327,27 @@ inline typename Derived::Scalar finite_probe(const Eigen::DenseBase<Derived>& x)
   S probe = S(0);
   for (Index i = 0; i < d.rows(); ++i) probe += (d.row(i).array() * S(0)).sum();
   return probe;
+}
+
+/// Throws std::domain_error naming `arg` when any entry of `x` is NaN or infinite.
+template <class Derived>
+inline void require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, const char* arg) {
+  // Fast path: finite_probe (x * 0 is 0 for finite x and NaN otherwise). The locating scan below
+  // runs only when something is wrong.
+  using S = typename Derived::Scalar;
+  if (finite_probe(x) == S(0)) return;
+  const Index rows = x.rows(), cols = x.cols();
+  for (Index i = 0; i < rows; ++i)
+    for (Index j = 0; j < cols; ++j)
+      if (!std::isfinite(static_cast<double>(x(i, j))))
+        raise_domain_error(concat(fn, ": ", arg, " has a non-finite entry at (", i, ", ", j,
+                                  ") of ", rows, " x ", cols));
+}
+
+/// "float" or "double", for messages.
+template <class S>
+const char* scalar_name() {
+  return std::is_same<S, float>::value ? "float" : "double";
 }
 
 /// Whether every entry of x is finite.

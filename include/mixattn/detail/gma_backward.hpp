@@ -185,7 +185,7 @@ bool gma_bidirectional_backward(const char* fn, const PackedDensityDims<T>& p,
   // same for g
   T probe = T(0), probe_g = T(0);
   const auto probe_rows = [&](const Matrix<T>& g, Index i0, Index n) {
-    if (probe_finite) probe += finite_probe(g.data() + i0 * g.cols(), n * g.cols());
+    if (probe_finite) probe += finite_probe(g.middleRows(i0, n));
   };
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);

@@ -143,9 +143,7 @@ void gma_check_state(const char* fn, const gma::State<T>& st, Index K, Index d_v
   if (opt.check_finite) {
     // One probe over the contiguous state (x * 0 is 0 only for finite x); the row-wise scan
     // that names the entry runs only on failure.
-    using W = wide_t<T>;
-    const W probe = finite_probe(st.S.data(), st.S.size()) + finite_probe(st.z.data(), st.z.size());
-    if (probe == W(0)) return;
+    if (finite_probe(st.S) + finite_probe(st.z) == wide_t<T>(0)) return;
     require_finite(st.S, fn, "state.S");
     require_finite(st.z, fn, "state.z");
   }

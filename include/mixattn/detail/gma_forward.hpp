@@ -269,9 +269,7 @@ template <class T>
 void gma_check_continued(const char* fn, const Matrix<T>& out, gma::State<T>& st, bool large,
                          bool kept, const Matrix<wide_t<T>>& start_S,
                          const Vector<wide_t<T>>& start_z, Index start_tokens) {
-  using W = wide_t<T>;
-  const bool finite =
-      (out.array() * T(0)).sum() == T(0) && (!large || (st.S.array() * W(0)).sum() == W(0));
+  const bool finite = all_finite(out) && (!large || all_finite(st.S));
   if (finite) return;
   if (kept) {
     st.S = start_S;

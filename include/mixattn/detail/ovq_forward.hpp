@@ -282,7 +282,7 @@ void forward_blocks(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
       const bool finite = tile_forward<T>(
           w.qh.middleRows(t0, mt), dict.keys.topRows(dict.size), dict.values.topRows(dict.size), lc,
           ko, vo, w.kn.topRows(t0 + mt), w.vn.topRows(t0 + mt), pq + t0, s, w.sc, o, check);
-      if (check && !(finite && (o.array() * T(0)).sum() == T(0))) {
+      if (check && !(finite && all_finite(o))) {
         if (loan != nullptr) loan->give_back();  // nothing changed yet
         ovq_check_state_values(start, fn);       // throws if the state is to blame
         if (loan != nullptr) loan->borrow();     // else: finite inputs that overflowed
@@ -342,9 +342,7 @@ template <class T>
 void ovq_check_overflow(const char* fn, const Matrix<T>& out, const Dictionary<T>& dict,
                         bool absorbed, DictionaryLoan<T>* loan, ovq::State<T>* restore,
                         ovq::State<T>& kept) {
-  if ((out.array() * T(0)).sum() == T(0) &&
-      (!absorbed || (dict.values.topRows(dict.size).array() * T(0)).sum() == T(0)))
-    return;
+  if (all_finite(out) && (!absorbed || all_finite(dict.values.topRows(dict.size)))) return;
   if (loan != nullptr) loan->give_back();
   if (restore != nullptr) *restore = std::move(kept);
   mixattn::detail::require_finite_result(out, fn, "the output", "v is");
