@@ -529,9 +529,9 @@ void expect_many_matches_single(const std::vector<float>& x, bool in_range) {
 }
 
 /// fast_exp_nonpositive_flush_many<N> against fast_exp_nonpositive_many<N> on the registers of x:
-/// the same bits, except a 0 where the latter is below 2^-127 (none with AVX-512, where both scale
-/// by scalef); with subnormals flushed (FlushSubnormals, as the kernels run), the same bits
-/// everywhere. NaN for NaN.
+/// the same bits, except a 0 where the latter is below 2^-127 (the flush variant zeroes those below
+/// about 2^-127.5; none with AVX-512, where both scale by scalef); with subnormals flushed
+/// (FlushSubnormals, as the kernels run), the same bits everywhere. NaN for NaN.
 template <int N>
 void expect_flush_matches(const std::vector<float>& x) {
   SCOPED_TRACE("N = " + std::to_string(N));
@@ -618,8 +618,8 @@ TEST(FastExp, WidenedHalvesSumMatchesAddWide) {
   check_widened_halves_sum<double>();
 }
 
-// GMA's softmax exp (2^n in one factor, results below 2^-127 zero) against the multi-register exp,
-// on the nonpositive sweep of the test below and its special values.
+// GMA's softmax exp (2^n in one factor, results below about 2^-127.5 zero) against the
+// multi-register exp, on the nonpositive sweep of the test below and its special values.
 TEST(FastExp, FlushVariantIsTheExpOrZeroBelowTwoToMinus127) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();

@@ -188,9 +188,10 @@ MIXATTN_ALWAYS_INLINE void fast_exp_nonpositive_many(xsimd::batch<float, Arch>* 
   fast_exp_in_range_many<N, Arch>(x);
 }
 
-/// fast_exp_nonpositive_many's results, bit for bit, except that those below 2^-127 are 0: where
-/// the kernel runs with subnormals flushed (FlushSubnormals), those results are 0 there too, and
-/// this is its bits everywhere. 2^n as one factor, 2^(n + 1) = 2^(u - 127) built from the
+/// fast_exp_nonpositive_many's results, bit for bit, except that those with n <= -128 are 0 (the
+/// results below about 2^-127.5; the subnormal ones above that keep their bits): where the
+/// kernel runs with subnormals flushed (FlushSubnormals), those results are 0 there too, and this
+/// is its bits everywhere. 2^n as one factor, 2^(n + 1) = 2^(u - 127) built from the
 /// biased exponent u = n + 128 that t's low bits carry (against exp_round_magic_flush), clamped
 /// at 0 (then the factor is +0, and so is the result; NaN stays NaN), times p / 2 (the Horner
 /// steps on halved coefficients: p / 2 exactly, since halving commutes with rounding): one

@@ -300,12 +300,12 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> pairwise_sum(const xsimd::batch<
 
 /// Responsibilities of TI tokens when the whole padded row is TK registers (K <= TK lanes): the
 /// log-density tile's accumulators go through the softmax (softmax.hpp's row: same exact max,
-/// the same exp in float but for results below 2^-127, which are 0 here as when subnormals are
-/// flushed (fast_exp_nonpositive_flush_many); the sum in W, each lane's registers added in float
-/// first) without leaving registers, and gamma goes straight to out (stride ldo, K entries a
-/// row). The arithmetic of a token does not depend on TI (bitwise), so the tile a token falls in
-/// does not matter. Returns a bit mask of the tokens whose softmax failed (no finite max, or a
-/// NaN logit, padding included), for the caller's retry in a wider type; their rows of out are
+/// the same exp in float but for results below about 2^-127.5, which are 0 here as when
+/// subnormals are flushed (fast_exp_nonpositive_flush_many); the sum in W, each lane's registers
+/// added in float first) without leaving registers, and gamma goes straight to out (stride ldo, K
+/// entries a row). The arithmetic of a token does not depend on TI (bitwise), so the tile a token
+/// falls in does not matter. Returns a bit mask of the tokens whose softmax failed (no finite max,
+/// or a NaN logit, padding included), for the caller's retry in a wider type; their rows of out are
 /// not written.
 template <int TI, int TK, class Arch, class T>
 inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* x, Index ldx,
@@ -348,8 +348,8 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
   }
   BW sum[TI];
   if constexpr (std::is_same<T, float>::value) {
-    // exp_shifted of the whole tile (its bits, but 0 below 2^-127: the forward flushes those
-    // anyway), exp_interleave registers in lockstep. Each token's registers are then added in
+    // exp_shifted of the whole tile (its bits, but 0 below about 2^-127.5: the forward flushes
+    // those anyway), exp_interleave registers in lockstep. Each token's registers are then added in
     // float, pairwise, before one widening: each lane's group of at most 4 terms in [0, 1] is
     // within 2 eps of its exact sum, and the sum over lanes is wide. Against exp_shifted and
     // add_wide register by register, the epilogue went from ~300 to ~190 cycles per 5 x 4 tile
@@ -397,8 +397,8 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
 }
 
 /// e[0 .. R) = exp(e - shift) in place, stored back to s (R registers from s), and their float
-/// pairwise sum widened into sum: one group of a token's exp pass (results below 2^-127 are 0:
-/// fast_exp_nonpositive_flush_many).
+/// pairwise sum widened into sum: one group of a token's exp pass (results below about 2^-127.5 are
+/// 0: fast_exp_nonpositive_flush_many).
 template <int R, class Arch>
 MIXATTN_ALWAYS_INLINE void exp_group(float* s, const xsimd::batch<float, Arch>& shift,
                                      xsimd::batch<double, Arch>& sum) {
