@@ -131,7 +131,21 @@ def blas_in_use():
                            if "blas" in line.lower() and line.split()[-1].startswith("/")})
     except OSError:
         libs = []
-    return f"{blas_info} ({', '.join(libs) if libs else 'no BLAS library mapped'})"
+    # BLAS_INFO says how torch was built, not which kernels run: OpenBLAS picks those at load time
+    core = next((openblas_core(lib) for lib in libs if "libopenblas" in lib), None)
+    return (f"{blas_info} ({', '.join(libs) if libs else 'no BLAS library mapped'})"
+            + (f", OpenBLAS kernels: {core}" if core else ""))
+
+
+def openblas_core(path):
+    """The kernel set OpenBLAS chose for this CPU (openblas_get_corename), or None."""
+    try:
+        import ctypes
+        lib = ctypes.CDLL(path)
+        lib.openblas_get_corename.restype = ctypes.c_char_p
+        return lib.openblas_get_corename().decode()
+    except (OSError, AttributeError):
+        return None
 
 
 def write_results(path, executable, entries, quick, **context):
