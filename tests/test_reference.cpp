@@ -529,7 +529,7 @@ void expect_many_matches_single(const std::vector<float>& x, bool in_range) {
 }
 
 /// fast_exp_nonpositive_flush_many<N> against fast_exp_nonpositive_many<N> on the registers of x:
-/// the same bits, except a 0 where the latter is below 2^-127 (the flush variant zeroes those below
+/// the same bits, except that a result below 2^-127 may be 0 (the flush variant zeroes those below
 /// about 2^-127.5; none with AVX-512, where both scale by scalef); with subnormals flushed
 /// (FlushSubnormals, as the kernels run), the same bits everywhere. NaN for NaN.
 template <int N>
