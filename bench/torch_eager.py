@@ -11,6 +11,7 @@ is written in (the extension benchmark's stronger eager baseline, whole batches:
 form would form B H N K r floats per intermediate there).
 """
 
+import ctypes
 import datetime
 import json
 import math
@@ -140,7 +141,6 @@ def blas_in_use():
 def openblas_core(path):
     """The kernel set OpenBLAS chose for this CPU (openblas_get_corename), or None."""
     try:
-        import ctypes
         lib = ctypes.CDLL(path)
         lib.openblas_get_corename.restype = ctypes.c_char_p
         return lib.openblas_get_corename().decode()
