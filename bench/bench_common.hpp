@@ -11,7 +11,8 @@
 //  - FLOPS: the operator's arithmetic as a rate (Counter kIsIterationInvariantRate), counted as
 //    the GEMM-shaped work of its floor so that "ratio to floor" is a pure time ratio, and
 //    flop_per_call, the same count per call, from which the summary computes the fraction of the
-//    measured peak (bench_peak.cpp);
+//    measured peak (one-thread points: peak_flops_beside, the FMA probe measured around the same
+//    repetition, timed_loop; the others: bench_peak.cpp);
 //  - peak_heap_bytes: the high-water mark of extra heap during the timed calls, over what was
 //    live when the loop started (inputs and setup excluded, outputs and Saved included);
 //  - N (the sweep variable) as a plain counter, and SetComplexityN(N) for the ->Complexity() fit;
@@ -27,6 +28,7 @@
 #include <mixattn/core.hpp>
 
 #include "../tests/random_matrix.hpp"
+#include "fma_probe.hpp"
 
 #include <benchmark/benchmark.h>
 
@@ -93,16 +95,34 @@ class CountingMemoryManager final : public benchmark::MemoryManager {
 
 // ---- the timed loop ----------------------------------------------------------------------------
 
+/// Thread CPU seconds of FMA peak probe run beside each one-thread repetition (half right before
+/// its timed calls, half right after).
+constexpr double kPeakBesideSeconds = 0.02;
+
 /// Runs `body` once untimed, then once per benchmark iteration, and marks the point warm.
 /// Keep every allocation of a call local to `body` (see PeakHeap): the peak heap is measured over
 /// the timed calls only, from what was live after the warm-up call.
+/// A one-thread benchmark also reports peak_flops_beside: the FLOP/s of fma_probe.hpp's register-
+/// only FMA chains over kPeakBesideSeconds around its timed calls (after the warm-up call, so the
+/// probe, which touches no memory, sits between the call that fills the caches and the timed
+/// ones). The summary divides the repetition's FLOP rate by it: the host's speed drifts by
+/// several percent within seconds (Zen 5 guest, bench_peak in 0.6 s runs a few seconds apart:
+/// 218-232 GFLOP/s), so a fraction of peak against a probe run minutes earlier or later is off
+/// by as much.
 template <class Body>
 void timed_loop(benchmark::State& state, PeakHeap& heap, Body&& body) {
   body();
+  const bool beside = state.threads() == 1;
+  fma_probe::Probe probe;
+  if (beside) probe.run(kPeakBesideSeconds / 2);
   heap.reset();
   for (auto _ : state) {
     body();
     benchmark::ClobberMemory();
+  }
+  if (beside) {
+    probe.run(kPeakBesideSeconds / 2);
+    state.counters["peak_flops_beside"] = benchmark::Counter(probe.flops_per_second());
   }
   state.counters["warm_up_calls"] = benchmark::Counter(1);
 }

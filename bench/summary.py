@@ -190,6 +190,18 @@ class Point:
     def samples_text(self):
         return f"{len(self.reps)}×{self.iterations}"
 
+    def fraction_beside(self, flop):
+        """Each repetition's FLOP rate over the FMA peak probe run around that repetition's timed
+        calls (counter peak_flops_beside, bench_common.hpp's timed_loop): median and spread over
+        the repetitions. None for a multi-threaded or wall-clock point, or when a repetition
+        lacks the probe."""
+        if self.threads != 1 or self.wall:
+            return None
+        beside = [float(r[3].get("peak_flops_beside", 0)) for r in self.reps]
+        if not beside or not all(b > 0 for b in beside):
+            return None
+        return self.quantity([flop / r[0] / b for r, b in zip(self.reps, beside)])
+
 
 def parse_name(name):
     """'op/4096' or 'op/N:4096/threads:2/real_time' -> (op, {key: value}, positional args)."""
@@ -303,7 +315,12 @@ class Measurements:
         return self.rate(PEAK_OP, 0)
 
     def fraction_of_peak(self, op, n=TARGET_N, threads=1):
-        return self.rate(op, n, threads) / self.peak_flops()
+        """FLOP rate over the FMA peak: repetition by repetition against the probe run beside it
+        where the point has one (the C++ binaries' one-thread points), else against bench_peak's
+        peak_fma_float. The host's speed drifts by several percent within seconds, so a
+        denominator measured minutes away would carry that drift into the fraction."""
+        q = self.point(op, n, threads).fraction_beside(self.flop_per_call(op, n, threads))
+        return q if q is not None else self.rate(op, n, threads) / self.peak_flops()
 
     def num_cpus(self):
         return max((int(c.get("num_cpus", 0)) for _, c in self.contexts), default=0) or None
@@ -634,8 +651,9 @@ TARGETS = [
            goal_text="within ±25%"),
     *[Target(f"peak extra heap growth of {op}, N = 16384 → 65536", heap_growth(op),
              ("<=", 4.5)) for op in ("gma_fwd_bwd_bidir", "gma_fwd_bwd_causal", "ovq_forward")],
-    # Fraction of the measured FMA peak (bench_peak): the operator's FLOP count (stated in
-    # bench/, the GEMM work of its floor) over its time, over the FLOP/s of register-only FMAs.
+    # Fraction of the measured FMA peak: the operator's FLOP count (stated in bench/, the GEMM
+    # work of its floor) over its time, over the FLOP/s of register-only FMAs measured around the
+    # same repetition (Measurements.fraction_of_peak).
     # The forward+backward is measured as a training step runs it, forward_into + backward_into
     # with reused records: the value-returning pair (gma_fwd_bwd_bidir, in the operator table)
     # also allocates and first-touches ~6 MiB of fresh results and records per call, and under
@@ -1025,6 +1043,13 @@ def peak_lines(points):
         label = p.reps[0][3].get("label", "")
         out.append(f"- FMA peak (one thread, float, {label}): {q.med / 1e9:.1f} GFLOP/s"
                    f" [{q.lo / 1e9:.1f} – {q.hi / 1e9:.1f}]")
+    beside = [float(r[3]["peak_flops_beside"]) for q in points.values()
+              if q.threads == 1 and not q.wall for r in q.reps if "peak_flops_beside" in r[3]]
+    if beside:
+        out.append(f"- FMA peak beside the one-thread repetitions (the same probe around each "
+                   f"one's timed calls, {len(beside)} repetitions): median "
+                   f"{statistics.median(beside) / 1e9:.1f} GFLOP/s "
+                   f"[{min(beside) / 1e9:.1f} – {max(beside) / 1e9:.1f}]")
     e = points.get((EXP_OP, 0, 1))
     if e and e.counter("exp_per_call"):
         q = e.counter("exp_per_call").med / e.seconds()
@@ -1040,7 +1065,9 @@ RULES_MD = (
     "fewer than 3 iterations, or without the untimed call, gives no ratio (\"too few samples\"). "
     "`t / t_floor`: time over the time of the Eigen GEMMs of the same shapes; `fraction of peak`: "
     "the operator's FLOP count (its floor's GEMM work) per second over the FLOP/s of "
-    "register-only FMA chains (bench_peak); `speed-up vs flash`: FlashAttention-style softmax "
+    "register-only FMA chains, for a one-thread row repetition by repetition against the chains "
+    "run around that repetition's timed calls (median over the repetitions), for the others "
+    "against bench_peak's; `speed-up vs flash`: FlashAttention-style softmax "
     "attention time over this operator's time at the same N (same mode). A value beyond its "
     "physical bound (speed-up above the thread count, fraction of peak above 1) over its whole "
     "spread is reported as a measurement error and fails the summary; one whose median is beyond "

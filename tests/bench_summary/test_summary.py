@@ -62,6 +62,18 @@ def scale_times(doc, name, factor, cpu=True, real=True):
             b["cpu_time"] *= factor
 
 
+SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def set_peak_beside(doc, name, fractions):
+    """Gives repetition i of `name` the counter peak_flops_beside (the FMA probe run around its
+    timed calls) that makes its FLOP rate fractions[i] of it; None leaves a repetition without."""
+    for b, f in zip(entries(doc, name), fractions):
+        if f is not None:
+            rate = b["flop_per_call"] / (b["cpu_time"] * SECONDS[b.get("time_unit", "ns")])
+            b["peak_flops_beside"] = rate / f
+
+
 def run(doc, *extra):
     with tempfile.TemporaryDirectory() as out:
         path = os.path.join(out, "bench_synthetic.json")
@@ -72,6 +84,15 @@ def run(doc, *extra):
         with open(os.path.join(out, "summary.md")) as f:
             md = f.read()
     return p.returncode, p.stdout + p.stderr, md
+
+
+def value(md, row):
+    """The value cell (median [min – max]) of a target row in summary.md."""
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == row:
+            return cells[1]
+    raise AssertionError(f"no row {row!r} in summary.md")
 
 
 def verdict(md, row):
@@ -189,6 +210,39 @@ class SummaryRules(unittest.TestCase):
         rc, out, md = run(doc)
         self.assertEqual(rc, 1, out)
         self.assertTrue(verdict(md, PEAK_ROW).startswith("impossible: measurement error"))
+
+    def test_fraction_of_peak_is_taken_against_the_probe_beside_each_repetition(self):
+        doc = base()
+        # Against bench_peak's 215 GFLOP/s the forward is at 0.35 (test above); against probes
+        # that ran beside its three repetitions, at 0.84, 0.85 and 0.86: median 0.85 >= 0.80.
+        set_peak_beside(doc, "gma_forward_bidir/4096", [0.86, 0.84, 0.85])
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(verdict(md, PEAK_ROW), "met")
+        self.assertEqual(value(md, PEAK_ROW), "0.85 [0.84 – 0.86]")
+        self.assertIn("FMA peak beside the one-thread repetitions", md)
+        # Rows without the probe keep bench_peak's denominator: the causal forward's verdict and
+        # value are those of the unchanged run.
+        causal = "GMA causal forward, fraction of FMA peak (N=4096)"
+        _, _, md0 = run(base())
+        self.assertEqual(verdict(md, causal), verdict(md0, causal))
+
+    def test_rate_above_the_probe_beside_it_fails(self):
+        doc = base()
+        set_peak_beside(doc, "gma_forward_bidir/4096", [1.2, 1.25, 1.3])
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertTrue(verdict(md, PEAK_ROW).startswith("impossible: measurement error"))
+
+    def test_a_repetition_without_the_probe_falls_back_to_bench_peak(self):
+        doc = base()
+        set_peak_beside(doc, "gma_forward_bidir/4096", [0.85, 0.85, None])
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(verdict(md, PEAK_ROW), "NOT MET")
+        # 201 MFLOP over 2.70 ms × (0.98, 1.00, 1.03), over bench_peak's 215 GFLOP/s (78 µs ×
+        # the same factors)
+        self.assertEqual(value(md, PEAK_ROW), "0.35 [0.33 – 0.36]")
 
     def test_floor_above_fma_peak_fails(self):
         doc = base()
