@@ -86,22 +86,23 @@ def run(doc, *extra):
     return p.returncode, p.stdout + p.stderr, md
 
 
-def value(md, row):
-    """The value cell (median [min – max]) of a target row in summary.md."""
+def cell(md, row, column):
+    """Cell `column` of a target row in summary.md."""
     for line in md.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if cells and cells[0] == row:
-            return cells[1]
+            return cells[column]
     raise AssertionError(f"no row {row!r} in summary.md")
+
+
+def value(md, row):
+    """The value cell (median [min – max]) of a target row."""
+    return cell(md, row, 1)
 
 
 def verdict(md, row):
-    """The verdict cell of a target row in summary.md."""
-    for line in md.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells and cells[0] == row:
-            return cells[3]
-    raise AssertionError(f"no row {row!r} in summary.md")
+    """The verdict cell of a target row."""
+    return cell(md, row, 3)
 
 
 class SummaryRules(unittest.TestCase):
