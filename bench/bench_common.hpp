@@ -107,7 +107,7 @@ constexpr double kPeakBesideSeconds = 0.02;
 /// probe, which touches no memory, sits between the call that fills the caches and the timed
 /// ones). The summary divides the repetition's FLOP rate by it: the host's speed drifts by
 /// several percent within seconds (Zen 5 guest, bench_peak in 0.6 s runs a few seconds apart:
-/// 218-232 GFLOP/s), so a fraction of peak against a probe run minutes earlier or later is off
+/// 220-232 GFLOP/s), so a fraction of peak against a probe run minutes earlier or later is off
 /// by as much.
 template <class Body>
 void timed_loop(benchmark::State& state, PeakHeap& heap, Body&& body) {

@@ -92,7 +92,7 @@ inline double thread_seconds() {
 
 /// Calls of fma_chains between two readings of the clock in Probe::run: reading the thread CPU
 /// clock is a system call (not in the vDSO), and read after every ~75 us call it made the probe
-/// ~2.5% slower than bench_peak's own loop (Zen 5 guest); every 16 calls, below 0.2%.
+/// ~2.5% slower than bench_peak's own loop (Zen 5 guest); every 16 calls, within 0.4% of it.
 constexpr int kCallsPerReading = 16;
 
 /// Accumulates probe runs: run() calls fma_chains, kCallsPerReading at a time, until `seconds` of
