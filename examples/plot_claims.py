@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plots of the two small-scale reproductions (README: "Do the papers' claims hold here?").
+"""Plots of the two small-scale reproductions (docs/claims.md).
 
     /usr/bin/python3 examples/plot_claims.py [DIR]      # DIR defaults to examples/results
 

@@ -21,9 +21,19 @@
 # Environment: MIXATTN_JOBS (default nproc), MIXATTN_FUZZ_SECONDS (default 60 per target),
 # MIXATTN_SKIP_ISA=1 / MIXATTN_SKIP_SANITIZERS=1 / MIXATTN_SKIP_FUZZ=1 to skip step 2, 3 or 4,
 # MIXATTN_SKIP_PYTHON=1 to leave out the extension.
+# Options: --quick runs the main suite alone (step 1's build and ctest: no extension, no extra
+# instruction sets, sanitizers or fuzzers), for day-to-day work; --help prints this header.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+quick=0
+for arg in "$@"; do
+  case $arg in
+    --quick) quick=1 ;;
+    -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+    *) echo "tests/run.sh: unknown option $arg (--quick, --help)" >&2; exit 2 ;;
+  esac
+done
 bash cmake/install-deps.sh test
 jobs=${MIXATTN_JOBS:-$(nproc)}
 build=${MIXATTN_BUILD_DIR:-build/test}
@@ -41,6 +51,10 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWI
 cmake --build "$build" -j "$jobs"
 ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 900
 echo "== main suite: $((SECONDS - start)) s"
+if ((quick)); then
+  echo "== main suite passed (--quick: no extension, instruction-set, sanitizer or fuzz passes)"
+  exit 0
+fi
 if [[ ${MIXATTN_SKIP_PYTHON:-0} != 1 ]]; then
   bash tests/python.sh
 fi

@@ -164,7 +164,7 @@ TYPED_TEST(Contract, OvqBetaMustBePositive) {
   }
 }
 
-// README, Training: "Heads run in parallel on `cfg.threads` threads: 1 by default".
+// docs/training.md, the layer's Config: `threads` is 1 by default (the calling thread alone).
 // The decoding entry points keep the contract: shape messages name the argument, overflow of
 // finite inputs is a domain_error naming v that leaves the state or cache as it was.
 TYPED_TEST(Contract, DecodingEntryPoints) {

@@ -1,4 +1,5 @@
-# Builds and runs tests/consumer in MODE (add_subdirectory | find_package); any failure fails.
+# Builds and runs tests/consumer in MODE: find_package (tests/consumer/CMakeLists.txt, against an
+# install of SOURCE_DIR) or add_subdirectory (tests/consumer/subdir/); any failure fails.
 file(REMOVE_RECURSE ${WORK_DIR})
 function(run)
   execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc)
@@ -11,10 +12,10 @@ if(MODE STREQUAL "find_package")
       -DMIXATTN_BUILD_BENCHMARKS=OFF -DMIXATTN_BUILD_EXAMPLES=OFF)
   run(${CMAKE_COMMAND} --install ${WORK_DIR}/lib --prefix ${WORK_DIR}/prefix)
   run(${CMAKE_COMMAND} -S ${CONSUMER_DIR} -B ${WORK_DIR}/app -DCMAKE_BUILD_TYPE=Release
-      -DMIXATTN_CONSUMER_MODE=find_package -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+      -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
 else()
-  run(${CMAKE_COMMAND} -S ${CONSUMER_DIR} -B ${WORK_DIR}/app -DCMAKE_BUILD_TYPE=Release
-      -DMIXATTN_CONSUMER_MODE=add_subdirectory -DMIXATTN_SOURCE_DIR=${SOURCE_DIR})
+  run(${CMAKE_COMMAND} -S ${CONSUMER_DIR}/subdir -B ${WORK_DIR}/app -DCMAKE_BUILD_TYPE=Release
+      -DMIXATTN_SOURCE_DIR=${SOURCE_DIR})
 endif()
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/app)
-run(${WORK_DIR}/app/consumer)
+run(${WORK_DIR}/app/app)
