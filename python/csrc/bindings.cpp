@@ -365,38 +365,38 @@ std::vector<at::Tensor> flash_backward_packed_py(at::Tensor q, at::Tensor k, at:
   return {from_packed(dq), from_packed(dk), from_packed(dv)};
 }
 
-/// One head's one-token calls timed in C++ (kernels.hpp, gma_decode_seconds): q, k (T, r), v
-/// (T, d_v), mean, var_raw (K, r), prior_logit (K), float32.
+/// The library's own one-token calls, timed in C++ (kernels.hpp, gma_decode_seconds): q, k
+/// (H, T, r), v (H, T, d_v), mean, var_raw (H, K, r), prior_logit (H, K), float32.
 std::vector<double> gma_decode_seconds_py(at::Tensor q, at::Tensor k, at::Tensor v,
                                           at::Tensor mean, at::Tensor var_raw,
-                                          at::Tensor prior_logit, int64_t prefill) {
+                                          at::Tensor prior_logit, int64_t prefill,
+                                          bool all_heads_per_call) {
   const std::string fn = "mixattn._C.testing.gma_decode_seconds";
-  const at::Tensor q4 = q.unsqueeze(0).unsqueeze(0), k4 = k.unsqueeze(0).unsqueeze(0);
-  const GmaArgs a = gma_args(fn, q4, k4, v.unsqueeze(0).unsqueeze(0), mean.unsqueeze(0),
-                             var_raw.unsqueeze(0), prior_logit.unsqueeze(0), true, 1e-6, 1e-4,
-                             true);
+  const GmaArgs a = gma_args(fn, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mean, var_raw,
+                             prior_logit, true, 1e-6, 1e-4, true);
+  const Shape& s = a.shape;
   if (a.q.scalar_type() != at::kFloat) fail(fn, "q must be float32");
-  if (prefill < 1 || prefill >= a.shape.queries)
+  if (prefill < 1 || prefill >= s.queries)
     fail(fn, "prefill is " + std::to_string(prefill) + "; it must be in [1, tokens)");
   return gma_decode_seconds(a.q.data_ptr<float>(), a.k.data_ptr<float>(), a.v.data_ptr<float>(),
-                            a.shape.queries, a.shape.key_dim, a.shape.value_dim,
-                            a.mean.data_ptr<float>(), a.var_raw.data_ptr<float>(),
-                            a.prior_logit.data_ptr<float>(), a.config.components, prefill);
+                            s.heads, s.queries, s.key_dim, s.value_dim, a.mean.data_ptr<float>(),
+                            a.var_raw.data_ptr<float>(), a.prior_logit.data_ptr<float>(),
+                            a.config.components, prefill, all_heads_per_call);
 }
 
-/// The same for OVQ (ovq_decode_seconds): q, k (T, r), v (T, d_v) float32, a scalar beta.
+/// The same for OVQ (ovq_decode_seconds): q, k (H, T, r), v (H, T, d_v) float32, a scalar beta.
 std::vector<double> ovq_decode_seconds_py(at::Tensor q, at::Tensor k, at::Tensor v, double beta,
-                                          const OvqConfig& c, int64_t prefill) {
+                                          const OvqConfig& c, int64_t prefill,
+                                          bool all_heads_per_call) {
   const std::string fn = "mixattn._C.testing.ovq_decode_seconds";
-  at::Tensor q4 = q.unsqueeze(0).unsqueeze(0), k4 = k.unsqueeze(0).unsqueeze(0);
-  at::Tensor v4 = v.unsqueeze(0).unsqueeze(0);
+  at::Tensor q4 = q.unsqueeze(0), k4 = k.unsqueeze(0), v4 = v.unsqueeze(0);
   const Shape s = attention_shape(fn, q4, k4, v4);
   if (q4.scalar_type() != at::kFloat) fail(fn, "q must be float32");
   if (prefill < 1 || prefill >= s.queries)
     fail(fn, "prefill is " + std::to_string(prefill) + "; it must be in [1, tokens)");
   return ovq_decode_seconds(q4.data_ptr<float>(), k4.data_ptr<float>(), v4.data_ptr<float>(),
-                            s.queries, s.key_dim, s.value_dim, static_cast<float>(beta), c,
-                            prefill);
+                            s.heads, s.queries, s.key_dim, s.value_dim, static_cast<float>(beta),
+                            c, prefill, all_heads_per_call);
 }
 
 }  // namespace
@@ -462,7 +462,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                             "calls on one head, timed in C++.");
   testing.def("gma_decode_seconds", &mt::gma_decode_seconds_py, py::arg("q"), py::arg("k"),
               py::arg("v"), py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"),
-              py::arg("prefill"), nogil);
+              py::arg("prefill"), py::arg("all_heads_per_call"), nogil);
   testing.def("ovq_decode_seconds", &mt::ovq_decode_seconds_py, py::arg("q"), py::arg("k"),
-              py::arg("v"), py::arg("beta"), py::arg("config"), py::arg("prefill"), nogil);
+              py::arg("v"), py::arg("beta"), py::arg("config"), py::arg("prefill"),
+              py::arg("all_heads_per_call"), nogil);
 }

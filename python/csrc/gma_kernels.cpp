@@ -5,8 +5,6 @@
 #include <mixattn/gma.hpp>
 #include <mixattn/packed.hpp>
 
-#include <chrono>
-
 namespace mixattn_torch {
 namespace {
 
@@ -273,29 +271,33 @@ MIXATTN_TORCH_GMA(float)
 MIXATTN_TORCH_GMA(double)
 
 std::vector<double> gma_decode_seconds(const float* q, const float* k, const float* v,
-                                       Index rows, Index r, Index dv, const float* mean,
-                                       const float* var_raw, const float* prior_logit, Index K,
-                                       Index prefill) {
-  const ConstMap<float> Q(q, rows, r), Kt(k, rows, r), V(v, rows, dv);
-  mixattn::gma::Mixture<float> mix;
-  mix.mean = slice(mean, 0, K, r);
-  mix.var_raw = slice(var_raw, 0, K, r);
-  mix.prior_logit = Eigen::Map<const mixattn::Vector<float>>(prior_logit, K);
-  const mixattn::gma::Prepared<float> prep(mix);  // once, not per token
+                                       Index heads, Index rows, Index r, Index dv,
+                                       const float* mean, const float* var_raw,
+                                       const float* prior_logit, Index K, Index prefill,
+                                       bool all_heads_per_call) {
   mixattn::gma::Options opt;
   opt.causal = true;
-  auto st = mixattn::gma::State<float>::empty(K, dv);
-  mixattn::gma::forward(prep, Q.topRows(prefill), Kt.topRows(prefill), V.topRows(prefill), opt, st);
-  std::vector<double> seconds;
-  seconds.reserve(static_cast<std::size_t>(rows - prefill));
-  for (Index t = prefill; t < rows; ++t) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const mixattn::Matrix<float> o = mixattn::gma::forward(prep, Q.row(t), Kt.row(t), V.row(t), opt, st);
-    const auto t1 = std::chrono::steady_clock::now();
-    if (!std::isfinite(o(0, 0))) throw std::logic_error("gma_decode_seconds: a non-finite output");
-    seconds.push_back(std::chrono::duration<double>(t1 - t0).count());
+  std::vector<mixattn::gma::Prepared<float>> prepared;  // once per head, not per token
+  std::vector<mixattn::gma::State<float>> states;
+  for (Index h = 0; h < heads; ++h) {
+    mixattn::gma::Mixture<float> mix;
+    mix.mean = slice(mean, h, K, r);
+    mix.var_raw = slice(var_raw, h, K, r);
+    mix.prior_logit = Eigen::Map<const mixattn::Vector<float>>(prior_logit + h * K, K);
+    prepared.emplace_back(mix);
+    states.push_back(mixattn::gma::State<float>::empty(K, dv));
+    mixattn::gma::forward(prepared.back(), slice(q, h, rows, r).topRows(prefill),
+                          slice(k, h, rows, r).topRows(prefill),
+                          slice(v, h, rows, dv).topRows(prefill), opt, states.back());
   }
-  return seconds;
+  return decode_seconds(heads, prefill, rows, all_heads_per_call, [&](Index h, Index t) {
+    const auto i = static_cast<std::size_t>(h);
+    const mixattn::Matrix<float> o =
+        mixattn::gma::forward(prepared[i], slice(q, h, rows, r).row(t),
+                              slice(k, h, rows, r).row(t), slice(v, h, rows, dv).row(t), opt,
+                              states[i]);
+    return o(0, 0);
+  });
 }
 
 const char* library_version() { return MIXATTN_VERSION_STRING; }

@@ -215,19 +215,23 @@ void flash_backward_packed(const PackedShape& s, const FlashConfig& c, const T* 
 
 // --- Timing (the decode benchmark, bench/torch_decode_bench.py) --------------------------------
 
-/// One head decoded by the library directly, as bench/bench_decode.cpp does: the first `prefill`
-/// rows of q, k, v (rows x r, rows x r, rows x d_v, float, row-major) in one call, then each
-/// following row as one call; returns the seconds of each of those one-token calls
-/// (steady_clock). GMA: gma::forward on a gma::Prepared made once, causal, continuing a
-/// gma::State; mean, var_raw (K x r), prior_logit (K).
+/// Heads decoded by the library directly, as bench/bench_decode.cpp does: q, k (heads, rows, r)
+/// and v (heads, rows, d_v), float, contiguous; each head's state takes its first `prefill` rows
+/// in one call, then each following row in one call of its own. Returns the seconds of those
+/// one-token calls (steady_clock): head after head (heads x (rows - prefill) times, each head's
+/// state hot in the core's caches), or, with all_heads_per_call, one time per row covering that
+/// row's call on every head (what one Python call per token does; the heads' states then take
+/// turns in the caches). GMA: gma::forward on a gma::Prepared made once per head, causal,
+/// continuing a gma::State; mean, var_raw (heads, K, r), prior_logit (heads, K).
 std::vector<double> gma_decode_seconds(const float* q, const float* k, const float* v,
-                                       Index rows, Index r, Index dv, const float* mean,
-                                       const float* var_raw, const float* prior_logit, Index K,
-                                       Index prefill);
+                                       Index heads, Index rows, Index r, Index dv,
+                                       const float* mean, const float* var_raw,
+                                       const float* prior_logit, Index K, Index prefill,
+                                       bool all_heads_per_call);
 
 /// The same for OVQ: ovq::forward continuing an ovq::State with options `c` and scale beta.
 std::vector<double> ovq_decode_seconds(const float* q, const float* k, const float* v,
-                                       Index rows, Index r, Index dv, float beta,
-                                       const OvqConfig& c, Index prefill);
+                                       Index heads, Index rows, Index r, Index dv, float beta,
+                                       const OvqConfig& c, Index prefill, bool all_heads_per_call);
 
 }  // namespace mixattn_torch

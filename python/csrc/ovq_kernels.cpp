@@ -3,8 +3,6 @@
 // cache's, in place) with its head's beta; dbeta of a head is summed over the batch.
 #include "pairs.hpp"
 
-#include <chrono>
-
 namespace mixattn_torch {
 
 template <class T>
@@ -68,22 +66,21 @@ void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, co
 }
 
 std::vector<double> ovq_decode_seconds(const float* q, const float* k, const float* v,
-                                       Index rows, Index r, Index dv, float beta,
-                                       const OvqConfig& c, Index prefill) {
-  const ConstMap<float> Q(q, rows, r), K(k, rows, r), V(v, rows, dv);
-  auto st = mixattn::ovq::State<float>::empty(r, dv);
-  mixattn::ovq::forward(Q.topRows(prefill), K.topRows(prefill), V.topRows(prefill), beta, c, st);
-  std::vector<double> seconds;
-  seconds.reserve(static_cast<std::size_t>(rows - prefill));
-  for (Index t = prefill; t < rows; ++t) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const mixattn::Matrix<float> o =
-        mixattn::ovq::forward(Q.row(t), K.row(t), V.row(t), beta, c, st);
-    const auto t1 = std::chrono::steady_clock::now();
-    if (!std::isfinite(o(0, 0))) throw std::logic_error("ovq_decode_seconds: a non-finite output");
-    seconds.push_back(std::chrono::duration<double>(t1 - t0).count());
+                                       Index heads, Index rows, Index r, Index dv, float beta,
+                                       const OvqConfig& c, Index prefill, bool all_heads_per_call) {
+  std::vector<mixattn::ovq::State<float>> states;
+  for (Index h = 0; h < heads; ++h) {
+    states.push_back(mixattn::ovq::State<float>::empty(r, dv));
+    mixattn::ovq::forward(slice(q, h, rows, r).topRows(prefill),
+                          slice(k, h, rows, r).topRows(prefill),
+                          slice(v, h, rows, dv).topRows(prefill), beta, c, states.back());
   }
-  return seconds;
+  return decode_seconds(heads, prefill, rows, all_heads_per_call, [&](Index h, Index t) {
+    const mixattn::Matrix<float> o = mixattn::ovq::forward(
+        slice(q, h, rows, r).row(t), slice(k, h, rows, r).row(t), slice(v, h, rows, dv).row(t),
+        beta, c, states[static_cast<std::size_t>(h)]);
+    return o(0, 0);
+  });
 }
 
 #define MIXATTN_TORCH_OVQ(T)                                                                      \

@@ -8,6 +8,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -193,6 +195,31 @@ auto& states_of(P& states, Index count, const char* fn) {
   if (of == nullptr || static_cast<Index>(of->pairs.size()) != count)
     throw std::logic_error(std::string(fn) + ": the states are of another kind or count");
   return of->pairs;
+}
+
+/// The loops of gma_decode_seconds and ovq_decode_seconds (kernels.hpp): step(h, t) decodes
+/// row t of head h (its state prefilled already) and returns an entry of its output, summed and
+/// checked finite after the clock so the calls cannot be optimised away.
+template <class Step>
+std::vector<double> decode_seconds(Index heads, Index first, Index rows, bool all_heads_per_call,
+                                   const Step& step) {
+  std::vector<double> seconds;
+  seconds.reserve(static_cast<std::size_t>((rows - first) * (all_heads_per_call ? 1 : heads)));
+  double sink = 0;
+  const auto timed = [&](Index h0, Index h1, Index t) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (Index h = h0; h < h1; ++h) sink += static_cast<double>(step(h, t));
+    const auto t1 = std::chrono::steady_clock::now();
+    seconds.push_back(std::chrono::duration<double>(t1 - t0).count());
+  };
+  if (all_heads_per_call) {
+    for (Index t = first; t < rows; ++t) timed(0, heads, t);
+  } else {
+    for (Index h = 0; h < heads; ++h)
+      for (Index t = first; t < rows; ++t) timed(h, h + 1, t);
+  }
+  if (!std::isfinite(sink)) throw std::logic_error("decode_seconds: a non-finite output");
+  return seconds;
 }
 
 /// rows x cols row-major views of a packed tensor.

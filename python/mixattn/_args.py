@@ -11,12 +11,18 @@ import torch
 
 
 def tensors(fn, names, values):
-    """Each value a dense CPU torch.Tensor (the dtypes and shapes are the bindings' to check)."""
+    """Each value a torch.Tensor (the bindings check devices, dtypes and shapes)."""
     for name, t in zip(names, values):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu" or t.layout != torch.strided:
-            where = str(t.device) + ("" if t.layout == torch.strided else f" {t.layout}")
+
+
+def dense(fn, names, values):
+    """Each tensor a dense CPU one, checked before the autograd paths make them contiguous in
+    Python (a sparse CSR tensor cannot be); the message is the bindings' own."""
+    for name, t in zip(names, values):
+        if not t.is_cpu or t.layout is not torch.strided:
+            where = str(t.device) + ("" if t.layout is torch.strided else f" {t.layout}")
             raise ValueError(f"{fn}: {name} must be a dense CPU tensor, got a {where} tensor")
 
 

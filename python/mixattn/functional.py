@@ -366,6 +366,7 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
     if cache is not None:
         return _gma_cached(fn, inputs, causal, eps, var_floor, check_finite, initial_state,
                            output_final_state, offsets, cache)
+    _args.dense(fn, _GMA_TENSORS, inputs)
     streaming = initial_state is not None or output_final_state
     if offsets and not streaming:
         return _GmaPackedFunction.apply(*inputs, offsets, causal, eps, var_floor, check_finite)
@@ -380,6 +381,7 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
 
 
 _GMA_TENSORS = ("q", "k", "v", "mean", "var_raw", "prior_logit")
+_OVQ_TENSORS = ("q", "k", "v", "beta")
 
 
 def _gma_streaming(fn, inputs, eps, var_floor, check_finite, initial_state, offsets):
@@ -412,6 +414,7 @@ def _gma_cached(fn, inputs, causal, eps, var_floor, check_finite, initial_state,
                 output_final_state, offsets, cache):
     _cache_arguments(fn, cache, GmaCache, initial_state, output_final_state, causal)
     if _needs_record(*inputs):
+        _args.dense(fn, _GMA_TENSORS, inputs)
         return _GmaCachedFunction.apply(*inputs, cache._impl, eps, var_floor, check_finite,
                                         offsets)
     return _C.gma_forward_cached(*inputs, cache._impl, eps, var_floor, check_finite, False,
@@ -481,16 +484,17 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
     fn = "mixattn.ovq_attention"
     _args.tensors(fn, ("q", "k", "v"), (q, k, v))
     beta = _args.beta(fn, beta, q)
-    _args.tensors(fn, ("beta",), (beta,))
     config = _ovq_config(block, max_centroids, growth, growth_alpha, seeding, assignment,
                          count_bias, grad_through_dictionary, norm_eps, check_finite)
     output_final_state = _args.flag(fn, "output_final_state", output_final_state)
     offsets = [] if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
     if cache is not None:
         _cache_arguments(fn, cache, OvqCache, initial_state, output_final_state)
-        if _needs_record(q, k, v, beta):
-            return _OvqCachedFunction.apply(q, k, v, beta, config, cache._impl, offsets)
-        return _C.ovq_forward_cached(q, k, v, beta, config, cache._impl, False, offsets)[0]
+        if not _needs_record(q, k, v, beta):
+            return _C.ovq_forward_cached(q, k, v, beta, config, cache._impl, False, offsets)[0]
+        _args.dense(fn, _OVQ_TENSORS, (q, k, v, beta))
+        return _OvqCachedFunction.apply(q, k, v, beta, config, cache._impl, offsets)
+    _args.dense(fn, _OVQ_TENSORS, (q, k, v, beta))
     if initial_state is not None and not isinstance(initial_state, _C.OvqState):
         raise ValueError(f"{fn}: initial_state must be the state an earlier "
                          "ovq_attention(..., output_final_state=True) returned, got "
@@ -511,7 +515,8 @@ def flash_attention(q, k, v, causal=False, scale=None, check_finite=True, cu_seq
     gma_attention.
     """
     fn = "mixattn.flash_attention"
-    _args.tensors(fn, ("q", "k", "v"), (q, k, v))
+    _args.tensors(fn, _OVQ_TENSORS[:3], (q, k, v))
+    _args.dense(fn, _OVQ_TENSORS[:3], (q, k, v))
     causal, check_finite = _args.flag(fn, "causal", causal), _args.flag(fn, "check_finite",
                                                                          check_finite)
     if scale is None:
