@@ -491,3 +491,48 @@ def test_ovq_beta_as_a_number_list_or_array():
             mixattn.ovq_attention(q, k, v, bad, **OVQ)
     with pytest.raises(ValueError, match=r"mixattn.ovq_attention: beta has shape \[2\]"):
         mixattn.ovq_attention(q, k, v, [1.0, 2.0], **OVQ)
+
+
+def test_the_decode_timing_entry_points():
+    # mixattn._C.testing (bench/torch_decode_bench.py): one time per one-token call, head after
+    # head (heads x calls) or all heads per step (calls).
+    gen = torch.Generator().manual_seed(541)
+    q, k, v = (torch.randn(3, 10, 4, generator=gen) for _ in range(3))
+    mix = (torch.randn(3, 5, 4, generator=gen), torch.zeros(3, 5, 4), torch.zeros(3, 5))
+    config = mixattn._C.OvqConfig(4, 6, "plateau", 0.0, "greedy_dispersion", "all_centroids",
+                                  True, True, 1e-5, True)
+    for all_heads, count in ((False, 3 * 6), (True, 6)):
+        for seconds in (mixattn._C.testing.gma_decode_seconds(q, k, v, *mix, 4, all_heads),
+                        mixattn._C.testing.ovq_decode_seconds(q, k, v, 1.0, config, 4,
+                                                              all_heads)):
+            assert len(seconds) == count and all(0 <= s < 1 for s in seconds)
+    with pytest.raises(ValueError, match=r"prefill is 10; it must be in \[1, tokens\)"):
+        mixattn._C.testing.ovq_decode_seconds(q, k, v, 1.0, config, 10, True)
+    with pytest.raises(ValueError, match=r"q must be float32"):
+        mixattn._C.testing.gma_decode_seconds(*(x.double() for x in (q, k, v, *mix)), 4, True)
+
+
+def test_gma_cache_under_inference_mode():
+    # Decoding under torch.inference_mode: the module's parameters keep their version counters;
+    # tensors made inside it have none, so the cache prepares their mixture on every call and
+    # still sees an in-place change (which inference mode does not count).
+    inputs = detached(gma_inputs(1, 2, 6, 6, 3, 2, 4, seed=551))
+    with torch.no_grad():
+        expected = mixattn.gma_attention(*inputs, causal=True, cache=mixattn.GmaCache())
+    cache = mixattn.GmaCache()
+    with torch.inference_mode():
+        mix = [x.clone() for x in inputs[3:]]  # inference tensors
+        got = torch.cat([mixattn.gma_attention(*(y[:, :, t:t + 1] for y in inputs[:3]), *mix,
+                                               causal=True, cache=cache) for t in range(6)], 2)
+        assert torch.equal(got, expected)
+        mix[0].mul_(2)  # in place, no version counter to bump
+        x = [y[:, :, :1] for y in inputs[:3]]
+        changed = mixattn.gma_attention(*x, *mix, causal=True, cache=cache.copy())
+    branch = cache.copy()
+    with torch.no_grad():
+        reference = mixattn.gma_attention(*x, *(m.clone() for m in mix), causal=True,
+                                          cache=branch)
+    assert torch.equal(changed, reference)
+    with torch.no_grad():  # and the change matters
+        assert not torch.equal(changed, mixattn.gma_attention(*x, *inputs[3:], causal=True,
+                                                              cache=cache.copy()))
