@@ -15,12 +15,10 @@ namespace {
 
 // --- GMA ---------------------------------------------------------------------------------------
 
-std::tuple<at::Tensor, SavedBox> gma_forward_py(at::Tensor q, at::Tensor k,
-                                                   at::Tensor v, at::Tensor mean,
-                                                   at::Tensor var_raw,
-                                                   at::Tensor prior_logit, bool causal,
-                                                   double eps, double var_floor,
-                                                   bool check_finite, bool save) {
+std::tuple<at::Tensor, SavedBox> gma_forward_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                                at::Tensor mean, at::Tensor var_raw,
+                                                at::Tensor prior_logit, bool causal, double eps,
+                                                double var_floor, bool check_finite, bool save) {
   const GmaArgs a = gma_args("mixattn.gma_attention", q, k, v, mean, var_raw, prior_logit, causal,
                              eps, var_floor, check_finite);
   const Shape& s = a.shape;
@@ -33,15 +31,14 @@ std::tuple<at::Tensor, SavedBox> gma_forward_py(at::Tensor q, at::Tensor k,
   return {out, box("gma", a.q, std::move(rec))};
 }
 
-std::vector<at::Tensor> gma_backward_py(at::Tensor q, at::Tensor k, at::Tensor v,
-                                           at::Tensor mean, at::Tensor var_raw,
-                                           at::Tensor prior_logit, at::Tensor grad_out,
-                                           const SavedBox& saved, bool causal, double eps,
-                                           double var_floor, bool check_finite,
-                                           const std::vector<int64_t>& offsets) {
+std::vector<at::Tensor> gma_backward_py(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean,
+                                        at::Tensor var_raw, at::Tensor prior_logit,
+                                        at::Tensor grad_out, const SavedBox& saved, bool causal,
+                                        double eps, double var_floor, bool check_finite,
+                                        const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.gma_attention (backward)";
-  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor,
-                             check_finite);
+  const GmaArgs a =
+      gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor, check_finite);
   const Shape s = sequences_shape(fn, a.shape, offsets);  // a cache's packed call
   grad_out = checked_grad_out(fn, grad_out, s, a.q);
   const SavedPtr& rec = unbox(saved, "gma", a.q, fn);
@@ -75,11 +72,10 @@ SavedBox gma_prepare_py(at::Tensor mean, at::Tensor var_raw, at::Tensor prior_lo
 std::tuple<at::Tensor, at::Tensor, at::Tensor, SavedBox, bool> gma_forward_state_py(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean, at::Tensor var_raw,
     at::Tensor prior_logit, at::Tensor S0, at::Tensor z0, double eps, double var_floor,
-    bool check_finite, const SavedBox* prepared, bool save,
-    const std::vector<int64_t>& offsets) {
+    bool check_finite, const SavedBox* prepared, bool save, const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.gma_attention";
-  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor,
-                             check_finite);
+  const GmaArgs a =
+      gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor, check_finite);
   const Shape s = sequences_shape(fn, a.shape, offsets);
   const int64_t K = a.config.components;
   S0 = checked_state(fn, S0, "initial_state[0] (S)", {s.batch, s.heads, K, s.value_dim});
@@ -103,17 +99,17 @@ std::vector<at::Tensor> gma_backward_state_py(at::Tensor q, at::Tensor k, at::Te
                                               at::Tensor mean, at::Tensor var_raw,
                                               at::Tensor prior_logit, at::Tensor grad_out,
                                               at::Tensor grad_S, at::Tensor grad_z,
-                                              const SavedBox& saved, double eps,
-                                              double var_floor, bool check_finite,
+                                              const SavedBox& saved, double eps, double var_floor,
+                                              bool check_finite,
                                               const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.gma_attention (backward)";
-  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor,
-                             check_finite);
+  const GmaArgs a =
+      gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor, check_finite);
   const Shape s = sequences_shape(fn, a.shape, offsets);
   const int64_t K = a.config.components;
   grad_out = checked_grad_out(fn, grad_out, s, a.q);
-  grad_S = checked_state(fn, grad_S, "grad of final_state[0] (S)",
-                         {s.batch, s.heads, K, s.value_dim});
+  grad_S =
+      checked_state(fn, grad_S, "grad of final_state[0] (S)", {s.batch, s.heads, K, s.value_dim});
   grad_z = checked_state(fn, grad_z, "grad of final_state[1] (z)", {s.batch, s.heads, K});
   const SavedPtr& rec = unbox(saved, "gma-state", a.q, fn);
   auto dq = at::empty_like(a.q), dk = at::empty_like(a.k), dv = at::empty_like(a.v);
@@ -134,10 +130,14 @@ std::vector<at::Tensor> gma_backward_state_py(at::Tensor q, at::Tensor k, at::Te
 // --- packed (cu_seqlens) -----------------------------------------------------------------------
 
 /// (1, H, T, d) -> (T, H, d) contiguous: the library's packed layout, T x (H d) row-major.
-at::Tensor to_packed(const at::Tensor& t) { return t.select(0, 0).transpose(0, 1).contiguous(); }
+at::Tensor to_packed(const at::Tensor& t) {
+  return t.select(0, 0).transpose(0, 1).contiguous();
+}
 
 /// (T, H, d) -> (1, H, T, d), a view.
-at::Tensor from_packed(const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); }
+at::Tensor from_packed(const at::Tensor& t) {
+  return t.transpose(0, 1).unsqueeze(0);
+}
 
 template <class T>
 GmaInputs<T> gma_packed_inputs(const GmaArgs& a, const at::Tensor& q, const at::Tensor& k,
@@ -146,13 +146,15 @@ GmaInputs<T> gma_packed_inputs(const GmaArgs& a, const at::Tensor& q, const at::
           a.mean.data_ptr<T>(), a.var_raw.data_ptr<T>(), a.prior_logit.data_ptr<T>()};
 }
 
-std::tuple<at::Tensor, SavedBox> gma_forward_packed_py(
-    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean, at::Tensor var_raw,
-    at::Tensor prior_logit, std::vector<int64_t> offsets, bool causal, double eps,
-    double var_floor, bool check_finite) {
+std::tuple<at::Tensor, SavedBox> gma_forward_packed_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                                       at::Tensor mean, at::Tensor var_raw,
+                                                       at::Tensor prior_logit,
+                                                       std::vector<int64_t> offsets, bool causal,
+                                                       double eps, double var_floor,
+                                                       bool check_finite) {
   const std::string fn = "mixattn.gma_attention";
-  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor,
-                             check_finite);
+  const GmaArgs a =
+      gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor, check_finite);
   const PackedShape s = packed_shape(fn, a.shape, offsets);
   const at::Tensor pq = to_packed(a.q), pk = to_packed(a.k), pv = to_packed(a.v);
   at::Tensor out = at::empty({s.rows, s.heads, s.value_dim}, a.q.options());
@@ -167,12 +169,12 @@ std::tuple<at::Tensor, SavedBox> gma_forward_packed_py(
 std::vector<at::Tensor> gma_backward_packed_py(at::Tensor q, at::Tensor k, at::Tensor v,
                                                at::Tensor mean, at::Tensor var_raw,
                                                at::Tensor prior_logit, at::Tensor grad_out,
-                                               const SavedBox& saved,
-                                               std::vector<int64_t> offsets, bool causal,
-                                               double eps, double var_floor, bool check_finite) {
+                                               const SavedBox& saved, std::vector<int64_t> offsets,
+                                               bool causal, double eps, double var_floor,
+                                               bool check_finite) {
   const std::string fn = "mixattn.gma_attention (backward)";
-  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor,
-                             check_finite);
+  const GmaArgs a =
+      gma_args(fn, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor, check_finite);
   const PackedShape s = packed_shape(fn, a.shape, offsets);
   grad_out = to_packed(checked_grad_out(fn, grad_out, a.shape, a.q));
   const SavedPtr& rec = unbox(saved, "gma-packed", a.q, fn);
@@ -182,10 +184,9 @@ std::vector<at::Tensor> gma_backward_packed_py(at::Tensor q, at::Tensor k, at::T
   auto dprior = at::empty_like(a.prior_logit);
   dispatch(a.q, [&](auto t) {
     using T = decltype(t);
-    gma_backward_packed<T>(s, a.config, gma_packed_inputs<T>(a, pq, pk, pv),
-                           grad_out.data_ptr<T>(), rec, dq.data_ptr<T>(), dk.data_ptr<T>(),
-                           dv.data_ptr<T>(), dmean.data_ptr<T>(), dvar.data_ptr<T>(),
-                           dprior.data_ptr<T>());
+    gma_backward_packed<T>(s, a.config, gma_packed_inputs<T>(a, pq, pk, pv), grad_out.data_ptr<T>(),
+                           rec, dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>(),
+                           dmean.data_ptr<T>(), dvar.data_ptr<T>(), dprior.data_ptr<T>());
   });
   return {from_packed(dq), from_packed(dk), from_packed(dv), dmean, dvar, dprior};
 }
@@ -193,9 +194,9 @@ std::vector<at::Tensor> gma_backward_packed_py(at::Tensor q, at::Tensor k, at::T
 // --- OVQ ---------------------------------------------------------------------------------------
 
 OvqConfig ovq_config(int64_t block, int64_t max_centroids, const std::string& growth,
-                     double growth_alpha, const std::string& seeding,
-                     const std::string& assignment, bool count_bias,
-                     bool grad_through_dictionary, double norm_eps, bool check_finite) {
+                     double growth_alpha, const std::string& seeding, const std::string& assignment,
+                     bool count_bias, bool grad_through_dictionary, double norm_eps,
+                     bool check_finite) {
   using mixattn::ovq::Assignment;
   using mixattn::ovq::Growth;
   using mixattn::ovq::Seeding;
@@ -229,16 +230,18 @@ void check_start(const std::string& fn, const OvqStateBox& start, const Shape& s
     fail(fn, "initial_state holds " + start.kind + " dictionaries but q is " + dtype_name(q));
   if (!same_streams(start.shape, s))
     fail(fn, "initial_state was made for (batch or sequences, heads, key dim, value dim) = " +
-                 stream_sizes(start.shape) + " but q has shape " + shape_of(q) +
-                 " and v has " + shape_of(v) +
+                 stream_sizes(start.shape) + " but q has shape " + shape_of(q) + " and v has " +
+                 shape_of(v) +
                  (packed ? " with " + std::to_string(s.batch) + " sequences" : std::string()));
 }
 
 /// The copying form: every pair continues a copy of initial_state's (or an empty) dictionary;
 /// the end states come back as a new OvqStateBox.
-std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
-    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor beta, const OvqConfig& c,
-    const OvqStateBox* start, bool save, const std::vector<int64_t>& offsets) {
+std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(at::Tensor q, at::Tensor k,
+                                                             at::Tensor v, at::Tensor beta,
+                                                             const OvqConfig& c,
+                                                             const OvqStateBox* start, bool save,
+                                                             const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.ovq_attention";
   const Shape s = sequences_shape(fn, ovq_shape(fn, q, k, v, beta), offsets);
   if (start != nullptr) check_start(fn, *start, s, q, v, !offsets.empty());
@@ -255,8 +258,8 @@ std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
   // does not fit the options; a state they accept but made under other options is refused here
   // (its copies are dropped, initial_state is as it was).
   if (start != nullptr && !same_state_options(start->config, c))
-    fail(fn, "initial_state was made with " + state_options(start->config) +
-                 " but this call has " + state_options(c));
+    fail(fn, "initial_state was made with " + state_options(start->config) + " but this call has " +
+                 state_options(c));
   Shape kept = s;
   kept.queries = kept.keys = 0;
   kept.offsets.clear();
@@ -264,10 +267,9 @@ std::tuple<at::Tensor, SavedBox, OvqStateBox> ovq_forward_py(
           OvqStateBox{ovq_state_kind(q), kept, c, std::move(states)}};
 }
 
-std::vector<at::Tensor> ovq_backward_py(at::Tensor q, at::Tensor k, at::Tensor v,
-                                           at::Tensor beta, at::Tensor grad_out,
-                                           const SavedBox& saved, const OvqConfig& c,
-                                           const std::vector<int64_t>& offsets) {
+std::vector<at::Tensor> ovq_backward_py(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor beta,
+                                        at::Tensor grad_out, const SavedBox& saved,
+                                        const OvqConfig& c, const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.ovq_attention (backward)";
   const Shape s = sequences_shape(fn, ovq_shape(fn, q, k, v, beta), offsets);
   grad_out = checked_grad_out(fn, grad_out, s, q);
@@ -285,8 +287,7 @@ std::vector<at::Tensor> ovq_backward_py(at::Tensor q, at::Tensor k, at::Tensor v
 
 // --- flash -------------------------------------------------------------------------------------
 
-Shape flash_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::Tensor& v,
-                  bool causal) {
+Shape flash_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::Tensor& v, bool causal) {
   const Shape s = attention_shape(fn, q, k, v);
   if (causal && s.queries != s.keys)
     fail(fn, "causal needs as many queries as keys, but q has shape " + shape_of(q) +
@@ -294,9 +295,9 @@ Shape flash_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::Tenso
   return s;
 }
 
-std::tuple<at::Tensor, SavedBox> flash_forward_py(at::Tensor q, at::Tensor k,
-                                                     at::Tensor v, bool causal, double scale,
-                                                     bool check_finite, bool save) {
+std::tuple<at::Tensor, SavedBox> flash_forward_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                                  bool causal, double scale, bool check_finite,
+                                                  bool save) {
   const Shape s = flash_shape("mixattn.flash_attention", q, k, v, causal);
   const FlashConfig c{causal, scale, check_finite};
   at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, q.options());
@@ -309,8 +310,8 @@ std::tuple<at::Tensor, SavedBox> flash_forward_py(at::Tensor q, at::Tensor k,
 }
 
 std::vector<at::Tensor> flash_backward_py(at::Tensor q, at::Tensor k, at::Tensor v,
-                                             at::Tensor grad_out, const SavedBox& saved,
-                                             bool causal, double scale, bool check_finite) {
+                                          at::Tensor grad_out, const SavedBox& saved, bool causal,
+                                          double scale, bool check_finite) {
   const std::string fn = "mixattn.flash_attention (backward)";
   const Shape s = flash_shape(fn, q, k, v, causal);
   grad_out = checked_grad_out(fn, grad_out, s, q);
@@ -326,11 +327,9 @@ std::vector<at::Tensor> flash_backward_py(at::Tensor q, at::Tensor k, at::Tensor
   return {dq, dk, dv};
 }
 
-std::tuple<at::Tensor, SavedBox> flash_forward_packed_py(at::Tensor q, at::Tensor k,
-                                                        at::Tensor v,
-                                                        std::vector<int64_t> offsets,
-                                                        bool causal, double scale,
-                                                        bool check_finite) {
+std::tuple<at::Tensor, SavedBox> flash_forward_packed_py(at::Tensor q, at::Tensor k, at::Tensor v,
+                                                         std::vector<int64_t> offsets, bool causal,
+                                                         double scale, bool check_finite) {
   const std::string fn = "mixattn.flash_attention";
   const PackedShape s = packed_shape(fn, flash_shape(fn, q, k, v, causal), offsets);
   const FlashConfig c{causal, scale, check_finite};
@@ -367,10 +366,9 @@ std::vector<at::Tensor> flash_backward_packed_py(at::Tensor q, at::Tensor k, at:
 
 /// The library's own one-token calls, timed in C++ (kernels.hpp, gma_decode_seconds): q, k
 /// (H, T, r), v (H, T, d_v), mean, var_raw (H, K, r), prior_logit (H, K), float32.
-std::vector<double> gma_decode_seconds_py(at::Tensor q, at::Tensor k, at::Tensor v,
-                                          at::Tensor mean, at::Tensor var_raw,
-                                          at::Tensor prior_logit, int64_t prefill,
-                                          bool all_heads_per_call) {
+std::vector<double> gma_decode_seconds_py(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean,
+                                          at::Tensor var_raw, at::Tensor prior_logit,
+                                          int64_t prefill, bool all_heads_per_call) {
   const std::string fn = "mixattn._C.testing.gma_decode_seconds";
   const GmaArgs a = gma_args(fn, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mean, var_raw,
                              prior_logit, true, 1e-6, 1e-4, true);
@@ -395,8 +393,8 @@ std::vector<double> ovq_decode_seconds_py(at::Tensor q, at::Tensor k, at::Tensor
   if (prefill < 1 || prefill >= s.queries)
     fail(fn, "prefill is " + std::to_string(prefill) + "; it must be in [1, tokens)");
   return ovq_decode_seconds(q4.data_ptr<float>(), k4.data_ptr<float>(), v4.data_ptr<float>(),
-                            s.heads, s.queries, s.key_dim, s.value_dim, static_cast<float>(beta),
-                            c, prefill, all_heads_per_call);
+                            s.heads, s.queries, s.key_dim, s.value_dim, static_cast<float>(beta), c,
+                            prefill, all_heads_per_call);
 }
 
 }  // namespace
@@ -418,11 +416,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("tokens_seen",
                              [](const mt::OvqStateBox& b) { return b.states->tokens_seen(); });
   py::class_<mt::OvqConfig>(m, "OvqConfig")
-      .def(py::init(&mt::ovq_config), py::arg("block"), py::arg("max_centroids"),
-           py::arg("growth"), py::arg("growth_alpha"), py::arg("seeding"), py::arg("assignment"),
+      .def(py::init(&mt::ovq_config), py::arg("block"), py::arg("max_centroids"), py::arg("growth"),
+           py::arg("growth_alpha"), py::arg("seeding"), py::arg("assignment"),
            py::arg("count_bias"), py::arg("grad_through_dictionary"), py::arg("norm_eps"),
            py::arg("check_finite"))
-      .def("__repr__", [](const mt::OvqConfig& c) { return "OvqConfig(" + mt::state_options(c) + ")"; });
+      .def("__repr__",
+           [](const mt::OvqConfig& c) { return "OvqConfig(" + mt::state_options(c) + ")"; });
   // The kernels release the GIL: other Python threads (DDP's reducer, data loaders) run meanwhile.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("gma_forward", &mt::gma_forward_py, nogil);
@@ -431,16 +430,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("saved"), py::arg("causal"), py::arg("eps"), py::arg("var_floor"),
         py::arg("check_finite"), py::arg("offsets") = std::vector<int64_t>{}, nogil);
   m.def("gma_prepare", &mt::gma_prepare_py, nogil);
-  m.def("gma_forward_state", &mt::gma_forward_state_py, py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"), py::arg("S0"),
-        py::arg("z0"), py::arg("eps"), py::arg("var_floor"), py::arg("check_finite"),
+  m.def("gma_forward_state", &mt::gma_forward_state_py, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"), py::arg("S0"), py::arg("z0"),
+        py::arg("eps"), py::arg("var_floor"), py::arg("check_finite"),
         py::arg("prepared") = nullptr, py::arg("save") = true,
         py::arg("offsets") = std::vector<int64_t>{}, nogil);
-  m.def("gma_backward_state", &mt::gma_backward_state_py, py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"),
-        py::arg("grad_out"), py::arg("grad_S"), py::arg("grad_z"), py::arg("saved"),
-        py::arg("eps"), py::arg("var_floor"), py::arg("check_finite"),
-        py::arg("offsets") = std::vector<int64_t>{}, nogil);
+  m.def("gma_backward_state", &mt::gma_backward_state_py, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"), py::arg("grad_out"),
+        py::arg("grad_S"), py::arg("grad_z"), py::arg("saved"), py::arg("eps"),
+        py::arg("var_floor"), py::arg("check_finite"), py::arg("offsets") = std::vector<int64_t>{},
+        nogil);
   m.def("ovq_forward", &mt::ovq_forward_py, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("beta"), py::arg("config"), py::arg("initial_state"), py::arg("save"),
         py::arg("offsets") = std::vector<int64_t>{}, nogil);
@@ -458,8 +457,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Frees the records of finished calls kept for reuse by the next forwards (see "
         "mixattn.release_memory).");
   mt::define_caches(m);
-  auto testing = m.def_submodule("testing", "For the decode benchmark: the library's own one-token "
-                                            "calls on one head, timed in C++.");
+  auto testing = m.def_submodule("testing",
+                                 "For the decode benchmark: the library's own one-token "
+                                 "calls on one head, timed in C++.");
   testing.def("gma_decode_seconds", &mt::gma_decode_seconds_py, py::arg("q"), py::arg("k"),
               py::arg("v"), py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"),
               py::arg("prefill"), py::arg("all_heads_per_call"), nogil);

@@ -67,8 +67,8 @@ inline std::string place_of(const at::Tensor& t) {
 /// A dense CPU float32/float64 tensor of `dim` dimensions, of the same dtype as `like`, made
 /// contiguous (a no-op when it already is; a copy for a strided view or an expanded tensor,
 /// whose entries overlap in memory) with any lazy negation resolved.
-inline at::Tensor checked(const at::Tensor& t, const std::string& fn, const char* name,
-                          int64_t dim, const at::Tensor& like) {
+inline at::Tensor checked(const at::Tensor& t, const std::string& fn, const char* name, int64_t dim,
+                          const at::Tensor& like) {
   if (!t.defined()) fail(fn, std::string(name) + " is undefined");
   if (t.device().type() != at::kCPU || t.layout() != at::kStrided)
     fail(fn, std::string(name) + " must be a dense CPU tensor, got a " + place_of(t) + " tensor");
@@ -83,16 +83,15 @@ inline at::Tensor checked(const at::Tensor& t, const std::string& fn, const char
   return t.contiguous();
 }
 
-inline void expect_size(const std::string& fn, const at::Tensor& t, const char* name,
-                        int64_t axis, int64_t want, const char* meaning) {
+inline void expect_size(const std::string& fn, const at::Tensor& t, const char* name, int64_t axis,
+                        int64_t want, const char* meaning) {
   if (t.size(axis) != want)
     fail(fn, std::string(name) + " has shape " + shape_of(t) + " but dimension " +
                  std::to_string(axis) + " must be " + std::to_string(want) + " (" + meaning + ")");
 }
 
 /// q (B, H, N, r), k (B, H, M, r), v (B, H, M, d_v) checked against each other; r, d_v >= 1.
-inline Shape attention_shape(const std::string& fn, at::Tensor& q, at::Tensor& k,
-                             at::Tensor& v) {
+inline Shape attention_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::Tensor& v) {
   q = checked(q, fn, "q", 4, q);
   k = checked(k, fn, "k", 4, q);
   v = checked(v, fn, "v", 4, q);
@@ -117,7 +116,9 @@ inline Shape attention_shape(const std::string& fn, at::Tensor& q, at::Tensor& k
 
 /// The batch dimension of the call's tensors: 1 for sequences packed along the tokens (Shape::
 /// offsets, where s.batch counts the sequences).
-inline int64_t tensor_batch(const Shape& s) { return s.offsets.empty() ? s.batch : 1; }
+inline int64_t tensor_batch(const Shape& s) {
+  return s.offsets.empty() ? s.batch : 1;
+}
 
 /// grad_out (B, H, N, d_v), like the forward's output.
 inline at::Tensor checked_grad_out(const std::string& fn, const at::Tensor& grad_out,
@@ -132,8 +133,8 @@ inline SavedBox box(const std::string& kind, const at::Tensor& like, SavedPtr re
   return SavedBox{kind + "/" + dtype_name(like), std::move(record)};
 }
 
-inline const SavedPtr& unbox(const SavedBox& saved, const std::string& kind,
-                             const at::Tensor& like, const std::string& fn) {
+inline const SavedPtr& unbox(const SavedBox& saved, const std::string& kind, const at::Tensor& like,
+                             const std::string& fn) {
   const std::string want = kind + "/" + dtype_name(like);
   if (saved.kind == want && !saved.record)
     fail(fn, "saved holds no record: its forward ran with no gradient to compute (save=False)");
@@ -219,8 +220,10 @@ inline at::Tensor checked_state(const std::string& fn, const at::Tensor& t, cons
   if (t.device().type() != at::kCPU || t.layout() != at::kStrided)
     fail(fn, std::string(name) + " must be a dense CPU tensor, got a " + place_of(t) + " tensor");
   if (t.scalar_type() != at::kDouble)
-    fail(fn, std::string(name) + " must be float64 (the state's type for float32 and float64 "
-                 "inputs), got " + dtype_name(t));
+    fail(fn, std::string(name) +
+                 " must be float64 (the state's type for float32 and float64 "
+                 "inputs), got " +
+                 dtype_name(t));
   if (t.sizes() != at::IntArrayRef(sizes)) {
     std::ostringstream want;
     want << at::IntArrayRef(sizes);
@@ -235,9 +238,11 @@ inline at::Tensor checked_state(const std::string& fn, const at::Tensor& t, cons
 inline PackedShape packed_shape(const std::string& fn, const Shape& s,
                                 const std::vector<int64_t>& offsets) {
   if (s.batch != 1 || s.queries != s.keys)
-    fail(fn, "cu_seqlens packs the sequences along the tokens of one batch entry: q and k must "
-             "be (1, H, T, .) with the same T, got batch " + std::to_string(s.batch) + ", " +
-             std::to_string(s.queries) + " queries and " + std::to_string(s.keys) + " keys");
+    fail(fn,
+         "cu_seqlens packs the sequences along the tokens of one batch entry: q and k must "
+         "be (1, H, T, .) with the same T, got batch " +
+             std::to_string(s.batch) + ", " + std::to_string(s.queries) + " queries and " +
+             std::to_string(s.keys) + " keys");
   PackedShape p;
   p.heads = s.heads;
   p.rows = s.queries;
@@ -311,7 +316,9 @@ struct OvqStateBox {
   std::shared_ptr<const PairStates> states;
 };
 
-inline std::string ovq_state_kind(const at::Tensor& q) { return "ovq-state/" + dtype_name(q); }
+inline std::string ovq_state_kind(const at::Tensor& q) {
+  return "ovq-state/" + dtype_name(q);
+}
 
 /// (streams, heads, key dim, value dim) of a state or cache, for messages.
 inline std::string stream_sizes(const Shape& s) {

@@ -51,6 +51,7 @@ class Cache {
   std::vector<Index> tokens_seen() const {
     std::vector<Index> per_stream;
     if (!states) return per_stream;
+    if (shape.heads == 0) return std::vector<Index>(static_cast<std::size_t>(shape.batch), 0);
     const std::vector<Index> pairs = states->tokens_seen();
     for (Index b = 0; b < shape.batch; ++b)
       per_stream.push_back(pairs[static_cast<std::size_t>(b * shape.heads)]);
@@ -74,8 +75,9 @@ class Exclusive {
  public:
   Exclusive(Cache& c, const std::string& fn) : c_(c) {
     if (c.busy.exchange(true))
-      throw std::runtime_error(fn + ": cache is in use by a call on another thread; a cache "
-                                    "serves one call at a time (give each thread its own)");
+      throw std::runtime_error(fn +
+                               ": cache is in use by a call on another thread; a cache "
+                               "serves one call at a time (give each thread its own)");
   }
   ~Exclusive() { c_.busy.store(false); }
   Exclusive(const Exclusive&) = delete;
@@ -87,8 +89,10 @@ class Exclusive {
 
 void check_usable(const Cache& c, const std::string& fn) {
   if (!c.broken.empty())
-    fail(fn, "cache is unusable: an earlier call failed after some of its (stream, head) pairs "
-             "had advanced (" + c.broken + "); reset() it or make a new one");
+    fail(fn,
+         "cache is unusable: an earlier call failed after some of its (stream, head) pairs "
+         "had advanced (" +
+             c.broken + "); reset() it or make a new one");
 }
 
 /// The call's streams and sizes against the cache's (bound already).
@@ -145,13 +149,14 @@ class OvqCache : public Cache {
 
   std::string describe() const {
     if (!bound()) return "OvqCache(empty: binds to its first call)";
-    return "OvqCache(" + dtype_label() + ", (batch or sequences, heads, key dim, value dim) = " +
-           stream_sizes(shape) + ", " + state_options(config) + ")";
+    return "OvqCache(" + dtype_label() +
+           ", (batch or sequences, heads, key dim, value dim) = " + stream_sizes(shape) + ", " +
+           state_options(config) + ")";
   }
 };
 
 void bind_cache(OvqCache& c, const std::string& fn, const Shape& s, const at::Tensor& q,
-          const at::Tensor& v, const OvqConfig& config) {
+                const at::Tensor& v, const OvqConfig& config) {
   if (!c.bound()) {
     bind_sizes(c, s, q);
     c.config = config;
@@ -166,34 +171,33 @@ void bind_cache(OvqCache& c, const std::string& fn, const Shape& s, const at::Te
                  state_options(config));
 }
 
-/// Each head's beta positive, and beta sqrt(r) finite (what the library requires per pair).
-void check_beta(const std::string& fn, const at::Tensor& beta, Index r) {
+/// Each head's beta positive and, with check_finite, finite with beta sqrt(r) finite: what the
+/// library requires of every pair, checked for all heads before any pair runs.
+void check_beta(const std::string& fn, const at::Tensor& beta, Index r, bool check_finite) {
   dispatch(beta, [&](auto x) {
     using T = decltype(x);
     const T* b = beta.data_ptr<T>();
+    const T root = static_cast<T>(std::sqrt(static_cast<double>(r)));
     for (int64_t h = 0; h < beta.numel(); ++h) {
-      const double s = static_cast<double>(b[h]) * std::sqrt(static_cast<double>(r));
-      if (!(b[h] > 0) || !std::isfinite(static_cast<double>(static_cast<T>(s))))
+      if (b[h] <= 0 || (check_finite && !std::isfinite(b[h] * root)))
         fail(fn, "beta[" + std::to_string(h) + "] is " + number(static_cast<double>(b[h])) +
-                     "; the scale factor must be > 0 with beta * sqrt(r) finite (the cache is "
-                     "left as it was)");
+                     "; the scale factor must be > 0" +
+                     (check_finite ? " with beta * sqrt(r) finite" : "") +
+                     " (the cache is left as it was)");
     }
   });
 }
 
-std::tuple<at::Tensor, std::optional<SavedBox>> ovq_forward_cached_py(at::Tensor q, at::Tensor k, at::Tensor v,
-                                                       at::Tensor beta, const OvqConfig& c,
-                                                       OvqCache& cache, bool save,
-                                                       const std::vector<int64_t>& offsets) {
+std::tuple<at::Tensor, std::optional<SavedBox>> ovq_forward_cached_py(
+    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor beta, const OvqConfig& c, OvqCache& cache,
+    bool save, const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.ovq_attention";
   const Shape s = sequences_shape(fn, ovq_shape(fn, q, k, v, beta), offsets);
   Exclusive lock(cache, fn);
   check_usable(cache, fn);
   bind_cache(cache, fn, s, q, v, c);
-  if (c.check_finite) {
-    check_finite_inputs(fn, {{"q", &q}, {"k", &k}, {"v", &v}, {"beta", &beta}});
-    check_beta(fn, beta, s.key_dim);
-  }
+  if (c.check_finite) check_finite_inputs(fn, {{"q", &q}, {"k", &k}, {"v", &v}, {"beta", &beta}});
+  check_beta(fn, beta, s.key_dim, c.check_finite);
   at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, q.options());
   SavedPtr rec = guarded(cache, [&] {
     return dispatch(q, [&](auto t) {
@@ -261,9 +265,10 @@ class GmaCache : public Cache {
     if (!bound())
       return std::string("GmaCache(empty") + (start_S.defined() ? ", with an initial state" : "") +
              ": binds to its first call)";
-    return "GmaCache(" + dtype_label() + ", (batch or sequences, heads, key dim, value dim) = " +
-           stream_sizes(shape) + ", components=" + std::to_string(components) +
-           ", eps=" + number(eps) + ", var_floor=" + number(var_floor) + ")";
+    return "GmaCache(" + dtype_label() +
+           ", (batch or sequences, heads, key dim, value dim) = " + stream_sizes(shape) +
+           ", components=" + std::to_string(components) + ", eps=" + number(eps) +
+           ", var_floor=" + number(var_floor) + ")";
   }
 };
 
@@ -308,8 +313,9 @@ void ensure_prepared(GmaCache& c, const std::string& fn, const GmaArgs& a,
   bool current = c.prepared && (c.prepared_checked || !check);
   for (int i = 0; current && i < 3; ++i) current = c.stamps[i].matches(params[i]);
   if (current) return;
-  if (check) check_finite_inputs(fn, {{"mean", &a.mean}, {"var_raw", &a.var_raw},
-                                      {"prior_logit", &a.prior_logit}});
+  if (check)
+    check_finite_inputs(
+        fn, {{"mean", &a.mean}, {"var_raw", &a.var_raw}, {"prior_logit", &a.prior_logit}});
   c.prepared = dispatch(a.q, [&](auto t) {
     using T = decltype(t);
     return gma_prepare<T>(a.shape, a.config, gma_inputs<T>(a));
@@ -323,8 +329,8 @@ std::tuple<at::Tensor, std::optional<SavedBox>> gma_forward_cached_py(
     at::Tensor prior_logit, GmaCache& cache, double eps, double var_floor, bool check_finite,
     bool save, const std::vector<int64_t>& offsets) {
   const std::string fn = "mixattn.gma_attention";
-  const GmaArgs a = gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor,
-                             check_finite);
+  const GmaArgs a =
+      gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor, check_finite);
   const Shape s = sequences_shape(fn, a.shape, offsets);
   Exclusive lock(cache, fn);
   check_usable(cache, fn);
@@ -335,8 +341,8 @@ std::tuple<at::Tensor, std::optional<SavedBox>> gma_forward_cached_py(
   SavedPtr rec = guarded(cache, [&] {
     return dispatch(a.q, [&](auto t) {
       using T = decltype(t);
-      return gma_forward_cached<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(),
-                                   *cache.states, cache.prepared, save);
+      return gma_forward_cached<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(), *cache.states,
+                                   cache.prepared, save);
     });
   });
   return {out, Cache::record("gma", a.q, std::move(rec))};
@@ -345,8 +351,10 @@ std::tuple<at::Tensor, std::optional<SavedBox>> gma_forward_cached_py(
 std::unique_ptr<GmaCache> gma_cache_from(at::Tensor S, at::Tensor z) {
   const std::string fn = "mixattn.GmaCache";
   if (!S.defined() || S.dim() != 4)
-    fail(fn, "initial_state[0] (S) must be a 4-dimensional (batch, heads, components, value dim) "
-             "tensor, got shape " + (S.defined() ? shape_of(S) : std::string("undefined")));
+    fail(fn,
+         "initial_state[0] (S) must be a 4-dimensional (batch, heads, components, value dim) "
+         "tensor, got shape " +
+             (S.defined() ? shape_of(S) : std::string("undefined")));
   const int64_t B = S.size(0), H = S.size(1), K = S.size(2), dv = S.size(3);
   auto c = std::make_unique<GmaCache>();
   c->start_S = checked_state(fn, S, "initial_state[0] (S)", {B, H, K, dv}).clone();
@@ -375,8 +383,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> gma_cache_state(GmaCache& c) {
 
 template <class C>
 std::unique_ptr<C> copy_of(C& c) {
-  Exclusive lock(c, std::is_same<C, GmaCache>::value ? "mixattn.GmaCache.copy"
-                                                      : "mixattn.OvqCache.copy");
+  Exclusive lock(
+      c, std::is_same<C, GmaCache>::value ? "mixattn.GmaCache.copy" : "mixattn.OvqCache.copy");
   auto to = std::make_unique<C>();
   c.copy_into(*to);
   if constexpr (std::is_same<C, GmaCache>::value) {
@@ -395,8 +403,8 @@ std::unique_ptr<C> copy_of(C& c) {
 
 template <class C>
 void reset(C& c) {
-  Exclusive lock(c, std::is_same<C, GmaCache>::value ? "mixattn.GmaCache.reset"
-                                                      : "mixattn.OvqCache.reset");
+  Exclusive lock(
+      c, std::is_same<C, GmaCache>::value ? "mixattn.GmaCache.reset" : "mixattn.OvqCache.reset");
   C fresh;
   static_cast<Cache&>(c).reset();
   if constexpr (std::is_same<C, GmaCache>::value) {

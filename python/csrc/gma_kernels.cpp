@@ -144,17 +144,21 @@ SavedPtr gma_forward_cached(const Shape& s, const GmaConfig& c, const GmaInputs<
     throw std::logic_error(std::string(fn) + ": a cached forward without its prepared mixtures");
   }
   const Index N = s.queries, r = s.key_dim, dv = s.value_dim;
-  for_each_pair(s, [&](Index pair) {
-    const auto i = static_cast<std::size_t>(pair), head = static_cast<std::size_t>(pair % s.heads);
-    auto& o = thread_scratch<mixattn::Matrix<T>>();
-    const auto q = pair_rows(s, in.q, pair, N, r), k = pair_rows(s, in.k, pair, N, r);
-    const auto v = pair_rows(s, in.v, pair, N, dv);
-    if (save)
-      mixattn::gma::forward_into(o, mixtures[head], q, k, v, c.options, st[i], &rec->pairs[i]);
-    else
-      mixattn::gma::forward_into(o, prep->heads[head], q, k, v, c.options, st[i], nullptr);
-    pair_rows(s, out, pair, N, dv) = o;
-  }, states.reversed);
+  for_each_pair(
+      s,
+      [&](Index pair) {
+        const auto i = static_cast<std::size_t>(pair),
+                   head = static_cast<std::size_t>(pair % s.heads);
+        auto& o = thread_scratch<mixattn::Matrix<T>>();
+        const auto q = pair_rows(s, in.q, pair, N, r), k = pair_rows(s, in.k, pair, N, r);
+        const auto v = pair_rows(s, in.v, pair, N, dv);
+        if (save)
+          mixattn::gma::forward_into(o, mixtures[head], q, k, v, c.options, st[i], &rec->pairs[i]);
+        else
+          mixattn::gma::forward_into(o, prep->heads[head], q, k, v, c.options, st[i], nullptr);
+        pair_rows(s, out, pair, N, dv) = o;
+      },
+      states.reversed);
   states.reversed = !states.reversed;
   if (save) rec->shared = std::move(mixtures);
   return rec;
@@ -221,26 +225,25 @@ SavedPtr gma_forward_packed(const PackedShape& s, const GmaConfig& c, const GmaI
   rec->shared = mixtures_of(heads, c, in);
   const Index H = s.heads, n = s.rows;
   auto& o = thread_scratch<mixattn::Matrix<T>>();
-  mixattn::gma::forward_packed_into<T>(
-      o, rec->shared, packed(in.q, n, H * s.key_dim), packed(in.k, n, H * s.key_dim),
-      packed(in.v, n, H * s.value_dim), s.offsets, s.offsets, c.options, &rec->saved,
-      at::get_num_threads());
+  mixattn::gma::forward_packed_into<T>(o, rec->shared, packed(in.q, n, H * s.key_dim),
+                                       packed(in.k, n, H * s.key_dim),
+                                       packed(in.v, n, H * s.value_dim), s.offsets, s.offsets,
+                                       c.options, &rec->saved, at::get_num_threads());
   packed(out, n, H * s.value_dim) = o;
   return rec;
 }
 
 template <class T>
 void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInputs<T>& in,
-                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
-                         T* dmean, T* dvar_raw, T* dprior_logit) {
-  const auto& rec =
-      record_for<GmaPacked<T>>(saved, s, "mixattn.gma_attention (backward)");
+                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean,
+                         T* dvar_raw, T* dprior_logit) {
+  const auto& rec = record_for<GmaPacked<T>>(saved, s, "mixattn.gma_attention (backward)");
   const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim, K = c.components;
   auto& g = thread_scratch<mixattn::gma::PackedGrad<T>>();
-  mixattn::gma::backward_packed_into<T>(
-      g, rec.shared, packed(in.q, n, H * r), packed(in.k, n, H * r), packed(in.v, n, H * d),
-      packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved, c.options,
-      at::get_num_threads());
+  mixattn::gma::backward_packed_into<T>(g, rec.shared, packed(in.q, n, H * r),
+                                        packed(in.k, n, H * r), packed(in.v, n, H * d),
+                                        packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved,
+                                        c.options, at::get_num_threads());
   packed(dq, n, H * r) = g.q;
   packed(dk, n, H * r) = g.k;
   packed(dv, n, H * d) = g.v;
@@ -252,29 +255,28 @@ void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInpu
   }
 }
 
-#define MIXATTN_TORCH_GMA(T)                                                                   \
-  template SavedPtr gma_prepare<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&);       \
-  template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*,    \
-                                   const GmaStateIO*, const SavedPtr&, bool*, bool);           \
-  template void gma_backward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, const T*, \
-                                const SavedPtr&, T*, T*, T*, T*, T*, T*, const GmaStateGradIO*); \
-  template std::unique_ptr<PairStates> gma_states<T>(Index, Index, Index, const double*,       \
-                                                     const double*);                           \
-  template void gma_read_states<T>(const PairStates&, double*, double*);                       \
-  template SavedPtr gma_forward_cached<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, \
-                                          T*, PairStates&, const SavedPtr&, bool);             \
-  template SavedPtr gma_forward_packed<T>(const PackedShape&, const GmaConfig&,                \
-                                          const GmaInputs<T>&, T*);                            \
-  template void gma_backward_packed<T>(const PackedShape&, const GmaConfig&, const GmaInputs<T>&, \
+#define MIXATTN_TORCH_GMA(T)                                                                       \
+  template SavedPtr gma_prepare<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&);           \
+  template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*,        \
+                                   const GmaStateIO*, const SavedPtr&, bool*, bool);               \
+  template void gma_backward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, const T*,     \
+                                const SavedPtr&, T*, T*, T*, T*, T*, T*, const GmaStateGradIO*);   \
+  template std::unique_ptr<PairStates> gma_states<T>(Index, Index, Index, const double*,           \
+                                                     const double*);                               \
+  template void gma_read_states<T>(const PairStates&, double*, double*);                           \
+  template SavedPtr gma_forward_cached<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*, \
+                                          PairStates&, const SavedPtr&, bool);                     \
+  template SavedPtr gma_forward_packed<T>(const PackedShape&, const GmaConfig&,                    \
+                                          const GmaInputs<T>&, T*);                                \
+  template void gma_backward_packed<T>(const PackedShape&, const GmaConfig&, const GmaInputs<T>&,  \
                                        const T*, const SavedPtr&, T*, T*, T*, T*, T*, T*);
 MIXATTN_TORCH_GMA(float)
 MIXATTN_TORCH_GMA(double)
 
-std::vector<double> gma_decode_seconds(const float* q, const float* k, const float* v,
-                                       Index heads, Index rows, Index r, Index dv,
-                                       const float* mean, const float* var_raw,
-                                       const float* prior_logit, Index K, Index prefill,
-                                       bool all_heads_per_call) {
+std::vector<double> gma_decode_seconds(const float* q, const float* k, const float* v, Index heads,
+                                       Index rows, Index r, Index dv, const float* mean,
+                                       const float* var_raw, const float* prior_logit, Index K,
+                                       Index prefill, bool all_heads_per_call) {
   mixattn::gma::Options opt;
   opt.causal = true;
   std::vector<mixattn::gma::Prepared<float>> prepared;  // once per head, not per token
@@ -293,14 +295,15 @@ std::vector<double> gma_decode_seconds(const float* q, const float* k, const flo
   return decode_seconds(heads, prefill, rows, all_heads_per_call, [&](Index h, Index t) {
     const auto i = static_cast<std::size_t>(h);
     const mixattn::Matrix<float> o =
-        mixattn::gma::forward(prepared[i], slice(q, h, rows, r).row(t),
-                              slice(k, h, rows, r).row(t), slice(v, h, rows, dv).row(t), opt,
-                              states[i]);
+        mixattn::gma::forward(prepared[i], slice(q, h, rows, r).row(t), slice(k, h, rows, r).row(t),
+                              slice(v, h, rows, dv).row(t), opt, states[i]);
     return o(0, 0);
   });
 }
 
-const char* library_version() { return MIXATTN_VERSION_STRING; }
+const char* library_version() {
+  return MIXATTN_VERSION_STRING;
+}
 
 void release_kept_records() {
   PoolRegistry& registry = pool_registry();

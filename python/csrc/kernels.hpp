@@ -153,8 +153,8 @@ struct PackedShape {
   std::vector<Index> offsets;  // B + 1 entries, 0 first, rows last
 
   bool operator==(const PackedShape& o) const {
-    return heads == o.heads && rows == o.rows && key_dim == o.key_dim &&
-           value_dim == o.value_dim && offsets == o.offsets;
+    return heads == o.heads && rows == o.rows && key_dim == o.key_dim && value_dim == o.value_dim &&
+           offsets == o.offsets;
   }
 };
 
@@ -166,8 +166,8 @@ SavedPtr gma_forward_packed(const PackedShape& s, const GmaConfig& c, const GmaI
 /// dq, dk, dv like q, k, v; dmean, dvar_raw, dprior_logit summed over the sequences in order.
 template <class T>
 void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInputs<T>& in,
-                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
-                         T* dmean, T* dvar_raw, T* dprior_logit);
+                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean,
+                         T* dvar_raw, T* dprior_logit);
 
 // --- Online Vector-Quantized attention (SPEC 2) ----------------------------------------------
 using OvqConfig = mixattn::ovq::Options;
@@ -223,15 +223,14 @@ void flash_backward_packed(const PackedShape& s, const FlashConfig& c, const T* 
 /// row's call on every head (what one Python call per token does; the heads' states then take
 /// turns in the caches). GMA: gma::forward on a gma::Prepared made once per head, causal,
 /// continuing a gma::State; mean, var_raw (heads, K, r), prior_logit (heads, K).
-std::vector<double> gma_decode_seconds(const float* q, const float* k, const float* v,
-                                       Index heads, Index rows, Index r, Index dv,
-                                       const float* mean, const float* var_raw,
-                                       const float* prior_logit, Index K, Index prefill,
-                                       bool all_heads_per_call);
+std::vector<double> gma_decode_seconds(const float* q, const float* k, const float* v, Index heads,
+                                       Index rows, Index r, Index dv, const float* mean,
+                                       const float* var_raw, const float* prior_logit, Index K,
+                                       Index prefill, bool all_heads_per_call);
 
 /// The same for OVQ: ovq::forward continuing an ovq::State with options `c` and scale beta.
-std::vector<double> ovq_decode_seconds(const float* q, const float* k, const float* v,
-                                       Index heads, Index rows, Index r, Index dv, float beta,
+std::vector<double> ovq_decode_seconds(const float* q, const float* k, const float* v, Index heads,
+                                       Index rows, Index r, Index dv, float beta,
                                        const OvqConfig& c, Index prefill, bool all_heads_per_call);
 
 }  // namespace mixattn_torch

@@ -26,15 +26,18 @@ SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k,
       copy_from != nullptr ? &states_of<mixattn::ovq::State<T>>(*copy_from, pairs, fn) : nullptr;
   auto rec = save ? make_records<mixattn::ovq::Saved<T>>(s) : nullptr;
   const Index n = s.queries, r = s.key_dim, dv = s.value_dim;
-  for_each_pair(s, [&](Index pair) {
-    const auto i = static_cast<std::size_t>(pair);
-    if (from != nullptr) to[i] = (*from)[i];
-    auto& o = thread_scratch<mixattn::Matrix<T>>();
-    mixattn::ovq::forward_into<T>(o, pair_rows(s, q, pair, n, r), pair_rows(s, k, pair, n, r),
-                                  pair_rows(s, v, pair, n, dv), beta[pair % s.heads], c, to[i],
-                                  save ? &rec->pairs[i] : nullptr);
-    pair_rows(s, out, pair, n, dv) = o;
-  }, states.reversed);
+  for_each_pair(
+      s,
+      [&](Index pair) {
+        const auto i = static_cast<std::size_t>(pair);
+        if (from != nullptr) to[i] = (*from)[i];
+        auto& o = thread_scratch<mixattn::Matrix<T>>();
+        mixattn::ovq::forward_into<T>(o, pair_rows(s, q, pair, n, r), pair_rows(s, k, pair, n, r),
+                                      pair_rows(s, v, pair, n, dv), beta[pair % s.heads], c, to[i],
+                                      save ? &rec->pairs[i] : nullptr);
+        pair_rows(s, out, pair, n, dv) = o;
+      },
+      states.reversed);
   states.reversed = !states.reversed;
   return rec;
 }
@@ -43,8 +46,8 @@ template <class T>
 void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
                   const T* beta, const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
                   T* dbeta) {
-  const auto& rec = record_for<PairRecords<mixattn::ovq::Saved<T>>>(
-      saved, s, "mixattn.ovq_attention (backward)");
+  const auto& rec =
+      record_for<PairRecords<mixattn::ovq::Saved<T>>>(saved, s, "mixattn.ovq_attention (backward)");
   const Index n = s.queries, r = s.key_dim, d = s.value_dim;
   std::vector<T> beta_grads(static_cast<std::size_t>(s.batch * s.heads));
   for_each_pair(s, [&](Index pair) {
@@ -60,13 +63,14 @@ void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, co
   });
   for (Index h = 0; h < s.heads; ++h) {  // batch order: the same bits for any thread count
     T sum = 0;
-    for (Index b = 0; b < s.batch; ++b) sum += beta_grads[static_cast<std::size_t>(b * s.heads + h)];
+    for (Index b = 0; b < s.batch; ++b)
+      sum += beta_grads[static_cast<std::size_t>(b * s.heads + h)];
     dbeta[h] = sum;
   }
 }
 
-std::vector<double> ovq_decode_seconds(const float* q, const float* k, const float* v,
-                                       Index heads, Index rows, Index r, Index dv, float beta,
+std::vector<double> ovq_decode_seconds(const float* q, const float* k, const float* v, Index heads,
+                                       Index rows, Index r, Index dv, float beta,
                                        const OvqConfig& c, Index prefill, bool all_heads_per_call) {
   std::vector<mixattn::ovq::State<float>> states;
   for (Index h = 0; h < heads; ++h) {
@@ -83,11 +87,11 @@ std::vector<double> ovq_decode_seconds(const float* q, const float* k, const flo
   });
 }
 
-#define MIXATTN_TORCH_OVQ(T)                                                                      \
-  template std::unique_ptr<PairStates> ovq_states<T>(Index, Index, Index);                        \
+#define MIXATTN_TORCH_OVQ(T)                                                                     \
+  template std::unique_ptr<PairStates> ovq_states<T>(Index, Index, Index);                       \
   template SavedPtr ovq_forward<T>(const Shape&, const OvqConfig&, const T*, const T*, const T*, \
-                                   const T*, T*, PairStates&, const PairStates*, bool);           \
-  template void ovq_backward<T>(const Shape&, const OvqConfig&, const T*, const T*, const T*,     \
+                                   const T*, T*, PairStates&, const PairStates*, bool);          \
+  template void ovq_backward<T>(const Shape&, const OvqConfig&, const T*, const T*, const T*,    \
                                 const T*, const T*, const SavedPtr&, T*, T*, T*, T*);
 MIXATTN_TORCH_OVQ(float)
 MIXATTN_TORCH_OVQ(double)

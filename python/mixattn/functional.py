@@ -455,7 +455,8 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
 
     q, k: (B, H, T, r); v: (B, H, T, d_v); beta: (H,), the per-head scale (logits use
     beta * sqrt(r)); a number is every head's beta, a list or NumPy array the per-head values
-    (neither receives a gradient). Returns (B, H, T, d_v). Options are those of ``mixattn::ovq::Options``:
+    (neither receives a gradient). Returns (B, H, T, d_v). Options are those of
+    ``mixattn::ovq::Options``:
     block (C), max_centroids (N_max), growth ('plateau' or 'linear'), growth_alpha (0: N_max),
     seeding ('greedy_dispersion' or 'one_shot'), assignment ('all_centroids', or
     'existing_only': non-seed tokens join only centroids older than their block), count_bias,
@@ -466,8 +467,10 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
     Streaming: ``output_final_state=True`` returns ``(out, state)``, where state is an opaque
     ``mixattn._C.OvqState`` holding each (batch, head)'s dictionary and unfinished block (the
     library's ``ovq::State``); ``initial_state=state`` continues it (the object is copied, not
-    changed, so it may be continued more than once). Give every piece the same options, dtype,
-    B, H, r and d_v. Pieces carrying the state give the one-call outputs up to rounding.
+    changed, so it may be continued more than once). Every piece must have the state's dtype,
+    B, H, r and d_v and the options that shape a dictionary (all but check_finite and
+    grad_through_dictionary); others raise ValueError. Pieces carrying the state give the
+    one-call outputs up to rounding.
     The state is forward only: NO gradient flows into or out of it (the library has no
     gradient with respect to a dictionary). Within a call, gradients still flow to q, k, v and
     beta, with the dictionary the call started from held constant.
@@ -510,7 +513,8 @@ def flash_attention(q, k, v, causal=False, scale=None, check_finite=True, cu_seq
     softmax (O(N) memory, FlashAttention-2 schedule).
 
     q: (B, H, N, r); k: (B, H, M, r); v: (B, H, M, d_v). Returns (B, H, N, d_v).
-    scale=None means 1/sqrt(r) (any other finite non-zero value is used as is); ``causal=True`` (M == N) masks keys j > i.
+    scale=None means 1/sqrt(r) (any other finite non-zero value is used as is); ``causal=True``
+    (M == N) masks keys j > i.
     ``cu_seqlens``: packed variable-length sequences along T of (1, H, T, .) tensors, as in
     gma_attention.
     """

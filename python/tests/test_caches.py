@@ -318,7 +318,7 @@ def test_gradcheck_of_a_cache_call():
         eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
-# --- refusals --------------------------------------------------------------------------------------
+# --- refusals ------------------------------------------------------------------------------
 
 def ovq_bound(seed=491):
     q, k, v, beta = detached(ovq_inputs(2, 2, 6, 4, 3, seed=seed))
@@ -375,6 +375,10 @@ def test_ovq_cache_refuses_other_shapes_options_and_dtypes():
         call(q, k, bad_v, beta, cache=cache, **OVQ)
     with pytest.raises(ValueError, match=r"beta\[1\] is -0.5; the scale factor must be > 0"):
         call(q, k, v, torch.tensor([1.0, -0.5], dtype=DOUBLE), cache=cache, **OVQ)
+    with pytest.raises(ValueError, match=r"beta\[1\] is 0; the scale factor must be > 0 \(the "
+                                         r"cache is left as it was\)"):
+        call(q, k, v, torch.tensor([1.0, 0.0], dtype=DOUBLE), cache=cache, check_finite=False,
+             **OVQ)
     assert cache.tokens_seen == [6, 6]
     still_continues_like(cache, before, beta, **OVQ)
 
@@ -440,7 +444,7 @@ def test_a_cache_serves_one_call_at_a_time():
     # reader holds the cache: it then tries again, which it may, since a refused call leaves the
     # cache as it was. Its result is the copying form's.
     gen = torch.Generator().manual_seed(521)
-    q, k, v = (torch.randn(1, 2, 60000, 16, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 30000, 16, generator=gen) for _ in range(3))
     mix = (torch.randn(2, 32, 16, generator=gen), torch.zeros(2, 32, 16), torch.zeros(2, 32))
     cache, done, refused, result = mixattn.GmaCache(), threading.Event(), [], []
 
@@ -470,7 +474,7 @@ def test_a_cache_serves_one_call_at_a_time():
         assert torch.equal(result[0], mixattn.gma_attention(
             q, k, v, *mix, causal=True, initial_state=(torch.zeros(1, 2, 32, 16, dtype=DOUBLE),
                                                        torch.zeros(1, 2, 32, dtype=DOUBLE))))
-    assert cache.tokens_seen == [60000]
+    assert cache.tokens_seen == [30000]
 
 
 def test_ovq_beta_as_a_number_list_or_array():
