@@ -4,7 +4,8 @@
 # OpenBLAS for PyTorch's eager baselines (libopenblas0-pthread).
 # Both include what the PyTorch extension (python/) needs: PyTorch with its headers, pybind11,
 # Python headers, venv, and what pip uses to build it offline with --no-build-isolation
-# (setuptools, wheel; pip itself comes with python3-venv), pytest, and ninja for a parallel build,
+# (setuptools, wheel; pip itself comes with python3-venv), pytest and hypothesis (the property-based
+# tests), and ninja for a parallel build,
 # and bible-kjv, whose text (4.4 MB of English prose) the character-level language-modelling
 # example, examples/char_lm.cpp, trains on.
 set -euo pipefail
@@ -12,7 +13,7 @@ what=${1:-test}
 pkgs=(build-essential cmake libeigen3-dev libxsimd-dev googletest libgtest-dev libbenchmark-dev bible-kjv
       clang libclang-rt-14-dev python3
       python3-torch libtorch-dev pybind11-dev python3-dev python3-venv python3-setuptools
-      python3-wheel python3-pytest ninja-build)
+      python3-wheel python3-pytest python3-hypothesis ninja-build)
 if [[ $what == bench ]]; then
   pkgs+=(python3-matplotlib libopenblas0-pthread)
 fi

@@ -3,31 +3,18 @@
 #include "pairs.hpp"
 
 #include <mixattn/packed.hpp>
-#include <mixattn/reference.hpp>
 
 namespace mixattn_torch {
-namespace {
-
-mixattn::reference::Options options_of(const FlashConfig& c) {
-  mixattn::reference::Options opt;
-  opt.causal = c.causal;
-  opt.scale = c.scale;
-  opt.check_finite = c.check_finite;
-  return opt;
-}
-
-}  // namespace
 
 template <class T>
 SavedPtr flash_forward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
                        T* out, bool save) {
   auto rec = save ? make_records<mixattn::reference::Saved<T>>(s) : nullptr;
-  const mixattn::reference::Options opt = options_of(c);
   const Index N = s.queries, M = s.keys, r = s.key_dim, dv = s.value_dim;
   for_each_pair(s, [&](Index pair) {
     auto& o = thread_scratch<mixattn::Matrix<T>>();
     mixattn::reference::flash_forward_into<T>(
-        o, slice(q, pair, N, r), slice(k, pair, M, r), slice(v, pair, M, dv), opt,
+        o, slice(q, pair, N, r), slice(k, pair, M, r), slice(v, pair, M, dv), c,
         save ? &rec->pairs[static_cast<std::size_t>(pair)] : nullptr);
     slice(out, pair, N, dv) = o;
   });
@@ -37,15 +24,14 @@ SavedPtr flash_forward(const Shape& s, const FlashConfig& c, const T* q, const T
 template <class T>
 void flash_backward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
                     const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv) {
-  const auto& rec = records_for<mixattn::reference::Saved<T>>(
+  const auto& rec = record_for<PairRecords<mixattn::reference::Saved<T>>>(
       saved, s, "mixattn.flash_attention (backward)");
-  const mixattn::reference::Options opt = options_of(c);
   const Index N = s.queries, M = s.keys, r = s.key_dim, d = s.value_dim;
   for_each_pair(s, [&](Index pair) {
     auto& g = thread_scratch<mixattn::reference::Grad<T>>();
-    mixattn::reference::flash_backward_into<T>(
-        g, slice(q, pair, N, r), slice(k, pair, M, r), slice(v, pair, M, d),
-        slice(grad_out, pair, N, d), rec.pairs[static_cast<std::size_t>(pair)], opt);
+    mixattn::reference::flash_backward_into<T>(g, slice(q, pair, N, r), slice(k, pair, M, r),
+                                               slice(v, pair, M, d), slice(grad_out, pair, N, d),
+                                               rec.pairs[static_cast<std::size_t>(pair)], c);
     slice(dq, pair, N, r) = g.q;
     slice(dk, pair, M, r) = g.k;
     slice(dv, pair, M, d) = g.v;
@@ -63,8 +49,8 @@ SavedPtr flash_forward_packed(const PackedShape& s, const FlashConfig& c, const 
   const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim;
   auto& o = thread_scratch<mixattn::Matrix<T>>();
   mixattn::reference::flash_forward_packed_into<T>(
-      o, H, H, packed(q, n, H * r), packed(k, n, H * r), packed(v, n, H * d), s.offsets,
-      s.offsets, options_of(c), &rec->saved, at::get_num_threads());
+      o, H, H, packed(q, n, H * r), packed(k, n, H * r), packed(v, n, H * d), s.offsets, s.offsets,
+      c, &rec->saved, at::get_num_threads());
   packed(out, n, H * d) = o;
   return rec;
 }
@@ -73,28 +59,26 @@ template <class T>
 void flash_backward_packed(const PackedShape& s, const FlashConfig& c, const T* q, const T* k,
                            const T* v, const T* grad_out, const SavedPtr& saved, T* dq, T* dk,
                            T* dv) {
-  const auto& rec = packed_record_for<mixattn::reference::PackedSaved<T>>(
-      saved, s, "mixattn.flash_attention (backward)");
+  const auto& rec = record_for<FlashPacked<T>>(saved, s, "mixattn.flash_attention (backward)");
   const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim;
   auto& g = thread_scratch<mixattn::reference::PackedGrad<T>>();
   mixattn::reference::flash_backward_packed_into<T>(
       g, H, H, packed(q, n, H * r), packed(k, n, H * r), packed(v, n, H * d),
-      packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved, options_of(c),
-      at::get_num_threads());
+      packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved, c, at::get_num_threads());
   packed(dq, n, H * r) = g.q;
   packed(dk, n, H * r) = g.k;
   packed(dv, n, H * d) = g.v;
 }
 
-#define MIXATTN_TORCH_FLASH(T)                                                                     \
+#define MIXATTN_TORCH_FLASH(T)                                                                    \
   template SavedPtr flash_forward<T>(const Shape&, const FlashConfig&, const T*, const T*,        \
-                                     const T*, T*, bool);                                          \
+                                     const T*, T*, bool);                                         \
   template void flash_backward<T>(const Shape&, const FlashConfig&, const T*, const T*, const T*, \
                                   const T*, const SavedPtr&, T*, T*, T*);                         \
-  template SavedPtr flash_forward_packed<T>(const PackedShape&, const FlashConfig&, const T*,    \
-                                            const T*, const T*, T*);                             \
-  template void flash_backward_packed<T>(const PackedShape&, const FlashConfig&, const T*,       \
-                                         const T*, const T*, const T*, const SavedPtr&, T*, T*,  \
+  template SavedPtr flash_forward_packed<T>(const PackedShape&, const FlashConfig&, const T*,     \
+                                            const T*, const T*, T*);                              \
+  template void flash_backward_packed<T>(const PackedShape&, const FlashConfig&, const T*,        \
+                                         const T*, const T*, const T*, const SavedPtr&, T*, T*,   \
                                          T*);
 MIXATTN_TORCH_FLASH(float)
 MIXATTN_TORCH_FLASH(double)

@@ -53,21 +53,13 @@ const PreparedHeads<T>* current_prepared(const Shape& s, const SavedPtr& prepare
   return p;
 }
 
-mixattn::gma::Options options_of(const GmaConfig& c) {
-  mixattn::gma::Options opt;
-  opt.causal = c.causal;
-  opt.eps = c.eps;
-  opt.check_finite = c.check_finite;
-  return opt;
-}
-
 }  // namespace
 
 template <class T>
 SavedPtr gma_prepare(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in) {
   auto p = std::make_shared<PreparedHeads<T>>();
   p->heads.reserve(static_cast<std::size_t>(s.heads));
-  for (const auto& m : mixtures_of(s, c, in)) p->heads.emplace_back(m, c.check_finite);
+  for (const auto& m : mixtures_of(s, c, in)) p->heads.emplace_back(m, c.options.check_finite);
   return p;
 }
 
@@ -80,7 +72,7 @@ SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in,
   const PreparedHeads<T>* prep =
       state != nullptr ? current_prepared<T>(s, prepared, mixtures) : nullptr;
   if (used_prepared != nullptr) *used_prepared = prep != nullptr;
-  const mixattn::gma::Options opt = options_of(c);
+  const mixattn::gma::Options& opt = c.options;
   const Index N = s.queries, M = s.keys, r = s.key_dim, dv = s.value_dim, K = c.components;
   for_each_pair(s, [&](Index pair) {
     const auto head = static_cast<std::size_t>(pair % s.heads);
@@ -110,12 +102,75 @@ SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in,
 }
 
 template <class T>
+using GmaStatesOf = StatesOf<mixattn::gma::State<T>>;
+
+template <class T>
+std::unique_ptr<PairStates> gma_states(Index pairs, Index K, Index dv, const double* S,
+                                       const double* z) {
+  auto states = std::make_unique<GmaStatesOf<T>>();
+  states->pairs.assign(static_cast<std::size_t>(pairs), mixattn::gma::State<T>::empty(K, dv));
+  if (S != nullptr)
+    for (Index pair = 0; pair < pairs; ++pair) {
+      auto& st = states->pairs[static_cast<std::size_t>(pair)];
+      st.S = slice(S, pair, K, dv);
+      st.z = slice(z, pair, 1, K).transpose();
+    }
+  return states;
+}
+
+template <class T>
+void gma_read_states(const PairStates& states, double* S, double* z) {
+  const auto* of = dynamic_cast<const GmaStatesOf<T>*>(&states);
+  if (of == nullptr) throw std::logic_error("gma_read_states: the states are of another kind");
+  for (std::size_t pair = 0; pair < of->pairs.size(); ++pair) {
+    const auto& st = of->pairs[pair];
+    const Index K = st.components(), dv = st.value_dim(), p = static_cast<Index>(pair);
+    slice(S, p, K, dv) = st.S;
+    slice(z, p, 1, K) = st.z.transpose();
+  }
+}
+
+template <class T>
+SavedPtr gma_forward_cached(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out,
+                            PairStates& states, const SavedPtr& prepared, bool save) {
+  static constexpr const char* fn = "mixattn.gma_attention";
+  auto& st = states_of<mixattn::gma::State<T>>(states, s.batch * s.heads, fn);
+  auto rec = save ? make_records<mixattn::gma::Saved<T>, Mixtures<T>>(s) : nullptr;
+  Mixtures<T> mixtures;
+  const auto* prep = static_cast<const PreparedHeads<T>*>(prepared.get());
+  if (save) {
+    mixtures = mixtures_of(s, c, in);  // the record's: backward checks them against it
+  } else if (prep == nullptr || static_cast<Index>(prep->heads.size()) != s.heads) {
+    throw std::logic_error(std::string(fn) + ": a cached forward without its prepared mixtures");
+  }
+  const Index N = s.queries, r = s.key_dim, dv = s.value_dim;
+  for_each_pair(
+      s,
+      [&](Index pair) {
+        const auto i = static_cast<std::size_t>(pair),
+                   head = static_cast<std::size_t>(pair % s.heads);
+        auto& o = thread_scratch<mixattn::Matrix<T>>();
+        const auto q = pair_rows(s, in.q, pair, N, r), k = pair_rows(s, in.k, pair, N, r);
+        const auto v = pair_rows(s, in.v, pair, N, dv);
+        if (save)
+          mixattn::gma::forward_into(o, mixtures[head], q, k, v, c.options, st[i], &rec->pairs[i]);
+        else
+          mixattn::gma::forward_into(o, prep->heads[head], q, k, v, c.options, st[i], nullptr);
+        pair_rows(s, out, pair, N, dv) = o;
+      },
+      states.reversed);
+  states.reversed = !states.reversed;
+  if (save) rec->shared = std::move(mixtures);
+  return rec;
+}
+
+template <class T>
 void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, const T* grad_out,
                   const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean, T* dvar_raw,
                   T* dprior_logit, const GmaStateGradIO* state) {
-  const auto& rec = records_for<mixattn::gma::Saved<T>, Mixtures<T>>(
+  const auto& rec = record_for<PairRecords<mixattn::gma::Saved<T>, Mixtures<T>>>(
       saved, s, "mixattn.gma_attention (backward)");
-  const mixattn::gma::Options opt = options_of(c);
+  const mixattn::gma::Options& opt = c.options;
   const Index N = s.queries, M = s.keys, r = s.key_dim, d = s.value_dim, K = c.components;
   std::vector<mixattn::gma::MixtureGrad<T>> mixture_grads(
       static_cast<std::size_t>(s.batch * s.heads));
@@ -170,26 +225,25 @@ SavedPtr gma_forward_packed(const PackedShape& s, const GmaConfig& c, const GmaI
   rec->shared = mixtures_of(heads, c, in);
   const Index H = s.heads, n = s.rows;
   auto& o = thread_scratch<mixattn::Matrix<T>>();
-  mixattn::gma::forward_packed_into<T>(
-      o, rec->shared, packed(in.q, n, H * s.key_dim), packed(in.k, n, H * s.key_dim),
-      packed(in.v, n, H * s.value_dim), s.offsets, s.offsets, options_of(c), &rec->saved,
-      at::get_num_threads());
+  mixattn::gma::forward_packed_into<T>(o, rec->shared, packed(in.q, n, H * s.key_dim),
+                                       packed(in.k, n, H * s.key_dim),
+                                       packed(in.v, n, H * s.value_dim), s.offsets, s.offsets,
+                                       c.options, &rec->saved, at::get_num_threads());
   packed(out, n, H * s.value_dim) = o;
   return rec;
 }
 
 template <class T>
 void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInputs<T>& in,
-                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
-                         T* dmean, T* dvar_raw, T* dprior_logit) {
-  const auto& rec = packed_record_for<mixattn::gma::PackedSaved<T>, Mixtures<T>>(
-      saved, s, "mixattn.gma_attention (backward)");
+                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean,
+                         T* dvar_raw, T* dprior_logit) {
+  const auto& rec = record_for<GmaPacked<T>>(saved, s, "mixattn.gma_attention (backward)");
   const Index H = s.heads, n = s.rows, r = s.key_dim, d = s.value_dim, K = c.components;
   auto& g = thread_scratch<mixattn::gma::PackedGrad<T>>();
-  mixattn::gma::backward_packed_into<T>(
-      g, rec.shared, packed(in.q, n, H * r), packed(in.k, n, H * r), packed(in.v, n, H * d),
-      packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved, options_of(c),
-      at::get_num_threads());
+  mixattn::gma::backward_packed_into<T>(g, rec.shared, packed(in.q, n, H * r),
+                                        packed(in.k, n, H * r), packed(in.v, n, H * d),
+                                        packed(grad_out, n, H * d), s.offsets, s.offsets, rec.saved,
+                                        c.options, at::get_num_threads());
   packed(dq, n, H * r) = g.q;
   packed(dk, n, H * r) = g.k;
   packed(dv, n, H * d) = g.v;
@@ -201,20 +255,55 @@ void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInpu
   }
 }
 
-#define MIXATTN_TORCH_GMA(T)                                                                   \
-  template SavedPtr gma_prepare<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&);       \
-  template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*,    \
-                                   const GmaStateIO*, const SavedPtr&, bool*, bool);           \
-  template void gma_backward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, const T*, \
-                                const SavedPtr&, T*, T*, T*, T*, T*, T*, const GmaStateGradIO*); \
-  template SavedPtr gma_forward_packed<T>(const PackedShape&, const GmaConfig&,                \
-                                          const GmaInputs<T>&, T*);                            \
-  template void gma_backward_packed<T>(const PackedShape&, const GmaConfig&, const GmaInputs<T>&, \
+#define MIXATTN_TORCH_GMA(T)                                                                       \
+  template SavedPtr gma_prepare<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&);           \
+  template SavedPtr gma_forward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*,        \
+                                   const GmaStateIO*, const SavedPtr&, bool*, bool);               \
+  template void gma_backward<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, const T*,     \
+                                const SavedPtr&, T*, T*, T*, T*, T*, T*, const GmaStateGradIO*);   \
+  template std::unique_ptr<PairStates> gma_states<T>(Index, Index, Index, const double*,           \
+                                                     const double*);                               \
+  template void gma_read_states<T>(const PairStates&, double*, double*);                           \
+  template SavedPtr gma_forward_cached<T>(const Shape&, const GmaConfig&, const GmaInputs<T>&, T*, \
+                                          PairStates&, const SavedPtr&, bool);                     \
+  template SavedPtr gma_forward_packed<T>(const PackedShape&, const GmaConfig&,                    \
+                                          const GmaInputs<T>&, T*);                                \
+  template void gma_backward_packed<T>(const PackedShape&, const GmaConfig&, const GmaInputs<T>&,  \
                                        const T*, const SavedPtr&, T*, T*, T*, T*, T*, T*);
 MIXATTN_TORCH_GMA(float)
 MIXATTN_TORCH_GMA(double)
 
-const char* library_version() { return MIXATTN_VERSION_STRING; }
+std::vector<double> gma_decode_seconds(const float* q, const float* k, const float* v, Index heads,
+                                       Index rows, Index r, Index dv, const float* mean,
+                                       const float* var_raw, const float* prior_logit, Index K,
+                                       Index prefill, bool all_heads_per_call) {
+  mixattn::gma::Options opt;
+  opt.causal = true;
+  std::vector<mixattn::gma::Prepared<float>> prepared;  // once per head, not per token
+  std::vector<mixattn::gma::State<float>> states;
+  for (Index h = 0; h < heads; ++h) {
+    mixattn::gma::Mixture<float> mix;
+    mix.mean = slice(mean, h, K, r);
+    mix.var_raw = slice(var_raw, h, K, r);
+    mix.prior_logit = Eigen::Map<const mixattn::Vector<float>>(prior_logit + h * K, K);
+    prepared.emplace_back(mix);
+    states.push_back(mixattn::gma::State<float>::empty(K, dv));
+    mixattn::gma::forward(prepared.back(), slice(q, h, rows, r).topRows(prefill),
+                          slice(k, h, rows, r).topRows(prefill),
+                          slice(v, h, rows, dv).topRows(prefill), opt, states.back());
+  }
+  return decode_seconds(heads, prefill, rows, all_heads_per_call, [&](Index h, Index t) {
+    const auto i = static_cast<std::size_t>(h);
+    const mixattn::Matrix<float> o =
+        mixattn::gma::forward(prepared[i], slice(q, h, rows, r).row(t), slice(k, h, rows, r).row(t),
+                              slice(v, h, rows, dv).row(t), opt, states[i]);
+    return o(0, 0);
+  });
+}
+
+const char* library_version() {
+  return MIXATTN_VERSION_STRING;
+}
 
 void release_kept_records() {
   PoolRegistry& registry = pool_registry();

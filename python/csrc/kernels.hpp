@@ -1,11 +1,17 @@
 // python/csrc/kernels.hpp — the extension's kernels over (batch, head) pairs, free of torch and
 // pybind11 headers so that each kernel translation unit compiles on its own (and in parallel).
+// The calls' options are the library's own Options records (gma::Options, ovq::Options,
+// reference::Options), filled once by the bindings from the Python keywords.
 //
 // Every tensor is contiguous in PyTorch's (batch, heads, tokens, dim) layout; the (b, h) slice
 // of one is a row-major tokens x dim block, which the library reads through Eigen maps without a
 // copy. The (b, h) pairs run on PyTorch's intra-op pool (at::parallel_for); each library call
 // inside is single-threaded (EIGEN_DONT_PARALLELIZE).
 #pragma once
+
+#include <mixattn/gma.hpp>
+#include <mixattn/ovq.hpp>
+#include <mixattn/reference.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -17,17 +23,22 @@ using Index = std::int64_t;
 
 /// Sizes of one call: q (B, H, N, r), k (B, H, M, r), v (B, H, M, d_v).
 ///
-/// With `offsets` (the state path of GMA, kernels that say so): the tensors are (1, H, T, .)
+/// With `offsets` (the state and cache paths, kernels that say so): the tensors are (1, H, T, .)
 /// with B sequences packed along the T tokens (queries = keys = T), sequence b being tokens
 /// [offsets[b], offsets[b + 1]); `batch` is then the number of sequences B, and pair b * H + h is
 /// sequence b of head h (pair_rows).
 struct Shape {
   Index batch = 0, heads = 0, queries = 0, keys = 0, key_dim = 0, value_dim = 0;
   std::vector<Index> offsets;  // empty, or B + 1 entries, 0 first, T last, nondecreasing
+
+  bool operator==(const Shape& o) const {
+    return batch == o.batch && heads == o.heads && queries == o.queries && keys == o.keys &&
+           key_dim == o.key_dim && value_dim == o.value_dim && offsets == o.offsets;
+  }
 };
 
 /// What a forward keeps for its backward (the library's Saved records, one per (b, h)), owned
-/// behind a type-erased pointer so that the binding code needs none of the library's headers.
+/// behind a type-erased pointer.
 using SavedPtr = std::shared_ptr<void>;
 
 /// A record is handed back when its last reference goes, and the next forward of the same
@@ -38,13 +49,28 @@ void release_kept_records();
 /// The C++ library's version (MIXATTN_VERSION_STRING), the package's __version__.
 const char* library_version();
 
+/// The states of a decoding cache or of an OVQ state handed to Python: one library State per
+/// (stream, head) pair (pair = stream * H + head, a stream being a batch entry or a packed
+/// sequence), all of one operator and scalar type (the bindings keep which, and the kernels
+/// check it). Continued in place by the cache forwards; clone() copies every pair's state.
+class PairStates {
+ public:
+  /// The order a cache forward visits its pairs in: the caches alternate it call by call, so
+  /// that a call starts with the states the previous one touched last, still in the core's
+  /// cache (a full OVQ dictionary is 512 KiB at r = d_v = 64: a few heads fill a core's L2).
+  bool reversed = false;
+
+  virtual ~PairStates() = default;
+  virtual std::unique_ptr<PairStates> clone() const = 0;
+  /// Tokens each pair's state has taken (State::tokens_seen), in pair order.
+  virtual std::vector<Index> tokens_seen() const = 0;
+};
+
 // --- Gaussian Mixture Attention (SPEC 1) -----------------------------------------------------
 struct GmaConfig {
   Index components = 0;  // K
-  bool causal = false;
-  double eps = 1e-6;
   double var_floor = 1e-4;
-  bool check_finite = true;
+  mixattn::gma::Options options;  // causal, eps, check_finite
 };
 
 /// mean, var_raw: (H, K, r); prior_logit: (H, K).
@@ -90,11 +116,31 @@ SavedPtr gma_forward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in,
 /// Gradients of sum(grad_out . out): dq, dk, dv like q, k, v; dmean, dvar_raw (H, K, r) and
 /// dprior_logit (H, K) summed over the batch (in batch order, whatever the thread count).
 /// `state` (only for a record of a forward given a GmaStateIO) adds dL/d(end state) and writes
-/// dL/d(start state).
+/// dL/d(start state). A record of gma_forward_cached is read without `state` (the cache's start
+/// state is a constant of the call).
 template <class T>
 void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, const T* grad_out,
                   const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean, T* dvar_raw,
                   T* dprior_logit, const GmaStateGradIO* state = nullptr);
+
+/// `pairs` GMA states (gma::State<T>) of K components and d_v value columns: empty, or with the
+/// (S, z) of a (pairs, K, d_v) and a (pairs, K) float64 buffer.
+template <class T>
+std::unique_ptr<PairStates> gma_states(Index pairs, Index K, Index dv, const double* S = nullptr,
+                                       const double* z = nullptr);
+
+/// Writes every pair's (S, z) into (pairs, K, d_v) and (pairs, K) float64 buffers.
+template <class T>
+void gma_read_states(const PairStates& states, double* S, double* z);
+
+/// The decoding cache's forward (causal): every pair continues its own state in `states` in
+/// place (gma_states<T>, one per pair of `s`, which may be packed), nothing of it copied. With
+/// save = false, `prepared` (gma_prepare's for the call's mixtures, non-null: the bindings keep
+/// it current) gives the reduced mixtures and no record is kept; with save = true the mixtures of
+/// `in` are used and the record gma_backward reads is returned (with the start states).
+template <class T>
+SavedPtr gma_forward_cached(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, T* out,
+                            PairStates& states, const SavedPtr& prepared, bool save);
 
 // --- Packed variable-length batches (cu_seqlens; the library's packed.hpp) ---------------------
 
@@ -105,6 +151,11 @@ void gma_backward(const Shape& s, const GmaConfig& c, const GmaInputs<T>& in, co
 struct PackedShape {
   Index heads = 0, rows = 0, key_dim = 0, value_dim = 0;
   std::vector<Index> offsets;  // B + 1 entries, 0 first, rows last
+
+  bool operator==(const PackedShape& o) const {
+    return heads == o.heads && rows == o.rows && key_dim == o.key_dim && value_dim == o.value_dim &&
+           offsets == o.offsets;
+  }
 };
 
 /// Writes out (rows x (H d_v)); the mixture tensors are those of GmaInputs.
@@ -115,38 +166,25 @@ SavedPtr gma_forward_packed(const PackedShape& s, const GmaConfig& c, const GmaI
 /// dq, dk, dv like q, k, v; dmean, dvar_raw, dprior_logit summed over the sequences in order.
 template <class T>
 void gma_backward_packed(const PackedShape& s, const GmaConfig& c, const GmaInputs<T>& in,
-                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
-                         T* dmean, T* dvar_raw, T* dprior_logit);
+                         const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv, T* dmean,
+                         T* dvar_raw, T* dprior_logit);
 
 // --- Online Vector-Quantized attention (SPEC 2) ----------------------------------------------
-struct OvqConfig {
-  Index block = 256;
-  Index max_centroids = 1024;
-  bool linear_growth = false;     // ovq::Growth::linear instead of plateau
-  double growth_alpha = 0;
-  bool one_shot_seeding = false;  // ovq::Seeding::one_shot instead of greedy_dispersion
-  bool existing_only = false;     // ovq::Assignment::existing_only instead of all_centroids
-  bool count_bias = true;
-  bool grad_through_dictionary = true;
-  double norm_eps = 1e-5;
-  bool check_finite = true;
-};
+using OvqConfig = mixattn::ovq::Options;
 
-/// The dictionaries of a batch: one library ovq::State per (b, h) pair (pair = b * H + h),
-/// behind a type-erased pointer (the binding records the scalar type it was made for).
-struct OvqStates {
-  Shape shape;  // batch, heads, key_dim, value_dim (tokens unused)
-  std::shared_ptr<void> states;
-};
+/// `pairs` empty OVQ states (ovq::State<T>) for keys of width r and values of width d_v.
+template <class T>
+std::unique_ptr<PairStates> ovq_states(Index pairs, Index r, Index dv);
 
 /// q, k (B, H, T, r), v (B, H, T, d_v), beta (H); `s` may be packed (Shape::offsets: one state
-/// per (sequence, head)). Every (b, h) starts from an empty state, or
-/// from `start`'s (copied: `start` is left as it was), and its end state goes to `end` if given.
+/// per (sequence, head)). Every pair continues its state in `states` (ovq_states<T>, one per
+/// pair) in place; with `copy_from` (states of the same kind and count) each pair's state is
+/// first set to a copy of that one's (the copying form: `copy_from` is left as it was).
 /// save = false keeps no record and returns null.
 template <class T>
 SavedPtr ovq_forward(const Shape& s, const OvqConfig& c, const T* q, const T* k, const T* v,
-                     const T* beta, T* out, const OvqStates* start = nullptr,
-                     OvqStates* end = nullptr, bool save = true);
+                     const T* beta, T* out, PairStates& states,
+                     const PairStates* copy_from = nullptr, bool save = true);
 
 /// dbeta: (H), summed over the batch.
 template <class T>
@@ -155,11 +193,7 @@ void ovq_backward(const Shape& s, const OvqConfig& c, const T* q, const T* k, co
                   T* dbeta);
 
 // --- Softmax attention, tiled (SPEC 3) -------------------------------------------------------
-struct FlashConfig {
-  bool causal = false;
-  double scale = 0;  // 0: 1/sqrt(r)
-  bool check_finite = true;
-};
+using FlashConfig = mixattn::reference::Options;  // causal, scale (0: 1/sqrt(r)), check_finite
 
 template <class T>
 SavedPtr flash_forward(const Shape& s, const FlashConfig& c, const T* q, const T* k, const T* v,
@@ -178,5 +212,25 @@ template <class T>
 void flash_backward_packed(const PackedShape& s, const FlashConfig& c, const T* q, const T* k,
                            const T* v, const T* grad_out, const SavedPtr& saved, T* dq, T* dk,
                            T* dv);
+
+// --- Timing (the decode benchmark, bench/torch_decode_bench.py) --------------------------------
+
+/// Heads decoded by the library directly, as bench/bench_decode.cpp does: q, k (heads, rows, r)
+/// and v (heads, rows, d_v), float, contiguous; each head's state takes its first `prefill` rows
+/// in one call, then each following row in one call of its own. Returns the seconds of those
+/// one-token calls (steady_clock): head after head (heads x (rows - prefill) times, each head's
+/// state hot in the core's caches), or, with all_heads_per_call, one time per row covering that
+/// row's call on every head (what one Python call per token does; the heads' states then take
+/// turns in the caches). GMA: gma::forward on a gma::Prepared made once per head, causal,
+/// continuing a gma::State; mean, var_raw (heads, K, r), prior_logit (heads, K).
+std::vector<double> gma_decode_seconds(const float* q, const float* k, const float* v, Index heads,
+                                       Index rows, Index r, Index dv, const float* mean,
+                                       const float* var_raw, const float* prior_logit, Index K,
+                                       Index prefill, bool all_heads_per_call);
+
+/// The same for OVQ: ovq::forward continuing an ovq::State with options `c` and scale beta.
+std::vector<double> ovq_decode_seconds(const float* q, const float* k, const float* v, Index heads,
+                                       Index rows, Index r, Index dv, float beta,
+                                       const OvqConfig& c, Index prefill, bool all_heads_per_call);
 
 }  // namespace mixattn_torch

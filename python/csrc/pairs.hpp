@@ -8,11 +8,14 @@
 
 #include <ATen/Parallel.h>
 
+#include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <memory>
 #include <mutex>
-#include <string>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace mixattn_torch {
@@ -44,11 +47,13 @@ auto pair_rows(const Shape& s, T* base, Index pair, Index rows, Index cols) {
 }
 
 /// fn(pair) for every (b, h) pair, split over torch.get_num_threads() threads (an exception is
-/// rethrown on the calling thread after all have finished).
+/// rethrown on the calling thread after all have finished). `reversed`: each thread visits its
+/// pairs last to first (PairOrder).
 template <class Fn>
-void for_each_pair(const Shape& s, const Fn& fn) {
+void for_each_pair(const Shape& s, const Fn& fn, bool reversed = false) {
   at::parallel_for(0, s.batch * s.heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) fn(static_cast<Index>(pair));
+    for (int64_t i = begin; i < end; ++i)
+      fn(static_cast<Index>(reversed ? end - 1 - (i - begin) : i));
   });
 }
 
@@ -147,22 +152,6 @@ M& thread_scratch() {
   return m;
 }
 
-/// The records a backward was handed (the binding checked they come from this operator and
-/// scalar type), checked to be for the same shape.
-template <class Pair, class Shared = std::nullptr_t>
-const PairRecords<Pair, Shared>& records_for(const SavedPtr& saved, const Shape& s,
-                                             const char* fn) {
-  const auto* r = static_cast<const PairRecords<Pair, Shared>*>(saved.get());
-  const bool same = r && r->shape.batch == s.batch && r->shape.heads == s.heads &&
-                    r->shape.queries == s.queries && r->shape.keys == s.keys &&
-                    r->shape.key_dim == s.key_dim && r->shape.value_dim == s.value_dim &&
-                    r->shape.offsets == s.offsets;
-  if (!same)
-    throw std::invalid_argument(std::string(fn) +
-                                ": saved was not made by the forward of these shapes");
-  return *r;
-}
-
 /// The record of a packed call (library PackedSaved), what its items share, and its shape.
 template <class Saved, class Shared = std::nullptr_t>
 struct PackedRecord {
@@ -171,18 +160,66 @@ struct PackedRecord {
   Shared shared{};
 };
 
-/// The record a packed backward was handed, checked to be for the same shape and offsets.
-template <class Saved, class Shared = std::nullptr_t>
-const PackedRecord<Saved, Shared>& packed_record_for(const SavedPtr& saved, const PackedShape& s,
-                                                     const char* fn) {
-  const auto* r = static_cast<const PackedRecord<Saved, Shared>*>(saved.get());
-  const bool same = r && r->shape.heads == s.heads && r->shape.rows == s.rows &&
-                    r->shape.key_dim == s.key_dim && r->shape.value_dim == s.value_dim &&
-                    r->shape.offsets == s.offsets;
-  if (!same)
+/// The record a backward was handed (the binding checked it comes from this operator and scalar
+/// type: a PairRecords or a PackedRecord, Rec), checked to be for the same shape (and offsets).
+template <class Rec, class ShapeOf>
+const Rec& record_for(const SavedPtr& saved, const ShapeOf& s, const char* fn) {
+  const auto* r = static_cast<const Rec*>(saved.get());
+  if (r == nullptr || !(r->shape == s))
     throw std::invalid_argument(std::string(fn) +
                                 ": saved was not made by the forward of these shapes");
   return *r;
+}
+
+/// The library States of a cache or of an OVQ state (kernels.hpp, PairStates).
+template <class State>
+class StatesOf final : public PairStates {
+ public:
+  std::vector<State> pairs;
+
+  std::unique_ptr<PairStates> clone() const override { return std::make_unique<StatesOf>(*this); }
+  std::vector<Index> tokens_seen() const override {
+    std::vector<Index> t;
+    t.reserve(pairs.size());
+    for (const State& st : pairs) t.push_back(st.tokens_seen);
+    return t;
+  }
+};
+
+/// The States in `states`, which must be StatesOf<State> holding `count` of them (the bindings
+/// keep each cache's operator and scalar type; this catches a mix-up as an error, not a crash).
+template <class State, class P>
+auto& states_of(P& states, Index count, const char* fn) {
+  using Of = std::conditional_t<std::is_const<P>::value, const StatesOf<State>, StatesOf<State>>;
+  auto* of = dynamic_cast<Of*>(&states);
+  if (of == nullptr || static_cast<Index>(of->pairs.size()) != count)
+    throw std::logic_error(std::string(fn) + ": the states are of another kind or count");
+  return of->pairs;
+}
+
+/// The loops of gma_decode_seconds and ovq_decode_seconds (kernels.hpp): step(h, t) decodes
+/// row t of head h (its state prefilled already) and returns an entry of its output, summed and
+/// checked finite after the clock so the calls cannot be optimised away.
+template <class Step>
+std::vector<double> decode_seconds(Index heads, Index first, Index rows, bool all_heads_per_call,
+                                   const Step& step) {
+  std::vector<double> seconds;
+  seconds.reserve(static_cast<std::size_t>((rows - first) * (all_heads_per_call ? 1 : heads)));
+  double sink = 0;
+  const auto timed = [&](Index h0, Index h1, Index t) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (Index h = h0; h < h1; ++h) sink += static_cast<double>(step(h, t));
+    const auto t1 = std::chrono::steady_clock::now();
+    seconds.push_back(std::chrono::duration<double>(t1 - t0).count());
+  };
+  if (all_heads_per_call) {
+    for (Index t = first; t < rows; ++t) timed(0, heads, t);
+  } else {
+    for (Index h = 0; h < heads; ++h)
+      for (Index t = first; t < rows; ++t) timed(h, h + 1, t);
+  }
+  if (!std::isfinite(sink)) throw std::logic_error("decode_seconds: a non-finite output");
+  return seconds;
 }
 
 /// rows x cols row-major views of a packed tensor.

@@ -4,20 +4,27 @@ Layout: PyTorch's (batch, heads, tokens, dim). Every function accepts float32 or
 tensors, contiguous or not: each input is made contiguous once (``Tensor.contiguous()``, a copy
 only when it is not already) and that copy is what the forward reads and the backward reuses.
 The (batch, head) pairs run in parallel on PyTorch's intra-op threads (``torch.get_num_threads()``).
-Bad shapes, dtypes or options raise ``ValueError`` naming the function and the argument; so do
-NaN/Inf inputs unless ``check_finite=False``.
+Bad shapes, dtypes, devices or options raise ``ValueError`` naming the function and the
+argument; so do NaN/Inf inputs unless ``check_finite=False`` (then they propagate to the outputs).
+An argument of the wrong type (a list where a tensor belongs, a fractional block) raises
+``TypeError`` naming it. Decoding caches (``cache=``, mixattn.OvqCache / mixattn.GmaCache) are
+continued in place; see mixattn.cache.
 
 The backward passes are the library's hand-derived ones (SPEC.md); they are first-order only
 (double backward raises).
 """
 
 import collections
+import functools
+import math
+import threading
 import weakref
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _C
+from . import _C, _args
+from .cache import GmaCache, OvqCache
 
 __all__ = ["gma_attention", "ovq_attention", "flash_attention", "clear_prepared_cache",
            "release_memory"]
@@ -43,8 +50,10 @@ def release_memory():
 
 
 def _grads(ctx, grads):
-    """The gradients autograd asked for, None for the others."""
-    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
+    """The gradients autograd asked for, None for the others and for the inputs that are not
+    tensors (options, records, caches)."""
+    grads = tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
 
 class _GmaFunction(torch.autograd.Function):
@@ -55,7 +64,7 @@ class _GmaFunction(torch.autograd.Function):
         out, saved = _C.gma_forward(*inputs, causal, eps, var_floor, check_finite, save)
         ctx.save_for_backward(*inputs)
         ctx.record = saved
-        ctx.options = (causal, eps, var_floor, check_finite)
+        ctx.options = (causal, eps, var_floor, check_finite, [])  # [] : not packed
         return out
 
     @staticmethod
@@ -63,7 +72,7 @@ class _GmaFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = _C.gma_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
                                 *ctx.options)
-        return _grads(ctx, grads) + (None,) * 5
+        return _grads(ctx, grads)
 
 
 class _PreparedCache:
@@ -79,13 +88,18 @@ class _PreparedCache:
     library's, O(K r) and far cheaper than preparing): a change the version counter does not see
     (through ``tensor.data``, as gradcheck perturbs its inputs) makes the call prepare as without
     the cache and drops the entry (forget()). At most `size` entries, least recently used first
-    out."""
+    out. Calls from several threads take turns (a lock) over the entries."""
 
     def __init__(self, size=32):
         self.size, self.entries = size, collections.OrderedDict()
         self.hits = self.misses = self.stale = 0
+        self.lock = threading.Lock()
 
     def get(self, mean, var_raw, prior_logit, var_floor, check_finite):
+        with self.lock:
+            return self._get(mean, var_raw, prior_logit, var_floor, check_finite)
+
+    def _get(self, mean, var_raw, prior_logit, var_floor, check_finite):
         tensors = (mean, var_raw, prior_logit)
 
         def prepare():
@@ -112,9 +126,10 @@ class _PreparedCache:
 
     def forget(self, prepared):
         """Drops the entry holding `prepared` (found stale by the kernel)."""
-        self.stale += 1
-        for key in [k for k, (_, p) in self.entries.items() if p is prepared]:
-            del self.entries[key]
+        with self.lock:
+            self.stale += 1
+            for key in [k for k, (_, p) in self.entries.items() if p is prepared]:
+                del self.entries[key]
 
 
 _PREPARED = _PreparedCache()
@@ -124,7 +139,8 @@ def clear_prepared_cache():
     """Forgets every prepared mixture of gma_attention's state path (see its docstring), e.g. to
     free their memory; never needed for correctness (the kernel checks each against the
     mixture's fingerprint)."""
-    _PREPARED.entries.clear()
+    with _PREPARED.lock:
+        _PREPARED.entries.clear()
 
 
 class _GmaStateFunction(torch.autograd.Function):
@@ -153,7 +169,7 @@ class _GmaStateFunction(torch.autograd.Function):
         grads = _C.gma_backward_state(*ctx.saved_tensors, grad_out.contiguous(),
                                       grad_S.contiguous(), grad_z.contiguous(), ctx.record,
                                       *ctx.options)
-        return _grads(ctx, grads) + (None,) * 6
+        return _grads(ctx, grads)
 
 
 class _OvqFunction(torch.autograd.Function):
@@ -172,7 +188,42 @@ class _OvqFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = _C.ovq_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
                                 *ctx.options)
-        return _grads(ctx, grads) + (None,) * 5
+        return _grads(ctx, grads)
+
+
+class _OvqCachedFunction(torch.autograd.Function):
+    """OVQ continuing an OvqCache in place, when a gradient is wanted: the record keeps the
+    dictionaries the call started from (the backward's constants); the backward is
+    _OvqFunction's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, config, cache, offsets):
+        inputs = _contiguous(q, k, v, beta)
+        out, saved = _C.ovq_forward_cached(*inputs, config, cache, True, offsets)
+        ctx.save_for_backward(*inputs)
+        ctx.record = saved
+        ctx.options = (config, offsets)
+        return out
+
+    backward = staticmethod(_OvqFunction.backward)
+
+
+class _GmaCachedFunction(torch.autograd.Function):
+    """Causal GMA continuing a GmaCache in place, when a gradient is wanted: gradients reach q,
+    k, v and the mixture, with the start state (kept in the record) a constant."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mean, var_raw, prior_logit, cache, eps, var_floor, check_finite,
+                offsets):
+        inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
+        out, saved = _C.gma_forward_cached(*inputs, cache, eps, var_floor, check_finite, True,
+                                           offsets)
+        ctx.save_for_backward(*inputs)
+        ctx.record = saved
+        ctx.options = (True, eps, var_floor, check_finite, offsets)
+        return out
+
+    backward = staticmethod(_GmaFunction.backward)
 
 
 class _GmaPackedFunction(torch.autograd.Function):
@@ -193,7 +244,7 @@ class _GmaPackedFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = _C.gma_backward_packed(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
                                        *ctx.options)
-        return _grads(ctx, grads) + (None,) * 5
+        return _grads(ctx, grads)
 
 
 class _FlashPackedFunction(torch.autograd.Function):
@@ -211,24 +262,7 @@ class _FlashPackedFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = _C.flash_backward_packed(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
                                          *ctx.options)
-        return _grads(ctx, grads) + (None,) * 4
-
-
-def _offsets(fn, cu_seqlens, q):
-    """cu_seqlens as a list of ints, checked: N + 1 offsets, 0 first, nondecreasing, T last."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 or int64 tensor, got "
-                             f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
-        offsets = cu_seqlens.tolist()
-    else:
-        offsets = [int(x) for x in cu_seqlens]
-    tokens = q.shape[2] if q.dim() == 4 else None
-    if (len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != tokens
-            or any(a > b for a, b in zip(offsets, offsets[1:]))):
-        raise ValueError(f"{fn}: cu_seqlens is {offsets}; it must hold N + 1 >= 2 nondecreasing "
-                         f"offsets from 0 to the {tokens} tokens of q (shape {tuple(q.shape)})")
-    return offsets
+        return _grads(ctx, grads)
 
 
 class _FlashFunction(torch.autograd.Function):
@@ -246,7 +280,7 @@ class _FlashFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = _C.flash_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
                                   *ctx.options)
-        return _grads(ctx, grads) + (None,) * 4
+        return _grads(ctx, grads)
 
 
 def _gma_state(fn, initial_state, q, v, mean, sequences=None):
@@ -281,7 +315,7 @@ def _gma_state(fn, initial_state, q, v, mean, sequences=None):
 
 def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, var_floor=1e-4,
                   check_finite=True, initial_state=None, output_final_state=False,
-                  cu_seqlens=None):
+                  cu_seqlens=None, cache=None):
     """Gaussian Mixture Attention (SPEC.md section 1), one routing mixture per head.
 
     q: (B, H, N, r); k: (B, H, M, r); v: (B, H, M, d_v); mean, var_raw: (H, K, r) (variance =
@@ -313,47 +347,116 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
     own state: S (N, H, K, d_v) and z (N, H, K), sequence i continuing initial_state[.][i] and
     ending in final_state[.][i], as N separate streaming calls would (an empty sequence passes
     its state through unchanged).
+
+    Decoding in place: ``cache=mixattn.GmaCache()`` (causal only; instead of initial_state /
+    output_final_state) continues each (batch, head)'s prefix state held by the cache and
+    updates it in place, nothing copied; one call runs every (batch, head), and each head's
+    mixture stays prepared while mean, var_raw and prior_logit are the same unchanged tensors.
+    The outputs are those of the copying form. With ``cu_seqlens`` the cache holds one state per
+    sequence. See mixattn.GmaCache.
     """
     fn = "mixattn.gma_attention"
+    _args.tensors(fn, _GMA_TENSORS, (q, k, v, mean, var_raw, prior_logit))
+    causal, check_finite = _args.flag(fn, "causal", causal), _args.flag(fn, "check_finite",
+                                                                         check_finite)
+    eps, var_floor = _args.real(fn, "eps", eps), _args.real(fn, "var_floor", var_floor)
+    output_final_state = _args.flag(fn, "output_final_state", output_final_state)
+    offsets = [] if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    inputs = (q, k, v, mean, var_raw, prior_logit)
+    if cache is not None:
+        return _gma_cached(fn, inputs, causal, eps, var_floor, check_finite, initial_state,
+                           output_final_state, offsets, cache)
+    _args.dense(fn, _GMA_TENSORS, inputs)
     streaming = initial_state is not None or output_final_state
-    offsets = []
-    if cu_seqlens is not None:
-        offsets = _offsets(fn, cu_seqlens, q)
-        if not streaming:
-            return _GmaPackedFunction.apply(q, k, v, mean, var_raw, prior_logit, offsets,
-                                            bool(causal), float(eps), float(var_floor),
-                                            bool(check_finite))
+    if offsets and not streaming:
+        return _GmaPackedFunction.apply(*inputs, offsets, causal, eps, var_floor, check_finite)
     if not streaming:
-        return _GmaFunction.apply(q, k, v, mean, var_raw, prior_logit, bool(causal), float(eps),
-                                  float(var_floor), bool(check_finite),
-                                  _needs_record(q, k, v, mean, var_raw, prior_logit))
+        return _GmaFunction.apply(*inputs, causal, eps, var_floor, check_finite,
+                                  _needs_record(*inputs))
     if not causal:
         raise ValueError(f"{fn}: initial_state and output_final_state need causal=True (the "
                          "state is a causal prefix; a bidirectional call has none)")
+    out, S, z = _gma_streaming(fn, inputs, eps, var_floor, check_finite, initial_state, offsets)
+    return (out, (S, z)) if output_final_state else out
+
+
+_GMA_TENSORS = ("q", "k", "v", "mean", "var_raw", "prior_logit")
+_OVQ_TENSORS = ("q", "k", "v", "beta")
+
+
+def _gma_streaming(fn, inputs, eps, var_floor, check_finite, initial_state, offsets):
+    """The copying form of the state path: (out, S, z)."""
+    q, k, v, mean, var_raw, prior_logit = inputs
     state = _gma_state(fn, initial_state, q, v, mean, len(offsets) - 1 if offsets else None)
     if state is None:  # q, v or mean of the wrong rank: let the kernel name it
         state = (torch.zeros(0, dtype=torch.float64),) * 2
     prepared = None
-    if all(isinstance(t, torch.Tensor) and t.dim() == d and t.dtype == q.dtype
+    if all(t.dim() == d and t.dtype == q.dtype
            for t, d in ((mean, 3), (var_raw, 3), (prior_logit, 2))) and q.dim() == 4:
-        prepared = _PREPARED.get(mean, var_raw, prior_logit, float(var_floor), bool(check_finite))
-    out, S, z = _GmaStateFunction.apply(q, k, v, mean, var_raw, prior_logit, *state, float(eps),
-                                        float(var_floor), bool(check_finite), prepared,
-                                        _needs_record(q, k, v, mean, var_raw, prior_logit,
-                                                      *state), offsets)
-    return (out, (S, z)) if output_final_state else out
+        prepared = _PREPARED.get(mean, var_raw, prior_logit, var_floor, check_finite)
+    return _GmaStateFunction.apply(*inputs, *state, eps, var_floor, check_finite, prepared,
+                                   _needs_record(*inputs, *state), offsets)
+
+
+def _cache_arguments(fn, cache, kind, initial_state, output_final_state, causal=True):
+    """The checks of a cache= call common to both operators."""
+    if not isinstance(cache, kind):
+        raise TypeError(f"{fn}: cache must be a mixattn.{kind.__name__}, got "
+                        f"{type(cache).__name__}")
+    if initial_state is not None or output_final_state:
+        raise ValueError(f"{fn}: cache continues its own state; give either cache or "
+                         "initial_state / output_final_state (the copying form), not both")
+    if not causal:
+        raise ValueError(f"{fn}: cache needs causal=True (the state is a causal prefix)")
+
+
+def _gma_cached(fn, inputs, causal, eps, var_floor, check_finite, initial_state,
+                output_final_state, offsets, cache):
+    _cache_arguments(fn, cache, GmaCache, initial_state, output_final_state, causal)
+    if _needs_record(*inputs):
+        _args.dense(fn, _GMA_TENSORS, inputs)
+        return _GmaCachedFunction.apply(*inputs, cache._impl, eps, var_floor, check_finite,
+                                        offsets)
+    return _C.gma_forward_cached(*inputs, cache._impl, eps, var_floor, check_finite, False,
+                                 offsets)[0]
+
+
+def _make_ovq_config(block, max_centroids, growth, growth_alpha, seeding, assignment,
+                     count_bias, grad_through_dictionary, norm_eps, check_finite):
+    fn = "mixattn.ovq_attention"
+    return _C.OvqConfig(_args.integer(fn, "block", block),
+                        _args.integer(fn, "max_centroids", max_centroids), str(growth),
+                        _args.real(fn, "growth_alpha", growth_alpha), str(seeding),
+                        str(assignment), _args.flag(fn, "count_bias", count_bias),
+                        _args.flag(fn, "grad_through_dictionary", grad_through_dictionary),
+                        _args.real(fn, "norm_eps", norm_eps),
+                        _args.flag(fn, "check_finite", check_finite))
+
+
+# The options' record, made once per distinct set of keyword values (it is immutable): a
+# one-token decoding call would otherwise spend a noticeable part of its time building it.
+_cached_ovq_config = functools.lru_cache(maxsize=64, typed=True)(_make_ovq_config)
+
+
+def _ovq_config(*options):
+    try:
+        return _cached_ovq_config(*options)
+    except TypeError:  # an unhashable option, or one of the wrong type: _make names it
+        return _make_ovq_config(*options)
 
 
 def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau",
                   growth_alpha=0.0, seeding="greedy_dispersion", assignment="all_centroids",
                   count_bias=True, grad_through_dictionary=True, norm_eps=1e-5,
                   check_finite=True, initial_state=None, output_final_state=False,
-                  cu_seqlens=None):
+                  cu_seqlens=None, cache=None):
     """Online Vector-Quantized attention (SPEC.md section 2), causal, every sequence of the batch
     from an empty dictionary (or from ``initial_state``).
 
     q, k: (B, H, T, r); v: (B, H, T, d_v); beta: (H,), the per-head scale (logits use
-    beta * sqrt(r)). Returns (B, H, T, d_v). Options are those of ``mixattn::ovq::Options``:
+    beta * sqrt(r)); a number is every head's beta, a list or NumPy array the per-head values
+    (neither receives a gradient). Returns (B, H, T, d_v). Options are those of
+    ``mixattn::ovq::Options``:
     block (C), max_centroids (N_max), growth ('plateau' or 'linear'), growth_alpha (0: N_max),
     seeding ('greedy_dispersion' or 'one_shot'), assignment ('all_centroids', or
     'existing_only': non-seed tokens join only centroids older than their block), count_bias,
@@ -364,8 +467,10 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
     Streaming: ``output_final_state=True`` returns ``(out, state)``, where state is an opaque
     ``mixattn._C.OvqState`` holding each (batch, head)'s dictionary and unfinished block (the
     library's ``ovq::State``); ``initial_state=state`` continues it (the object is copied, not
-    changed, so it may be continued more than once). Give every piece the same options, dtype,
-    B, H, r and d_v. Pieces carrying the state give the one-call outputs up to rounding.
+    changed, so it may be continued more than once). Every piece must have the state's dtype,
+    B, H, r and d_v and the options that shape a dictionary (all but check_finite and
+    grad_through_dictionary); others raise ValueError. Pieces carrying the state give the
+    one-call outputs up to rounding.
     The state is forward only: NO gradient flows into or out of it (the library has no
     gradient with respect to a dictionary). Within a call, gradients still flow to q, k, v and
     beta, with the dictionary the call started from held constant.
@@ -373,16 +478,30 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
     ``cu_seqlens``: packed variable-length sequences along T of (1, H, T, .) tensors, as in
     gma_attention; each sequence has its own dictionary (the state then holds one per
     (sequence, head), and continues a packed or a batched call with as many sequences).
+
+    Decoding in place: ``cache=mixattn.OvqCache()`` (instead of initial_state /
+    output_final_state) continues each (batch, head)'s dictionary held by the cache and updates
+    it in place, nothing copied: the outputs of the copying form at the cost of the library's own
+    decoding. See mixattn.OvqCache.
     """
-    config = _C.OvqConfig(int(block), int(max_centroids), str(growth), float(growth_alpha),
-                          str(seeding), str(assignment), bool(count_bias),
-                          bool(grad_through_dictionary),
-                          float(norm_eps), bool(check_finite))
+    fn = "mixattn.ovq_attention"
+    _args.tensors(fn, ("q", "k", "v"), (q, k, v))
+    beta = _args.beta(fn, beta, q)
+    config = _ovq_config(block, max_centroids, growth, growth_alpha, seeding, assignment,
+                         count_bias, grad_through_dictionary, norm_eps, check_finite)
+    output_final_state = _args.flag(fn, "output_final_state", output_final_state)
+    offsets = [] if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    if cache is not None:
+        _cache_arguments(fn, cache, OvqCache, initial_state, output_final_state)
+        if not _needs_record(q, k, v, beta):
+            return _C.ovq_forward_cached(q, k, v, beta, config, cache._impl, False, offsets)[0]
+        _args.dense(fn, _OVQ_TENSORS, (q, k, v, beta))
+        return _OvqCachedFunction.apply(q, k, v, beta, config, cache._impl, offsets)
+    _args.dense(fn, _OVQ_TENSORS, (q, k, v, beta))
     if initial_state is not None and not isinstance(initial_state, _C.OvqState):
-        raise ValueError("mixattn.ovq_attention: initial_state must be the state an earlier "
+        raise ValueError(f"{fn}: initial_state must be the state an earlier "
                          "ovq_attention(..., output_final_state=True) returned, got "
                          f"{type(initial_state).__name__}")
-    offsets = [] if cu_seqlens is None else _offsets("mixattn.ovq_attention", cu_seqlens, q)
     final_state = []
     out = _OvqFunction.apply(q, k, v, beta, config, initial_state, final_state,
                              _needs_record(q, k, v, beta), offsets)
@@ -394,16 +513,25 @@ def flash_attention(q, k, v, causal=False, scale=None, check_finite=True, cu_seq
     softmax (O(N) memory, FlashAttention-2 schedule).
 
     q: (B, H, N, r); k: (B, H, M, r); v: (B, H, M, d_v). Returns (B, H, N, d_v).
-    scale=None means 1/sqrt(r) (any other finite non-zero value is used as is); ``causal=True`` (M == N) masks keys j > i.
+    scale=None means 1/sqrt(r) (any other finite non-zero value is used as is); ``causal=True``
+    (M == N) masks keys j > i.
     ``cu_seqlens``: packed variable-length sequences along T of (1, H, T, .) tensors, as in
     gma_attention.
     """
-    if scale is not None and float(scale) == 0:  # the library reads 0 as "the default"
-        raise ValueError("mixattn.flash_attention: scale is 0; use None for 1/sqrt(r)")
+    fn = "mixattn.flash_attention"
+    _args.tensors(fn, _OVQ_TENSORS[:3], (q, k, v))
+    _args.dense(fn, _OVQ_TENSORS[:3], (q, k, v))
+    causal, check_finite = _args.flag(fn, "causal", causal), _args.flag(fn, "check_finite",
+                                                                         check_finite)
+    if scale is None:
+        scale = 0.0  # the library's "1/sqrt(r)"
+    else:
+        scale = _args.real(fn, "scale", scale)
+        if scale == 0:
+            raise ValueError(f"{fn}: scale is 0; use None for 1/sqrt(r)")
+        if not math.isfinite(scale):
+            raise ValueError(f"{fn}: scale is {scale}; it must be finite (None: 1/sqrt(r))")
     if cu_seqlens is not None:
-        offsets = _offsets("mixattn.flash_attention", cu_seqlens, q)
-        return _FlashPackedFunction.apply(q, k, v, offsets, bool(causal),
-                                          0.0 if scale is None else float(scale),
-                                          bool(check_finite))
-    return _FlashFunction.apply(q, k, v, bool(causal), 0.0 if scale is None else float(scale),
-                                bool(check_finite), _needs_record(q, k, v))
+        offsets = _args.offsets(fn, cu_seqlens, q)
+        return _FlashPackedFunction.apply(q, k, v, offsets, causal, scale, check_finite)
+    return _FlashFunction.apply(q, k, v, causal, scale, check_finite, _needs_record(q, k, v))

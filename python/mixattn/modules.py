@@ -77,6 +77,10 @@ class GaussianMixtureAttention(_Projections):
 
     Packed variable-length input: ``forward(x, cu_seqlens=...)`` with x (1, T, d_model) holding
     the sequences one after another, as gma_attention (with a state: one per sequence).
+
+    Decoding in place (causal only): ``forward(x, cache=mixattn.GmaCache())`` continues the
+    cache's states and updates them, as gma_attention's ``cache``; each head's mixture stays
+    prepared until the parameters change (an optimizer step, load_state_dict).
     """
 
     def __init__(self, d_model, heads, components, causal=False, key_dim=None, value_dim=None,
@@ -91,11 +95,13 @@ class GaussianMixtureAttention(_Projections):
         self.var_raw = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype))
         self.prior_logit = nn.Parameter(torch.zeros(heads, components, device=device, dtype=dtype))
 
-    def forward(self, x, initial_state=None, output_final_state=False, cu_seqlens=None):
+    def forward(self, x, initial_state=None, output_final_state=False, cu_seqlens=None,
+                cache=None):
         q, k, v = self._heads(x)
         o = gma_attention(q, k, v, self.mean, self.var_raw, self.prior_logit, causal=self.causal,
                           eps=self.eps, var_floor=self.var_floor, initial_state=initial_state,
-                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                          cache=cache)
         if output_final_state:
             return self._merge(o[0]), o[1]
         return self._merge(o)
@@ -117,6 +123,9 @@ class OnlineVQAttention(_Projections):
     opaque state, forward only); with output_final_state the module returns ``(y, state)``.
     Packed variable-length input: ``forward(x, cu_seqlens=...)`` with x (1, T, d_model), as
     ovq_attention (one dictionary per sequence).
+
+    Decoding in place: ``forward(x, cache=mixattn.OvqCache())`` continues the cache's
+    dictionaries and updates them, as ovq_attention's ``cache``.
     """
 
     def __init__(self, d_model, heads, key_dim=None, value_dim=None, device=None, dtype=None,
@@ -129,11 +138,12 @@ class OnlineVQAttention(_Projections):
         ovq_attention(q, q, q.new_zeros(1, heads, 0, self.value_dim), self.beta.detach().cpu(),
                       **self.ovq_options)
 
-    def forward(self, x, initial_state=None, output_final_state=False, cu_seqlens=None):
+    def forward(self, x, initial_state=None, output_final_state=False, cu_seqlens=None,
+                cache=None):
         q, k, v = self._heads(x)
         o = ovq_attention(q, k, v, self.beta, initial_state=initial_state,
                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                          **self.ovq_options)
+                          cache=cache, **self.ovq_options)
         if output_final_state:
             return self._merge(o[0]), o[1]
         return self._merge(o)
