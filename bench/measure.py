@@ -37,7 +37,7 @@ BINARIES = ["bench_peak", "bench_gma", "bench_reference", "bench_ovq", "bench_li
 UNPINNED = {"bench_batched", "bench_training"}
 # The main job's headline set: every operator at N = 4096 against tiled and naive softmax
 # attention and its GEMM floor, the five fraction-of-peak targets (OVQ's at T = 65536), the decode
-# rows, the batched rows on 1 and 2 threads, and the training shapes of the issue-51 targets.
+# rows, the batched rows on 1 and 2 threads, and the training shapes that carry targets.
 MAIN_FILTERS = {
     "bench_peak": ".",
     "bench_gma": "/4096$",
