@@ -53,12 +53,12 @@ MAIN_FILTERS = {
 }
 # Seconds per stage on 2 idle cores (per round for a binary), until this machine has run it.
 ESTIMATES = {
-    "main": {"bench_peak": 1, "bench_gma": 4, "bench_reference": 6, "bench_ovq": 3,
-             "bench_linear": 7, "bench_decode": 4, "bench_batched": 5, "bench_training": 6,
-             "torch_ext": 40, "summary": 10},
+    "main": {"bench_peak": 1, "bench_gma": 5, "bench_reference": 9, "bench_ovq": 3,
+             "bench_linear": 10, "bench_decode": 3, "bench_batched": 5, "bench_training": 5,
+             "torch_ext": 40},
     "full": {"bench_peak": 1, "bench_gma": 150, "bench_reference": 120, "bench_ovq": 150,
              "bench_linear": 220, "bench_decode": 30, "bench_batched": 60, "bench_training": 150,
-             "torch_ext": 1500, "torch_side_by_side": 300, "summary": 30},
+             "torch_ext": 1500, "torch_side_by_side": 300},
 }
 
 
@@ -303,10 +303,8 @@ def main(argv=None):
             break
     final = summary_args(args) + (["--strict"] if args.strict else []) + \
         (["--no-plots"] if args.no_plots else [])
-    print("== summary", flush=True)
-    t0 = time.time()
+    print(f"== [{fmt_clock(time.time() - progress.start)}] summary", flush=True)
     status = subprocess.run([sys.executable, os.path.join(HERE, "summary.py"), *final]).returncode
-    progress.times["summary"] = time.time() - t0
     progress.save()
     if errors:
         print("bench/measure.py: " + "; ".join(errors), file=sys.stderr)

@@ -111,7 +111,7 @@ main() {
   "$py" -c "import torch" 2>/dev/null && torch=1
   built=() failed=()
   stage "build ${#targets[@]} binaries (-j$(nproc))${torch:+ and the PyTorch extension}" \
-    "~3 min on 2 idle cores from a fresh clone, seconds when up to date" build_all
+    "~5 min on 2 idle cores from a fresh clone, seconds when up to date" build_all
   if ((${#built[@]} == 0)); then
     echo "bench/run.sh: nothing built" >&2
     exit 1
