@@ -12,8 +12,8 @@ linear_*, performer_*, vq_* points and their floor_* (bench_linear, N = 4096; th
 performer and vq ones the linear ones scaled by the ratio of FLOP counts), whose FLOP counts are the floor's closed
 form; and the sliding-window points (flash_window256_*, N = 2048, 4096, 8192) with flash's causal
 forward at N = 4096, their FLOP counts bench_reference's visible-pair formula; and the
-training-shape points (bh32_*, bh8_*, bench_training), whose times are the per-head figures
-measured on an Intel AVX-512 guest times the pairs (GMA) or made up (OVQ, flash), their FLOP
+training-shape points (bh32_*, bh8_*, bench_training), whose times are per-head figures
+measured on an Intel AVX-512 machine times the pairs (GMA) or made up (OVQ, flash), their FLOP
 counts bench_training's formulas. Each test breaks one thing in a copy of it and runs summary.py
 as bench/measure.py does, checking the exit status and the rows; the last ones run
 bench/measure.py itself over a fake benchmark binary that writes these results.
