@@ -107,8 +107,12 @@ main() {
     bash cmake/install-deps.sh bench
   stage "configure ($build, Release, benchmarks only)" "~10 s" configure
   mapfile -t targets < <(for f in bench/bench_*.cpp; do basename "$f" .cpp; done)
+  # The PyTorch extension's benchmark runs where PyTorch is installed, unless a filter leaves it out.
   torch=
-  "$py" -c "import torch" 2>/dev/null && torch=1
+  if "$py" -c "import torch" 2>/dev/null && { [[ -z ${MIXATTN_BENCH_FILTER:-} ]] ||
+      grep -qE -- "$MIXATTN_BENCH_FILTER" <<<"torch_ext"; }; then
+    torch=1
+  fi
   built=() failed=()
   stage "build ${#targets[@]} binaries (-j$(nproc))${torch:+ and the PyTorch extension}" \
     "~5 min on 2 idle cores from a fresh clone, seconds when up to date" build_all
@@ -130,10 +134,7 @@ main() {
   # One thread: Eigen is built with EIGEN_DONT_PARALLELIZE; the one-thread binaries are pinned to
   # one core so the OS does not migrate them. The multi-threaded binaries get every core.
   command -v taskset >/dev/null && args+=(--cpu "${MIXATTN_BENCH_CPU:-$(($(nproc) - 1))}")
-  if [[ -n $torch ]] && { [[ -z ${MIXATTN_BENCH_FILTER:-} ]] || grep -qE -- \
-      "$MIXATTN_BENCH_FILTER" <<<"torch_ext"; }; then
-    args+=(--torch-python "$build/venv/bin/python")
-  fi
+  [[ -n $torch ]] && args+=(--torch-python "$build/venv/bin/python")
   [[ ${MIXATTN_BENCH_TORCH:-0} == 1 ]] && args+=(--torch-side-by-side)
 
   status=0
