@@ -111,6 +111,8 @@ class Progress:
         self.total += n
 
     def save(self):
+        if self.args.filter:
+            return  # a filtered run's stages are not the whole stages of the next run
         try:
             with open(self.path, "w") as f:
                 json.dump({**self.last, **self.times}, f, indent=1)
