@@ -107,7 +107,7 @@ main() {
     bash cmake/install-deps.sh bench
   stage "configure ($build, Release, benchmarks only)" "~10 s" configure
   mapfile -t targets < <(for f in bench/bench_*.cpp; do basename "$f" .cpp; done)
-  # The PyTorch extension's benchmark runs where PyTorch is installed, unless a filter leaves it out.
+  # The PyTorch extension's benchmark runs where PyTorch is installed, unless filtered out.
   torch=
   if "$py" -c "import torch" 2>/dev/null && { [[ -z ${MIXATTN_BENCH_FILTER:-} ]] ||
       grep -qE -- "$MIXATTN_BENCH_FILTER" <<<"torch_ext"; }; then

@@ -35,9 +35,9 @@ sys.path.insert(0, HERE)
 
 from summary_data import EXP_OP, PEAK_OP, Measurements, load  # noqa: E402
 from summary_rules import judge_all  # noqa: E402
-from summary_tables import (HEADER, HEADLINE_HEADER, TORCH_EXT_HEADER, TRAINING_HEADER,  # noqa: E402
-                            headline_rows, md_table, table_rows, text_table, torch_ext_rows,
-                            training_rows)
+from summary_tables import (HEADER, HEADLINE_HEADER, TORCH_EXT_HEADER,  # noqa: E402
+                            TRAINING_HEADER, headline_rows, md_table, table_rows, text_table,
+                            torch_ext_rows, training_rows)
 from summary_targets import TARGETS, producers  # noqa: E402
 
 

@@ -155,7 +155,8 @@ class Rep:
     its key (binary, try, round, ordinal) for pairing."""
 
     def __init__(self, real, cpu, iterations, entry, key):
-        self.real, self.cpu, self.iterations, self.entry, self.key = real, cpu, iterations, entry, key
+        self.real, self.cpu, self.iterations = real, cpu, iterations
+        self.entry, self.key = entry, key
 
 
 class Point:
@@ -312,7 +313,8 @@ def load(files):
     points = {}
     for key, by_binary in candidates.items():
         latest = [tries[max(tries)] for tries in by_binary.values()]
-        points[key] = max(latest, key=lambda p: (p.sampling()[0], sum(r.iterations for r in p.reps)))
+        points[key] = max(latest,
+                          key=lambda p: (p.sampling()[0], sum(r.iterations for r in p.reps)))
     return points, contexts, errors
 
 

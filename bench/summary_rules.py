@@ -97,8 +97,9 @@ def thread_speedup(op, threads=2, n=4096):
         q = one_cpu / m.time(op, n, threads)
         stretch = one_wall.med / one_cpu.med
         if stretch > BUSY:
-            q.refuse("machine busy", f"the 1-thread run got {1 / stretch:.0%} of a core "
-                                     f"(wall {fmt_time(one_wall.med)}, CPU {fmt_time(one_cpu.med)})")
+            q.refuse("machine busy",
+                     f"the 1-thread run got {1 / stretch:.0%} of a core "
+                     f"(wall {fmt_time(one_wall.med)}, CPU {fmt_time(one_cpu.med)})")
         return q
     return value
 
@@ -167,7 +168,8 @@ def judge_value(target, q, bound, strict, points):
         return Row(target.name, measured, goal, f"unreliable (noise: {why}; spread {spread})",
                    "unreliable", retry=why, points=points)
     if past:
-        why = f"the median {target.format(q.med)} is {past[1]}, the physical bound, within its spread"
+        why = (f"the median {target.format(q.med)} is {past[1]}, the physical bound, "
+               "within its spread")
         return Row(target.name, measured, goal, "at the physical bound: no verdict", "none",
                    note=why, retry=why, points=points)
     if not q.ok:

@@ -56,7 +56,8 @@ def ovq_after_block_ratio(m):
     worst = max(q.med for q in qs)
     raw = max(m.counter("decode_ovq", "after_block_max_s", n).med for n in m.ns("decode_ovq"))
     passes = m.counter("decode_ovq", "passes", m.ns("decode_ovq")[0]).med
-    text = f"{worst:.2f}× (each token's best of {passes:.0f} passes; one pass's max {fmt_time(raw)}"
+    text = (f"{worst:.2f}× (each token's best of {passes:.0f} passes; "
+            f"one pass's max {fmt_time(raw)}")
     if m.ns("decode_noise"):
         noise = m.counter("decode_noise", "max_s", m.ns("decode_noise")[0])
         mean = m.counter("decode_noise", "mean_s", m.ns("decode_noise")[0])
