@@ -490,7 +490,8 @@ class NoiseRules(unittest.TestCase):
         self.assertIn("22% apart", items[0]["why"])
         rc, out, md = run(doc)
         self.assertEqual(rc, 0, out)
-        expected = "unreliable (noise: pairs spread 1.57× – 1.92× (22% apart) around the goal ≥ 1.7×"
+        expected = ("unreliable (noise: pairs spread 1.57× – 1.92× (22% apart) "
+                    "around the goal ≥ 1.7×")
         self.assertTrue(verdict(md, FWD_ROW).startswith(expected), verdict(md, FWD_ROW))
         rc, out, md = run(doc, "--strict")
         self.assertEqual(rc, 1, out)
