@@ -90,23 +90,14 @@ void run(benchmark::State& state, bool backward) {
   mb::finish(state, n, heap);
 }
 
-void gma_heads_forward_bidir(benchmark::State& s) {
-  run(s, false);
-}
-void gma_heads_fwd_bwd_bidir(benchmark::State& s) {
-  run(s, true);
-}
-
 void sweep(benchmark::internal::Benchmark* b) {
-  const std::vector<Index> ns =
-      mb::quick() ? std::vector<Index>{4096} : std::vector<Index>{1024, 4096, 16384};
-  for (Index n : ns)
+  for (Index n : {1024, 4096, 16384})
     for (Index t : {1, 2}) b->Args({n, t});
   b->ArgNames({"N", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
-  // The 2-thread/1-thread ratio is a target, and the second core of this shared machine is not
-  // always ours: the 0.5 s default gave ratios that moved by 0.2 between runs. Three
-  // repetitions of 1 s each; bench/summary.py takes the median repetition.
-  if (!mb::quick()) b->MinTime(1.0)->Repetitions(3);
+  // The 2-thread/1-thread ratio is a target, and the second core of a shared machine is not
+  // always ours: the full run times 1 s per repetition (bench/run.sh repeats every binary once
+  // per round, and the summary takes the ratio round by round).
+  mb::min_time_in_full_run(b, 1.0);
 }
 
 constexpr Index kPackedHeads = 4;
@@ -205,9 +196,6 @@ void separate_fwd_bwd(benchmark::State& state, bool training_order) {
   mb::finish(state, in.offsets.back(), heap);
 }
 
-void gma_separate_fwd_bwd(benchmark::State& state) { separate_fwd_bwd(state, false); }
-void gma_separate_fwd_then_bwd(benchmark::State& state) { separate_fwd_bwd(state, true); }
-
 void layer_train_step(benchmark::State& state) {
   namespace layer = mixattn::layer;
   const int threads = static_cast<int>(state.range(0));
@@ -240,21 +228,25 @@ void layer_train_step(benchmark::State& state) {
 
 void threads_1_2(benchmark::internal::Benchmark* b) {
   b->Arg(1)->Arg(2)->ArgNames({"threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
-  if (!mb::quick()) b->MinTime(1.0)->Repetitions(3);
+  mb::min_time_in_full_run(b, 1.0);
 }
 
-/// The separate calls the packed batch is compared with, timed like it (1 s × 3 repetitions), so
-/// that the packed-vs-separate ratio compares two medians of the same kind.
+/// The separate calls the packed batch is compared with, timed like it, so that the
+/// packed-vs-separate ratio compares two measurements of the same kind.
 void one_thread(benchmark::internal::Benchmark* b) {
   b->UseRealTime()->Unit(benchmark::kMillisecond);
-  if (!mb::quick()) b->MinTime(1.0)->Repetitions(3);
+  mb::min_time_in_full_run(b, 1.0);
 }
 
-BENCHMARK(gma_heads_forward_bidir)->Apply(sweep);
-BENCHMARK(gma_heads_fwd_bwd_bidir)->Apply(sweep);
+BENCHMARK_CAPTURE(run, forward, false)->Name("gma_heads_forward_bidir")->Apply(sweep);
+BENCHMARK_CAPTURE(run, fwd_bwd, true)->Name("gma_heads_fwd_bwd_bidir")->Apply(sweep);
 BENCHMARK(gma_packed_fwd_bwd)->Apply(threads_1_2);
-BENCHMARK(gma_separate_fwd_bwd)->Apply(one_thread);
-BENCHMARK(gma_separate_fwd_then_bwd)->Apply(one_thread);
+BENCHMARK_CAPTURE(separate_fwd_bwd, interleaved, false)
+    ->Name("gma_separate_fwd_bwd")
+    ->Apply(one_thread);
+BENCHMARK_CAPTURE(separate_fwd_bwd, training_order, true)
+    ->Name("gma_separate_fwd_then_bwd")
+    ->Apply(one_thread);
 BENCHMARK(layer_train_step)->Apply(threads_1_2);
 
 }  // namespace

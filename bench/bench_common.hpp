@@ -185,24 +185,22 @@ inline void set_tokens(benchmark::State& state, Index tokens) {
 
 // ---- sweeps ------------------------------------------------------------------------------------
 
-/// MIXATTN_BENCH_QUICK=1 shrinks every sweep to a subset that still covers the targets.
-inline bool quick() {
-  const char* q = std::getenv("MIXATTN_BENCH_QUICK");
-  return q && *q && std::strcmp(q, "0") != 0;
+/// The run bench/run.sh makes (MIXATTN_BENCH_MODE): "main", its headline set, picked out of every
+/// binary's sweep by --benchmark_filter, or "full", the whole sweep. Recorded in the JSON context.
+inline std::string run_mode() {
+  const char* m = std::getenv("MIXATTN_BENCH_MODE");
+  return m && *m ? m : "full";
+}
+
+/// Seconds of timed calls per repetition for points whose ratio needs more than the command
+/// line's --benchmark_min_time; the full run only (the main job keeps every point short).
+inline void min_time_in_full_run(benchmark::internal::Benchmark* b, double seconds) {
+  if (run_mode() == "full") b->MinTime(seconds);
 }
 
 /// Powers of two lo, 2 lo, ..., hi as Args, the complexity fit and one thread.
 inline void sweep(benchmark::internal::Benchmark* b, Index lo, Index hi) {
   for (Index n = lo; n <= hi; n *= 2) b->Arg(n);
-  b->Complexity()->Unit(benchmark::kMillisecond);
-}
-
-/// Powers of two from lo to hi, keeping only the values listed in `quick_set` in quick mode.
-template <std::size_t K>
-void sweep(benchmark::internal::Benchmark* b, Index lo, Index hi, const Index (&quick_set)[K]) {
-  if (!quick()) return sweep(b, lo, hi);
-  for (Index n : quick_set)
-    if (n >= lo && n <= hi) b->Arg(n);
   b->Complexity()->Unit(benchmark::kMillisecond);
 }
 
@@ -243,7 +241,7 @@ inline int run_main(int argc, char** argv) {
   benchmark::AddCustomContext("eigen_version", std::to_string(EIGEN_WORLD_VERSION) + "." +
                                                    std::to_string(EIGEN_MAJOR_VERSION) + "." +
                                                    std::to_string(EIGEN_MINOR_VERSION));
-  benchmark::AddCustomContext("mixattn_bench_quick", quick() ? "1" : "0");
+  benchmark::AddCustomContext("mixattn_bench_mode", run_mode());
   benchmark::AddCustomContext("malloc", malloc_mode);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -50,7 +50,6 @@ constexpr Index kMaxCentroids = 1024;
 constexpr Index kGenerate = 80 * kBlock;  // 20 480 tokens generated per GMA / OVQ point
 constexpr Index kSoftmaxCalls = 256;      // softmax calls per point (each at position P)
 constexpr Index kMaxPosition = 32768;
-constexpr Index kQuickSet[] = {1024, 8192, 32768};
 constexpr int kPasses = 3;  // identical OVQ generation passes behind after_block_best_max_s
 
 /// N(0, 1) tokens for every position a point reaches (prefill and generation).
@@ -213,11 +212,7 @@ void decode_softmax_kv(benchmark::State& state) {
 }
 
 void positions(benchmark::internal::Benchmark* b, Index iterations) {
-  if (mb::quick()) {
-    for (const Index p : kQuickSet) b->Arg(p);
-  } else {
-    for (Index p = 1024; p <= kMaxPosition; p *= 2) b->Arg(p);
-  }
+  for (Index p = 1024; p <= kMaxPosition; p *= 2) b->Arg(p);
   b->Iterations(iterations)->Unit(benchmark::kMicrosecond);
 }
 

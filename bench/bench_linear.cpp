@@ -22,6 +22,7 @@
 // state size). The FLOPS counter is the floor's GEMM work for both an operator and its floor.
 #include "bench_common.hpp"
 #include "gma_floor.hpp"
+#include "linear_floor.hpp"
 
 #include <mixattn/linear.hpp>
 #include <mixattn/performer.hpp>
@@ -38,24 +39,24 @@ namespace linear = mixattn::linear;
 namespace performer = mixattn::performer;
 namespace vq = mixattn::vq;
 
-constexpr Index kR = 64;
-constexpr Index kDv = 64;
+using mb::linear_floor::kChunk;
+using mb::linear_floor::kCodes;
+using mb::linear_floor::kDv;
+using mb::linear_floor::kFeatures;
+using mb::linear_floor::kR;
+using mb::linear_floor::performer_flops;
+using mb::linear_floor::vq_flops;
 constexpr Index kMaxN = 65536;
-constexpr Index kQuickSet[] = {256, 1024, 4096, 16384, 65536};
-constexpr Index kChunk = mixattn::detail::gma_default_chunk;
-constexpr Index kFeatures = 256;  // Performer's m
-constexpr Index kCodes = 64;      // VQ attention's S
+
+double floor_flops(Index n, bool causal, bool backward) {
+  return mb::linear_floor::linear_flops(n, causal, backward);
+}
 
 struct Inputs : mb::QkvInputs {
   explicit Inputs(Index n) : QkvInputs(n, kR, kDv) {}
 };
 
 double io_bytes(Index n, bool backward) { return mb::qkv_io_bytes(n, kR, kDv, backward); }
-
-double floor_flops(Index n, bool causal, bool backward) {
-  const double f = mb::GmaFloor::forward_flops(n, kR, kR, kDv, kChunk, causal, false);
-  return backward ? f + mb::GmaFloor::backward_flops(n, kR, kR, kDv, kChunk, causal, false) : f;
-}
 
 void run_operator(benchmark::State& state, bool causal, bool backward) {
   const Index n = state.range(0);
@@ -95,15 +96,6 @@ void run_floor(benchmark::State& state, bool causal, bool backward) {
   mb::set_flops(state, floor.flops());
   mb::set_bytes(state, io_bytes(n, backward));
   mb::finish(state, n, heap);
-}
-
-// Performer: the same read/write with m features, plus its projection GEMMs.
-double performer_flops(Index n, bool causal, bool backward) {
-  const double proj = 2.0 * 2.0 * static_cast<double>(n) * kR * kFeatures;  // q and k
-  double f = mb::GmaFloor::forward_flops(n, kFeatures, kR, kDv, kChunk, causal, false) + proj;
-  if (backward)
-    f += mb::GmaFloor::backward_flops(n, kFeatures, kR, kDv, kChunk, causal, false) + proj;
-  return f;
 }
 
 void run_performer(benchmark::State& state, bool causal, bool backward) {
@@ -164,17 +156,6 @@ void run_performer_floor(benchmark::State& state, bool causal, bool backward) {
   mb::set_flops(state, total);
   mb::set_bytes(state, io_bytes(n, backward));
   mb::finish(state, n, heap);
-}
-
-// VQ attention: the same read/write with S one-hot/code features, the code GEMMs, and backward
-// the per-code straight-through states.
-double vq_flops(Index n, bool causal, bool backward) {
-  const double proj = 2.0 * 2.0 * static_cast<double>(n) * kR * kCodes;  // q C^T and k C^T
-  double f = mb::GmaFloor::forward_flops(n, kCodes, kR, kDv, kChunk, causal, false) + proj;
-  if (backward)  // + E C, E^T Q, and S GEMMs (r x N)(N x (d_v + 1))
-    f += mb::GmaFloor::backward_flops(n, kCodes, kR, kDv, kChunk, causal, false) + proj +
-         2.0 * static_cast<double>(n) * kCodes * kR * (kDv + 1);
-  return f;
 }
 
 void run_vq(benchmark::State& state, bool causal, bool backward) {
@@ -242,109 +223,75 @@ void run_vq_floor(benchmark::State& state, bool causal, bool backward) {
   mb::finish(state, n, heap);
 }
 
-void linear_forward_bidir(benchmark::State& s) {
-  run_operator(s, false, false);
-}
-void linear_forward_causal(benchmark::State& s) {
-  run_operator(s, true, false);
-}
-void linear_fwd_bwd_bidir(benchmark::State& s) {
-  run_operator(s, false, true);
-}
-void linear_fwd_bwd_causal(benchmark::State& s) {
-  run_operator(s, true, true);
-}
-void floor_linear_forward_bidir(benchmark::State& s) {
-  run_floor(s, false, false);
-}
-void floor_linear_forward_causal(benchmark::State& s) {
-  run_floor(s, true, false);
-}
-void floor_linear_fwd_bwd_bidir(benchmark::State& s) {
-  run_floor(s, false, true);
-}
-void floor_linear_fwd_bwd_causal(benchmark::State& s) {
-  run_floor(s, true, true);
-}
-
-void performer_forward_bidir(benchmark::State& s) {
-  run_performer(s, false, false);
-}
-void floor_performer_forward_bidir(benchmark::State& s) {
-  run_performer_floor(s, false, false);
-}
-void performer_forward_causal(benchmark::State& s) {
-  run_performer(s, true, false);
-}
-void floor_performer_forward_causal(benchmark::State& s) {
-  run_performer_floor(s, true, false);
-}
-void performer_fwd_bwd_bidir(benchmark::State& s) {
-  run_performer(s, false, true);
-}
-void floor_performer_fwd_bwd_bidir(benchmark::State& s) {
-  run_performer_floor(s, false, true);
-}
-void performer_fwd_bwd_causal(benchmark::State& s) {
-  run_performer(s, true, true);
-}
-void floor_performer_fwd_bwd_causal(benchmark::State& s) {
-  run_performer_floor(s, true, true);
-}
-
-void vq_forward_bidir(benchmark::State& s) {
-  run_vq(s, false, false);
-}
-void floor_vq_forward_bidir(benchmark::State& s) {
-  run_vq_floor(s, false, false);
-}
-void vq_forward_causal(benchmark::State& s) {
-  run_vq(s, true, false);
-}
-void floor_vq_forward_causal(benchmark::State& s) {
-  run_vq_floor(s, true, false);
-}
-void vq_fwd_bwd_bidir(benchmark::State& s) {
-  run_vq(s, false, true);
-}
-void floor_vq_fwd_bwd_bidir(benchmark::State& s) {
-  run_vq_floor(s, false, true);
-}
-void vq_fwd_bwd_causal(benchmark::State& s) {
-  run_vq(s, true, true);
-}
-void floor_vq_fwd_bwd_causal(benchmark::State& s) {
-  run_vq_floor(s, true, true);
-}
-
 void sweep(benchmark::internal::Benchmark* b) {
-  mb::sweep(b, 256, kMaxN, kQuickSet);
+  mb::sweep(b, 256, kMaxN);
 }
 
-BENCHMARK(linear_forward_bidir)->Apply(sweep);
-BENCHMARK(floor_linear_forward_bidir)->Apply(sweep);
-BENCHMARK(linear_forward_causal)->Apply(sweep);
-BENCHMARK(floor_linear_forward_causal)->Apply(sweep);
-BENCHMARK(linear_fwd_bwd_bidir)->Apply(sweep);
-BENCHMARK(floor_linear_fwd_bwd_bidir)->Apply(sweep);
-BENCHMARK(linear_fwd_bwd_causal)->Apply(sweep);
-BENCHMARK(floor_linear_fwd_bwd_causal)->Apply(sweep);
-BENCHMARK(performer_forward_bidir)->Apply(sweep);
-BENCHMARK(floor_performer_forward_bidir)->Apply(sweep);
-BENCHMARK(performer_forward_causal)->Apply(sweep);
-BENCHMARK(floor_performer_forward_causal)->Apply(sweep);
-BENCHMARK(performer_fwd_bwd_bidir)->Apply(sweep);
-BENCHMARK(floor_performer_fwd_bwd_bidir)->Apply(sweep);
-BENCHMARK(performer_fwd_bwd_causal)->Apply(sweep);
-BENCHMARK(floor_performer_fwd_bwd_causal)->Apply(sweep);
-BENCHMARK(vq_forward_bidir)->Apply(sweep);
-BENCHMARK(floor_vq_forward_bidir)->Apply(sweep);
-BENCHMARK(vq_forward_causal)->Apply(sweep);
-BENCHMARK(floor_vq_forward_causal)->Apply(sweep);
-BENCHMARK(vq_fwd_bwd_bidir)->Apply(sweep);
-BENCHMARK(floor_vq_fwd_bwd_bidir)->Apply(sweep);
-BENCHMARK(vq_fwd_bwd_causal)->Apply(sweep);
-BENCHMARK(floor_vq_fwd_bwd_causal)->Apply(sweep);
+// Each operator beside its floor, forward then forward+backward, bidirectional then causal.
+BENCHMARK_CAPTURE(run_operator, forward_bidir, false, false)
+    ->Name("linear_forward_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_floor, forward_bidir, false, false)
+    ->Name("floor_linear_forward_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_operator, forward_causal, true, false)
+    ->Name("linear_forward_causal")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_floor, forward_causal, true, false)
+    ->Name("floor_linear_forward_causal")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_operator, fwd_bwd_bidir, false, true)
+    ->Name("linear_fwd_bwd_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_floor, fwd_bwd_bidir, false, true)
+    ->Name("floor_linear_fwd_bwd_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_operator, fwd_bwd_causal, true, true)
+    ->Name("linear_fwd_bwd_causal")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_floor, fwd_bwd_causal, true, true)
+    ->Name("floor_linear_fwd_bwd_causal")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_performer, forward_bidir, false, false)
+    ->Name("performer_forward_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_performer_floor, forward_bidir, false, false)
+    ->Name("floor_performer_forward_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_performer, forward_causal, true, false)
+    ->Name("performer_forward_causal")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_performer_floor, forward_causal, true, false)
+    ->Name("floor_performer_forward_causal")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_performer, fwd_bwd_bidir, false, true)
+    ->Name("performer_fwd_bwd_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_performer_floor, fwd_bwd_bidir, false, true)
+    ->Name("floor_performer_fwd_bwd_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_performer, fwd_bwd_causal, true, true)
+    ->Name("performer_fwd_bwd_causal")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_performer_floor, fwd_bwd_causal, true, true)
+    ->Name("floor_performer_fwd_bwd_causal")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_vq, forward_bidir, false, false)->Name("vq_forward_bidir")->Apply(sweep);
+BENCHMARK_CAPTURE(run_vq_floor, forward_bidir, false, false)
+    ->Name("floor_vq_forward_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_vq, forward_causal, true, false)->Name("vq_forward_causal")->Apply(sweep);
+BENCHMARK_CAPTURE(run_vq_floor, forward_causal, true, false)
+    ->Name("floor_vq_forward_causal")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_vq, fwd_bwd_bidir, false, true)->Name("vq_fwd_bwd_bidir")->Apply(sweep);
+BENCHMARK_CAPTURE(run_vq_floor, fwd_bwd_bidir, false, true)
+    ->Name("floor_vq_fwd_bwd_bidir")
+    ->Apply(sweep);
+BENCHMARK_CAPTURE(run_vq, fwd_bwd_causal, true, true)->Name("vq_fwd_bwd_causal")->Apply(sweep);
+BENCHMARK_CAPTURE(run_vq_floor, fwd_bwd_causal, true, true)
+    ->Name("floor_vq_fwd_bwd_causal")
+    ->Apply(sweep);
 
 }  // namespace
 

@@ -32,7 +32,6 @@ namespace ref = mixattn::reference;
 
 constexpr Index kR = 64;
 constexpr Index kDv = 64;
-constexpr Index kQuickSet[] = {256, 512, 1024, 4096};
 
 struct Inputs : mb::QkvInputs {
   explicit Inputs(Index n) : QkvInputs(n, kR, kDv) {}
@@ -42,8 +41,7 @@ double io_bytes(Index n, bool backward) { return mb::qkv_io_bytes(n, kR, kDv, ba
 
 enum class Impl { naive, flash };
 
-template <Impl impl>
-void run_forward(benchmark::State& state, bool causal) {
+void run_forward(benchmark::State& state, Impl impl, bool causal) {
   const Index n = state.range(0);
   const Inputs in(n);
   ref::Options opt;
@@ -59,8 +57,7 @@ void run_forward(benchmark::State& state, bool causal) {
   mb::finish(state, n, heap);
 }
 
-template <Impl impl>
-void run_forward_backward(benchmark::State& state, bool causal) {
+void run_forward_backward(benchmark::State& state, Impl impl, bool causal) {
   const Index n = state.range(0);
   const Inputs in(n);
   ref::Options opt;
@@ -105,43 +102,6 @@ void run_floor(benchmark::State& state, bool causal, bool backward) {
   mb::finish(state, n, heap);
 }
 
-void naive_forward_bidir(benchmark::State& s) {
-  run_forward<Impl::naive>(s, false);
-}
-void naive_forward_causal(benchmark::State& s) {
-  run_forward<Impl::naive>(s, true);
-}
-void naive_fwd_bwd_bidir(benchmark::State& s) {
-  run_forward_backward<Impl::naive>(s, false);
-}
-void naive_fwd_bwd_causal(benchmark::State& s) {
-  run_forward_backward<Impl::naive>(s, true);
-}
-void flash_forward_bidir(benchmark::State& s) {
-  run_forward<Impl::flash>(s, false);
-}
-void flash_forward_causal(benchmark::State& s) {
-  run_forward<Impl::flash>(s, true);
-}
-void flash_fwd_bwd_bidir(benchmark::State& s) {
-  run_forward_backward<Impl::flash>(s, false);
-}
-void flash_fwd_bwd_causal(benchmark::State& s) {
-  run_forward_backward<Impl::flash>(s, true);
-}
-void floor_softmax_forward_bidir(benchmark::State& s) {
-  run_floor(s, false, false);
-}
-void floor_softmax_forward_causal(benchmark::State& s) {
-  run_floor(s, true, false);
-}
-void floor_softmax_fwd_bwd_bidir(benchmark::State& s) {
-  run_floor(s, false, true);
-}
-void floor_softmax_fwd_bwd_causal(benchmark::State& s) {
-  run_floor(s, true, true);
-}
-
 /// Visible (query, key) pairs of causal attention with a window of w keys over n tokens.
 double window_pairs(Index n, Index w) {
   double v = 0;
@@ -176,51 +136,69 @@ void run_window(benchmark::State& state, Index window, bool backward) {
   mb::finish(state, n, heap);
 }
 
-void flash_window256_forward_causal(benchmark::State& s) {
-  run_window(s, 256, false);
-}
-void flash_window512_forward_causal(benchmark::State& s) {
-  run_window(s, 512, false);
-}
-void flash_window256_fwd_bwd_causal(benchmark::State& s) {
-  run_window(s, 256, true);
-}
-void flash_window512_fwd_bwd_causal(benchmark::State& s) {
-  run_window(s, 512, true);
-}
-
 constexpr Index kNaiveMax = 4096;
 constexpr Index kFlashMax = 16384;
 
 void naive_sweep(benchmark::internal::Benchmark* b) {
-  mb::sweep(b, 256, kNaiveMax, kQuickSet);
+  mb::sweep(b, 256, kNaiveMax);
 }
 void flash_sweep(benchmark::internal::Benchmark* b) {
-  mb::sweep(b, 256, kFlashMax, kQuickSet);
+  mb::sweep(b, 256, kFlashMax);
 }
-/// N = 2048 ... 8192, also in quick mode: the per-token target compares the two ends (time
-/// linear in N for a fixed window).
+/// N = 2048 ... 8192: the per-token target compares the two ends (time linear in N for a fixed
+/// window).
 void window_sweep(benchmark::internal::Benchmark* b) {
-  constexpr Index quick_set[] = {2048, 4096, 8192};  // the per-token target needs both ends
-  mb::sweep(b, 2048, 8192, quick_set);
+  mb::sweep(b, 2048, 8192);
 }
 
-BENCHMARK(naive_forward_bidir)->Apply(naive_sweep);
-BENCHMARK(naive_forward_causal)->Apply(naive_sweep);
-BENCHMARK(naive_fwd_bwd_bidir)->Apply(naive_sweep);
-BENCHMARK(naive_fwd_bwd_causal)->Apply(naive_sweep);
-BENCHMARK(flash_forward_bidir)->Apply(flash_sweep);
-BENCHMARK(flash_forward_causal)->Apply(flash_sweep);
-BENCHMARK(flash_fwd_bwd_bidir)->Apply(flash_sweep);
-BENCHMARK(flash_fwd_bwd_causal)->Apply(flash_sweep);
-BENCHMARK(floor_softmax_forward_bidir)->Apply(flash_sweep);
-BENCHMARK(floor_softmax_forward_causal)->Apply(flash_sweep);
-BENCHMARK(floor_softmax_fwd_bwd_bidir)->Apply(flash_sweep);
-BENCHMARK(floor_softmax_fwd_bwd_causal)->Apply(flash_sweep);
-BENCHMARK(flash_window256_forward_causal)->Apply(window_sweep);
-BENCHMARK(flash_window512_forward_causal)->Apply(window_sweep);
-BENCHMARK(flash_window256_fwd_bwd_causal)->Apply(window_sweep);
-BENCHMARK(flash_window512_fwd_bwd_causal)->Apply(window_sweep);
+BENCHMARK_CAPTURE(run_forward, naive_bidir, Impl::naive, false)
+    ->Name("naive_forward_bidir")
+    ->Apply(naive_sweep);
+BENCHMARK_CAPTURE(run_forward, naive_causal, Impl::naive, true)
+    ->Name("naive_forward_causal")
+    ->Apply(naive_sweep);
+BENCHMARK_CAPTURE(run_forward_backward, naive_bidir, Impl::naive, false)
+    ->Name("naive_fwd_bwd_bidir")
+    ->Apply(naive_sweep);
+BENCHMARK_CAPTURE(run_forward_backward, naive_causal, Impl::naive, true)
+    ->Name("naive_fwd_bwd_causal")
+    ->Apply(naive_sweep);
+BENCHMARK_CAPTURE(run_forward, flash_bidir, Impl::flash, false)
+    ->Name("flash_forward_bidir")
+    ->Apply(flash_sweep);
+BENCHMARK_CAPTURE(run_forward, flash_causal, Impl::flash, true)
+    ->Name("flash_forward_causal")
+    ->Apply(flash_sweep);
+BENCHMARK_CAPTURE(run_forward_backward, flash_bidir, Impl::flash, false)
+    ->Name("flash_fwd_bwd_bidir")
+    ->Apply(flash_sweep);
+BENCHMARK_CAPTURE(run_forward_backward, flash_causal, Impl::flash, true)
+    ->Name("flash_fwd_bwd_causal")
+    ->Apply(flash_sweep);
+BENCHMARK_CAPTURE(run_floor, forward_bidir, false, false)
+    ->Name("floor_softmax_forward_bidir")
+    ->Apply(flash_sweep);
+BENCHMARK_CAPTURE(run_floor, forward_causal, true, false)
+    ->Name("floor_softmax_forward_causal")
+    ->Apply(flash_sweep);
+BENCHMARK_CAPTURE(run_floor, fwd_bwd_bidir, false, true)
+    ->Name("floor_softmax_fwd_bwd_bidir")
+    ->Apply(flash_sweep);
+BENCHMARK_CAPTURE(run_floor, fwd_bwd_causal, true, true)
+    ->Name("floor_softmax_fwd_bwd_causal")
+    ->Apply(flash_sweep);
+BENCHMARK_CAPTURE(run_window, w256_forward, 256, false)
+    ->Name("flash_window256_forward_causal")
+    ->Apply(window_sweep);
+BENCHMARK_CAPTURE(run_window, w512_forward, 512, false)
+    ->Name("flash_window512_forward_causal")
+    ->Apply(window_sweep);
+BENCHMARK_CAPTURE(run_window, w256_fwd_bwd, 256, true)
+    ->Name("flash_window256_fwd_bwd_causal")
+    ->Apply(window_sweep);
+BENCHMARK_CAPTURE(run_window, w512_fwd_bwd, 512, true)
+    ->Name("flash_window512_fwd_bwd_causal")
+    ->Apply(window_sweep);
 
 }  // namespace
 

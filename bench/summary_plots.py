@@ -299,7 +299,7 @@ EXTRA_PANELS = [(has_decode, decode_panel)]  # (available(points), draw(ax, poin
 
 # ---- figures -------------------------------------------------------------------------------------
 
-def time_figure(plt, ticker, points, quick):
+def time_figure(plt, ticker, points, mode):
     extra = [draw for available, draw in EXTRA_PANELS if available(points)]
     rows = 2 + (len(extra) + 1) // 2 - (1 if extra else 0)
     height = 5.2 * rows + 0.9
@@ -318,13 +318,13 @@ def time_figure(plt, ticker, points, quick):
            "repetitions; hollow marker: too few samples) · dashed: its GEMM floor · "
            "dotted grey: O(N), O(N²)")
     fig.suptitle("mixattn: linear-time GMA and OVQ against O(N²) softmax attention" +
-                 (" — QUICK MODE" if quick else ""), x=0.06, ha="left", fontsize=14,
+                 (f" — {mode}" if mode else ""), x=0.06, ha="left", fontsize=14,
                  y=1 - 0.25 / height, va="top")
     fig.text(0.06, 1 - 0.62 / height, key, fontsize=9, color="#555555", ha="left", va="top")
     return fig
 
 
-def memory_figure(plt, ticker, points, quick):
+def memory_figure(plt, ticker, points, mode):
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.6))
     for ax, which, title in ((axes[0], 2, "Forward: peak extra heap per call vs N"),
                              (axes[1], 4, "Forward + backward: peak extra heap per call vs N")):
@@ -334,15 +334,16 @@ def memory_figure(plt, ticker, points, quick):
         ax.set_xlabel("sequence length N [tokens]")
         ax.set_ylabel("peak extra heap [log scale]")
     fig.suptitle("mixattn: memory per call (outputs, saved state and scratch)" +
-                 (" — QUICK MODE" if quick else ""), x=0.06, ha="left", fontsize=14)
+                 (f" — {mode}" if mode else ""), x=0.06, ha="left", fontsize=14)
     fig.text(0.06, 0.905, "float, one thread · dotted grey: O(N), O(N²)", fontsize=9,
              color="#555555", ha="left")
     fig.subplots_adjust(top=0.84, wspace=0.22)
     return fig
 
 
-def plot_all(points, out_dir, quick=False):
-    """Writes the figures into out_dir; returns their paths ([] without matplotlib)."""
+def plot_all(points, out_dir, mode=""):
+    """Writes the figures into out_dir, `mode` (e.g. "main job, N = 4096") in their titles;
+    returns their paths ([] without matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -353,7 +354,7 @@ def plot_all(points, out_dir, quick=False):
         return []
     written = []
     for name, build in (("time_vs_n.png", time_figure), ("memory_vs_n.png", memory_figure)):
-        fig = build(plt, ticker, points, quick)
+        fig = build(plt, ticker, points, mode)
         path = os.path.join(out_dir, name)
         fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)

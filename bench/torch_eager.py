@@ -148,9 +148,9 @@ def openblas_core(path):
         return None
 
 
-def write_results(path, executable, entries, quick, **context):
+def write_results(path, executable, entries, **context):
     """Google-Benchmark-style JSON for bench/summary.py: the run's context (date, host, torch,
-    its BLAS, quick mode, malloc policy, and `context`) and the entries."""
+    its BLAS, the run's mode, malloc policy, and `context`) and the entries."""
     full = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host_name": platform.node(),
@@ -159,7 +159,7 @@ def write_results(path, executable, entries, quick, **context):
         "torch_version": torch.__version__,
         "torch_blas": blas_in_use(),
         **context,
-        "mixattn_bench_quick": "1" if quick else "0",
+        "mixattn_bench_mode": os.environ.get("MIXATTN_BENCH_MODE", "full"),
         "malloc": ("GLIBC_TUNABLES " + os.environ["GLIBC_TUNABLES"]
                    if os.environ.get("GLIBC_TUNABLES") else "default"),
     }

@@ -3,8 +3,8 @@
 
     /usr/bin/python3 bench/torch_side_by_side.py [--out FILE.json] [--min-time SECONDS]
 
-Measures, float32, K = 64 components, r = d_v = 64, N = 256 ... 8192 (MIXATTN_BENCH_QUICK=1:
-N = 1024, 4096), forward (under no_grad) and forward+backward:
+Measures, float32, K = 64 components, r = d_v = 64, N = 256 ... 8192 (in bench/run.sh's main job,
+MIXATTN_BENCH_MODE=main: N = 4096), forward (under no_grad) and forward+backward:
   torch_gma_{forward,fwd_bwd}_{bidir,causal}      the paper-style eager GMA: (x − μ)² broadcast
                                                   over N x K x r, log-softmax, matmuls; causal by
                                                   cumulative sums over an N x K x d_v tensor
@@ -34,10 +34,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(here, "results", "torch_side_by_side.json"))
     ap.add_argument("--min-time", type=float, default=None,
-                    help="seconds of timed calls per case (default 0.5, quick 0.1)")
+                    help="seconds of timed calls per case (default 0.5, main job 0.1)")
     args = ap.parse_args()
-    quick = os.environ.get("MIXATTN_BENCH_QUICK", "0") not in ("", "0")
-    min_time = args.min_time if args.min_time is not None else (0.1 if quick else 0.5)
+    main_job = os.environ.get("MIXATTN_BENCH_MODE") == "main"
+    min_time = args.min_time if args.min_time is not None else (0.1 if main_job else 0.5)
 
     try:
         import torch
@@ -70,7 +70,7 @@ def main():
         return reps
 
     g = torch.Generator().manual_seed(7)
-    ns = [1024, 4096] if quick else [256, 512, 1024, 2048, 4096, 8192]
+    ns = [4096] if main_job else [256, 512, 1024, 2048, 4096, 8192]
     results = []
     for n in ns:
         q = torch.randn(n, R, generator=g)
@@ -109,7 +109,7 @@ def main():
                                         "cpu_time": cpu * 1e3, "time_unit": "ms", "N": n,
                                         "warm_up_calls": 1})
 
-    write_results(args.out, "torch_side_by_side.py", results, quick,
+    write_results(args.out, "torch_side_by_side.py", results,
                   torch_threads=torch.get_num_threads(),
                   softmax_impl="scaled_dot_product_attention" if has_sdpa else "softmax(QK^T)V")
     return 0

@@ -11,9 +11,18 @@ per-token counters mean_s, p99_s, max_s, ...) are made up too, each within its t
 linear_*, performer_*, vq_* points and their floor_* (bench_linear, N = 4096; the
 performer and vq ones the linear ones scaled by the ratio of FLOP counts), whose FLOP counts are the floor's closed
 form; and the sliding-window points (flash_window256_*, N = 2048, 4096, 8192) with flash's causal
-forward at N = 4096, their FLOP counts bench_reference's visible-pair formula. Each test breaks
-one thing in a copy
-of it and runs summary.py as bench/run.sh does, checking the exit status and the rows.
+forward at N = 4096, their FLOP counts bench_reference's visible-pair formula; and the
+training-shape points (bh32_*, bh8_*, bench_training), whose times are per-head figures
+measured on an Intel AVX-512 machine times the pairs (GMA) or made up (OVQ, flash), their FLOP
+counts bench_training's formulas. Each test breaks one thing in a copy of it and runs summary.py
+as bench/measure.py does, checking the exit status and the rows; the last ones run
+bench/measure.py itself over a fake benchmark binary that writes these results.
+
+Rules this file checks that the noise rules (re-measure, then report) changed: an impossible
+value fails the summary only with --strict (those tests pass --strict and keep their
+assertions; the tests after them check the default); a ratio is taken pair by pair, so the test
+of a median above the bound gives its repetitions different factors; quick mode became the main
+job.
 """
 
 import json
@@ -74,16 +83,39 @@ def set_peak_beside(doc, name, fractions):
             b["peak_flops_beside"] = rate / f
 
 
-def run(doc, *extra):
+def run(doc, *extra, more=None):
+    """summary.py over doc (bench_synthetic.json) and `more` {file name: doc} (a re-measurement:
+    bench_synthetic.t1.r0.json is try 1). -> (exit status, output, summary.md or "")."""
     with tempfile.TemporaryDirectory() as out:
-        path = os.path.join(out, "bench_synthetic.json")
-        with open(path, "w") as f:
-            json.dump(doc, f)
-        p = subprocess.run([sys.executable, SUMMARY, "--no-plots", "--out", out, *extra, path],
+        paths = []
+        for name, d in {"bench_synthetic.json": doc, **(more or {})}.items():
+            paths.append(os.path.join(out, name))
+            with open(paths[-1], "w") as f:
+                json.dump(d, f)
+        p = subprocess.run([sys.executable, SUMMARY, "--no-plots", "--out", out, *extra, *paths],
                            capture_output=True, text=True)
-        with open(os.path.join(out, "summary.md")) as f:
-            md = f.read()
+        md = ""
+        if os.path.exists(os.path.join(out, "summary.md")):
+            with open(os.path.join(out, "summary.md")) as f:
+                md = f.read()
     return p.returncode, p.stdout + p.stderr, md
+
+
+def plan(doc, more=None):
+    """The rows summary.py --plan asks bench/measure.py to measure again."""
+    with tempfile.TemporaryDirectory() as out:
+        path = os.path.join(out, "plan.json")
+        rc, output, _ = run(doc, "--plan", path, more=more)
+        assert rc == 0, output
+        with open(path) as f:
+            return json.load(f)
+
+
+def scale_reps(doc, name, factors):
+    """Repetition i of `name` (wall and CPU time) times factors[i]."""
+    for b, f in zip(entries(doc, name), factors):
+        b["real_time"] *= f
+        b["cpu_time"] *= f
 
 
 def cell(md, row, column):
@@ -118,7 +150,7 @@ class SummaryRules(unittest.TestCase):
         results = md.split("## Runs")[1]  # past the rules, which name every verdict
         self.assertNotIn("too few samples", results)
         self.assertNotIn("impossible", results)
-        self.assertNotIn("QUICK MODE", md)
+        self.assertNotIn("main job", md.splitlines()[0])  # no mode in the context
         # The spread beside the median: 2.70 ms × (0.98, 1.03).
         self.assertIn("2.7 ms [2.65 ms – 2.78 ms]", md)
 
@@ -144,18 +176,19 @@ class SummaryRules(unittest.TestCase):
         doc = base()
         # One thread 8× slower than two: 22 ms × 8 / 12.6 ms = 14×, above 2 threads.
         scale_times(doc, FWD_1T, 8.0)
-        rc, out, md = run(doc)
+        rc, out, md = run(doc, "--strict")
         self.assertEqual(rc, 1, out)
         self.assertTrue(verdict(md, FWD_ROW).startswith("impossible: measurement error"))
         self.assertIn("FAILED", out)
 
     def test_median_above_bound_within_its_spread_gives_no_verdict(self):
-        # The bound on 2 threads is 2 × 1.05 = 2.1× (private caches). 22 ms × 1.22 / 12.6 ms =
-        # 2.13× on 2 threads, but the slowest 2-thread repetition against the fastest 1-thread one
-        # gives 22 × 1.22 × 0.98 / (12.6 × 1.03) = 2.03×: noise around the bound, not an
-        # impossible measurement.
+        # The bound on 2 threads is 2 × 1.05 = 2.1× (private caches). The ratio is taken pair by
+        # pair (the synthetic repetitions of both sides carry the same factors): one-thread
+        # repetitions 1.16, 1.22 and 1.24 times slower give 22 × (1.16, 1.22, 1.24) / 12.6 =
+        # 2.03×, 2.13×, 2.17×: a median above the bound with a pair within it, noise around the
+        # bound, not an impossible measurement.
         doc = base()
-        scale_times(doc, FWD_1T, 1.22)
+        scale_reps(doc, FWD_1T, (1.16, 1.22, 1.24))
         rc, out, md = run(doc)
         self.assertEqual(rc, 0, out)
         self.assertTrue(verdict(md, FWD_ROW).startswith("at the physical bound"), md)
@@ -166,10 +199,10 @@ class SummaryRules(unittest.TestCase):
         rc, out, md = run(doc)
         self.assertEqual(rc, 0, out)
         self.assertEqual(verdict(md, FWD_ROW), "met", md)
-        # The whole spread above the bound: 22 × 1.30 × 0.98 / (12.6 × 1.03) = 2.16× at least.
+        # The whole spread above the bound: 22 × 1.30 / 12.6 = 2.27× in every pair.
         doc = base()
         scale_times(doc, FWD_1T, 1.30)
-        rc, out, md = run(doc)
+        rc, out, md = run(doc, "--strict")
         self.assertEqual(rc, 1, out)
         self.assertTrue(verdict(md, FWD_ROW).startswith("impossible: measurement error"), md)
 
@@ -180,7 +213,7 @@ class SummaryRules(unittest.TestCase):
         make_cold_single_iteration(doc, FWD_1T)
         factor = 100.0 / 22.0
         scale_times(doc, FWD_1T, factor)
-        rc, out, md = run(doc)
+        rc, out, md = run(doc, "--strict")
         self.assertEqual(rc, 1, out)
         self.assertNotIn("| met", [line for line in md.splitlines() if FWD_ROW in line][0])
 
@@ -208,7 +241,7 @@ class SummaryRules(unittest.TestCase):
         doc = base()
         # 201 MFLOP in 0.27 ms is 744 GFLOP/s, 3.5× the 215 GFLOP/s peak.
         scale_times(doc, "gma_forward_bidir/4096", 0.1)
-        rc, out, md = run(doc)
+        rc, out, md = run(doc, "--strict")
         self.assertEqual(rc, 1, out)
         self.assertTrue(verdict(md, PEAK_ROW).startswith("impossible: measurement error"))
 
@@ -231,7 +264,7 @@ class SummaryRules(unittest.TestCase):
     def test_rate_above_the_probe_beside_it_fails(self):
         doc = base()
         set_peak_beside(doc, "gma_forward_bidir/4096", [1.2, 1.25, 1.3])
-        rc, out, md = run(doc)
+        rc, out, md = run(doc, "--strict")
         self.assertEqual(rc, 1, out)
         self.assertTrue(verdict(md, PEAK_ROW).startswith("impossible: measurement error"))
 
@@ -248,7 +281,7 @@ class SummaryRules(unittest.TestCase):
     def test_floor_above_fma_peak_fails(self):
         doc = base()
         scale_times(doc, "floor_gma_forward_bidir/4096", 0.05)
-        rc, out, _ = run(doc)
+        rc, out, _ = run(doc, "--strict")
         self.assertEqual(rc, 1, out)
         self.assertIn("floor_gma_forward_bidir/4096", out)
 
@@ -261,11 +294,11 @@ class SummaryRules(unittest.TestCase):
         self.assertIn("MISSING: flash_forward_bidir N=4096", md)
         self.assertNotIn("n/a", md)
 
-    def test_missing_benchmark_fails_quick_mode_too(self):
-        # Quick mode runs fewer sizes, but each binary's quick set keeps every size a target
-        # reads: a missing thread-scaling point is an error there as in a full run.
+    def test_missing_benchmark_fails_the_main_job_too(self):
+        # The main job runs fewer sizes, but its set keeps every point a main-job target reads:
+        # a missing thread-scaling point is an error there as in a full run.
         doc = base()
-        doc["context"]["mixattn_bench_quick"] = "1"
+        doc["context"]["mixattn_bench_mode"] = "main"
         doc["benchmarks"] = [b for b in doc["benchmarks"] if b["name"] != FWD_2T]
         rc, out, md = run(doc)
         self.assertEqual(rc, 1, out)
@@ -351,14 +384,192 @@ class SummaryRules(unittest.TestCase):
         self.assertEqual(verdict(md, row), "NOT MET")
         self.assertIn("2.50×", md)
 
-    def test_quick_mode_says_so_and_keeps_the_rules(self):
+    def test_main_job_says_so_and_keeps_the_rules(self):
         doc = base()
-        doc["context"]["mixattn_bench_quick"] = "1"
+        doc["context"]["mixattn_bench_mode"] = "main"
         make_cold_single_iteration(doc, FWD_1T)
         rc, out, md = run(doc)
         self.assertEqual(rc, 0, out)
-        self.assertTrue(re.match(r"# mixattn benchmark summary — QUICK MODE", md), md[:200])
+        self.assertTrue(re.match(r"# mixattn benchmark summary — main job", md), md[:200])
         self.assertTrue(verdict(md, FWD_ROW).startswith("too few samples"))
+
+    def test_main_job_leaves_out_the_full_runs_rows(self):
+        # The heap-growth rows need N = 16384 and 65536, which only --full measures: a main job
+        # without them leaves the rows out; a full run without them fails.
+        doc = base()
+        doc["benchmarks"] = [b for b in doc["benchmarks"]
+                             if not b["name"].startswith("gma_fwd_bwd_causal/")]
+        row = "peak extra heap growth of gma_fwd_bwd_causal, N = 16384 → 65536"
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("MISSING: gma_fwd_bwd_causal N=16384", verdict(md, row))
+        doc["context"]["mixattn_bench_mode"] = "main"
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertNotIn(row, md)
+
+
+def counts(md):
+    """(met, not met, unreliable) from the summary's count line."""
+    m = re.search(r"(\d+) met, (\d+) not met, (\d+) unreliable", md)
+    assert m, md[:500]
+    return tuple(int(g) for g in m.groups())
+
+
+def only(doc, *names):
+    """A copy of doc with the repetitions of `names` alone: a re-measurement's file."""
+    d = json.loads(json.dumps(doc))
+    d["benchmarks"] = [b for b in d["benchmarks"] if b["name"] in names]
+    return d
+
+
+class NoiseRules(unittest.TestCase):
+    """Ratios pair by pair; impossible or too noisy rows measured again, then reported."""
+
+    def test_a_ratio_is_taken_pair_by_pair(self):
+        # Both sides slow down together from one repetition to the next (a machine whose speed
+        # drifts), by 1, 1.3 and 1.6 times: pair by pair the speed-up stays 22.0 / 12.6 = 1.75×,
+        # where the ratio of medians with the extreme ratios of the spreads would span
+        # 22 × 0.98 / (12.6 × 1.03 × 1.6) = 1.04×
+        # to 22 × 1.03 × 1.6 / (12.6 × 0.98) = 2.94×.
+        doc = base()
+        scale_reps(doc, FWD_1T, (1.0, 1.3, 1.6))
+        scale_reps(doc, FWD_2T, (1.0, 1.3, 1.6))
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(value(md, FWD_ROW), "1.75×")
+        self.assertEqual(verdict(md, FWD_ROW), "met")
+        self.assertEqual(plan(doc), [])
+
+    def test_an_impossible_point_that_a_re_measurement_fixes(self):
+        doc = base()
+        scale_times(doc, FWD_1T, 8.0)  # 22 × 8 / 12.6 = 14×, above 2 threads
+        items = plan(doc)
+        self.assertEqual([i["row"] for i in items], [FWD_ROW])
+        self.assertEqual(items[0]["points"], {"bench_synthetic": sorted([FWD_1T, FWD_2T])})
+        self.assertIn("13.97× is above 2.10×, the physical bound", items[0]["why"])
+        # The two points measured again (try 1), sane this time: they replace try 0's.
+        more = {"bench_synthetic.t1.r0.json": only(base(), FWD_1T, FWD_2T)}
+        self.assertEqual(plan(doc, more), [])
+        rc, out, md = run(doc, "--strict", more=more)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(verdict(md, FWD_ROW), "met")
+        self.assertEqual(value(md, FWD_ROW), "1.75×")
+
+    def test_an_impossible_point_that_stays_impossible(self):
+        doc = base()
+        scale_times(doc, FWD_1T, 8.0)
+        broken = only(doc, FWD_1T, FWD_2T)
+        more = {f"bench_synthetic.t{t}.r0.json": broken for t in (1, 2, 3)}
+        rc, out, md = run(doc, more=more)
+        self.assertEqual(rc, 0, out)  # the table and summary.md are written; the run goes on
+        self.assertTrue(verdict(md, FWD_ROW).startswith(
+            "unreliable (noise: 13.97× is above 2.10×, the physical bound"), verdict(md, FWD_ROW))
+        self.assertIn("Headline table", out)
+        warning = out.split("summary: WARNING")[1]
+        self.assertIn(FWD_ROW, warning)
+        self.assertNotIn("FAILED", out)
+        # Neither met nor missed: one row fewer met than the sane run, as many not met.
+        _, _, md0 = run(base())
+        met0, missed0, unreliable0 = counts(md0)
+        self.assertEqual(counts(md), (met0 - 1, missed0, unreliable0 + 1))
+        # --strict keeps the refusal.
+        rc, out, md = run(doc, "--strict", more=more)
+        self.assertEqual(rc, 1, out)
+        self.assertTrue(verdict(md, FWD_ROW).startswith("impossible: measurement error"))
+        self.assertIn(FWD_ROW, out.split("summary: FAILED")[1])
+
+    def test_a_noisy_spread_around_the_goal_is_measured_again_then_unreliable(self):
+        # One-thread repetitions 0.9, 1.0 and 1.1 times: pairs 22 × (0.9, 1.0, 1.1) / 12.6 =
+        # 1.57×, 1.75× and 1.92×, 22% apart, around the goal 1.7×: the verdict would rest on
+        # which pair one believes.
+        doc = base()
+        scale_reps(doc, FWD_1T, (0.9, 1.0, 1.1))
+        items = plan(doc)
+        self.assertEqual([i["row"] for i in items], [FWD_ROW])
+        self.assertIn("22% apart", items[0]["why"])
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        expected = ("unreliable (noise: pairs spread 1.57× – 1.92× (22% apart) "
+                    "around the goal ≥ 1.7×")
+        self.assertTrue(verdict(md, FWD_ROW).startswith(expected), verdict(md, FWD_ROW))
+        rc, out, md = run(doc, "--strict")
+        self.assertEqual(rc, 1, out)
+
+    def test_a_wide_spread_on_one_side_of_the_goal_keeps_its_verdict(self):
+        # Pairs 1.75×, 1.92× and 2.08× (19% apart, all within the 2.1× bound) are all above the
+        # goal 1.7×: met, whichever pair one believes.
+        doc = base()
+        scale_reps(doc, FWD_1T, (1.0, 1.1, 1.19))
+        self.assertEqual(plan(doc), [])
+        rc, out, md = run(doc)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(verdict(md, FWD_ROW), "met")
+
+
+FAKE_BINARY = """#!{python}
+# A benchmark binary for bench/measure.py: writes tests/bench_summary/results.json's repetitions
+# that match --benchmark_filter, with FWD_1T 8 times slower (an impossible 14× speed-up) in the
+# first measurement (try 0) and, if broken_after, in every re-measurement too.
+import json, os, re, sys
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if "=" in a)
+with open({results!r}) as f:
+    doc = json.load(f)
+doc["context"]["mixattn_bench_mode"] = os.environ["MIXATTN_BENCH_MODE"]  # as bench_common.hpp
+doc["benchmarks"] = [b for b in doc["benchmarks"]
+                     if re.search(args.get("benchmark_filter", "."), b["name"])]
+if ".t0." in args["benchmark_out"] or {broken_after}:
+    for b in doc["benchmarks"]:
+        if b["name"] == {fwd!r}:
+            b["real_time"] *= 8
+            b["cpu_time"] *= 8
+with open(args["benchmark_out"], "w") as f:
+    json.dump(doc, f)
+"""
+
+
+def measure(broken_after, *extra):
+    """bench/measure.py over a fake binary, 2 rounds, up to 3 re-measurements."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "build", "bench", "bench_fake")
+        os.makedirs(os.path.dirname(exe))
+        with open(exe, "w") as f:
+            f.write(FAKE_BINARY.format(python=sys.executable, broken_after=broken_after,
+                                       results=os.path.join(HERE, "results.json"), fwd=FWD_1T))
+        os.chmod(exe, 0o755)
+        results = os.path.join(tmp, "results")
+        p = subprocess.run([sys.executable, os.path.join(os.path.dirname(SUMMARY), "measure.py"),
+                            "--build", os.path.join(tmp, "build"), "--results", results,
+                            "--binaries", "bench_fake", "--rounds", "2", "--no-plots", *extra],
+                           capture_output=True, text=True)
+        with open(os.path.join(results, "summary.md")) as f:
+            md = f.read()
+        files = sorted(os.listdir(results))
+    return p.returncode, p.stdout + p.stderr, md, files
+
+
+class MeasureRetries(unittest.TestCase):
+    """bench/measure.py re-measures what summary.py --plan names, up to 3 times."""
+
+    def test_a_re_measurement_fixes_an_impossible_point(self):
+        rc, out, md, files = measure(False)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("re-measuring (try 1/3)", out)
+        self.assertNotIn("try 2/3", out)
+        self.assertEqual(verdict(md, FWD_ROW), "met")
+        self.assertIn("bench_fake.t1.r2.json", files)
+        self.assertTrue(re.match(r"# mixattn benchmark summary — main job", md), md[:200])
+
+    def test_a_point_that_stays_impossible_is_reported_after_three_tries(self):
+        rc, out, md, files = measure(True)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("re-measuring (try 3/3)", out)
+        self.assertNotIn("try 4", out)
+        self.assertTrue(verdict(md, FWD_ROW).startswith("unreliable (noise:"), verdict(md, FWD_ROW))
+        self.assertIn("summary: WARNING", out)
+        rc, out, md, files = measure(True, "--strict")
+        self.assertEqual(rc, 1, out)
+        self.assertTrue(verdict(md, FWD_ROW).startswith("impossible: measurement error"))
 
 
 if __name__ == "__main__":
