@@ -8,6 +8,7 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/refuse.hpp"
 #include "mixattn/gma.hpp"
 #include "mixattn/parallel.hpp"
 

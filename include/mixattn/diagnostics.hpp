@@ -11,6 +11,8 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/refuse.hpp"
 
 #include <algorithm>
 #include <cmath>

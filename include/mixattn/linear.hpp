@@ -14,8 +14,11 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/fingerprint.hpp"
 #include "mixattn/detail/gemm.hpp"
 #include "mixattn/detail/gma_scan.hpp"
+#include "mixattn/detail/refuse.hpp"
 #include "mixattn/gma.hpp"
 
 #include <Eigen/Core>

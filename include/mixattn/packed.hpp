@@ -31,11 +31,12 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/simd.hpp"
 #include "mixattn/gma.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/reference.hpp"
-#include "mixattn/detail/simd.hpp"
 
 #include <algorithm>
 #include <atomic>

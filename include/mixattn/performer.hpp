@@ -17,6 +17,9 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/fingerprint.hpp"
+#include "mixattn/detail/refuse.hpp"
 #include "mixattn/linear.hpp"
 
 #include <Eigen/Core>

@@ -18,6 +18,8 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/refuse.hpp"
 
 #include <Eigen/Core>
 

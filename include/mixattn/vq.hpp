@@ -19,6 +19,9 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/fingerprint.hpp"
+#include "mixattn/detail/refuse.hpp"
 #include "mixattn/linear.hpp"
 #include "mixattn/performer.hpp"
 

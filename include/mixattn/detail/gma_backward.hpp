@@ -2,12 +2,14 @@
 // the causal and the bidirectional backward side by side, and the entry point's body
 // (gma_backward).
 //
-// Internal: included by mixattn/gma.hpp after its forward.
+// Internal: part of mixattn/gma.hpp; the records it works on are in mixattn/gma_types.hpp.
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/fingerprint.hpp"
 #include "mixattn/detail/gma_forward.hpp"
 #include "mixattn/detail/gma_scan.hpp"
 

@@ -1,14 +1,17 @@
 // mixattn/detail/gma_common.hpp — what GMA's forward and backward share: the fingerprints, the
 // argument checks, the responsibilities and density-gradient passes, the mixture's gradient.
 //
-// Internal: included by mixattn/gma.hpp after its records (Saved, Grad, Prepared).
+// Internal: part of mixattn/gma.hpp; the records it works on are in mixattn/gma_types.hpp.
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/fingerprint.hpp"
 #include "mixattn/detail/gma_scratch.hpp"
 #include "mixattn/detail/log_density.hpp"
+#include "mixattn/gma_types.hpp"
 
 #include <algorithm>
 #include <cmath>

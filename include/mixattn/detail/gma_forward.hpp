@@ -2,14 +2,17 @@
 // the record for backward, the whole-sequence body and the continued (State) body with its
 // one-token path.
 //
-// Internal: included by mixattn/gma.hpp after its records.
+// Internal: part of mixattn/gma.hpp; the records it works on are in mixattn/gma_types.hpp.
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/fingerprint.hpp"
 #include "mixattn/detail/gma_common.hpp"
 #include "mixattn/detail/gma_scan.hpp"
+#include "mixattn/gma_types.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 // mixattn/detail/gma_scratch.hpp — GMA's working memory (the forward and backward scratch kept in
 // Saved and Grad for reuse).
 //
-// Internal: included by mixattn/gma.hpp after its public types, before its records.
+// Internal: held by the records of mixattn/gma_types.hpp (Saved, Grad).
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"

@@ -1,13 +1,15 @@
 // mixattn/detail/ovq_forward.hpp — OVQ's forward (SPEC.md §2.2–2.3): validation, the block loop,
 // the record for backward, the overflow check.
 //
-// Internal: included by mixattn/ovq.hpp after its records (Saved, Grad).
+// Internal: part of mixattn/ovq.hpp; the records it works on are in mixattn/ovq_types.hpp.
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/ovq_scratch.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/fingerprint.hpp"
+#include "mixattn/ovq_types.hpp"  // and detail/ovq_scratch.hpp, after the state it builds on
 
 #include <algorithm>
 #include <cmath>
