@@ -2,6 +2,8 @@
 //
 //   decode_gma/P         gma::forward on a prepared mixture (gma::Prepared, once), continuing a
 //                        gma::State; K = r = d_v = 64 (one head)
+//   decode_gma_mixture/P the same through gma::forward on the gma::Mixture itself (the State
+//                        keeps it prepared while it is unchanged)
 //   decode_ovq/P         ovq::forward continuing an ovq::State; N_max = 1024, C = 256,
 //                        r = d_v = 64, linear growth (the dictionary is full from token 1024)
 //   decode_softmax_kv/P  reference::decode over a reference::KvCache, r = d_v = 64 (reserved up
@@ -125,6 +127,27 @@ void decode_gma(benchmark::State& state) {
       seconds);
 }
 
+/// decode_gma's twin through the Mixture overload, the loop a user writes first: the State keeps
+/// the mixture prepared while it is unchanged, so this should cost about what decode_gma costs.
+void decode_gma_mixture(benchmark::State& state) {
+  const Index p = state.range(0);
+  const Tokens& in = tokens();
+  const gma::Mixture<float> mix = gma::Mixture<float>::random(kDim, kDim, 7);
+  gma::Options opt;
+  opt.causal = true;
+  gma::State<float> st = gma::State<float>::empty(kDim, kDim);
+  gma::forward(mix, in.q.topRows(p - 1), in.k.topRows(p - 1), in.v.topRows(p - 1), opt, st);
+  std::vector<double> seconds;
+  decode_loop(
+      state,
+      [&](Index i) {
+        const Index t = p - 1 + i;
+        Matrix<float> o = gma::forward(mix, in.q.row(t), in.k.row(t), in.v.row(t), opt, st);
+        benchmark::DoNotOptimize(o.data());
+      },
+      seconds);
+}
+
 /// Whether timed call j of an OVQ point at position P (it decodes token P + j) completes a block.
 bool completes_block(Index p, std::size_t j) {
   return (p + static_cast<Index>(j) + 1) % kBlock == 0;
@@ -219,6 +242,9 @@ void positions(benchmark::internal::Benchmark* b, Index iterations) {
 }  // namespace
 
 BENCHMARK(decode_gma)->Apply([](benchmark::internal::Benchmark* b) { positions(b, kGenerate); });
+BENCHMARK(decode_gma_mixture)->Apply([](benchmark::internal::Benchmark* b) {
+  positions(b, kGenerate);
+});
 BENCHMARK(decode_ovq)->Apply([](benchmark::internal::Benchmark* b) { positions(b, kGenerate); });
 BENCHMARK(decode_noise)->Arg(0)->Iterations(kGenerate)->Unit(benchmark::kMicrosecond);
 BENCHMARK(decode_softmax_kv)->Apply([](benchmark::internal::Benchmark* b) {

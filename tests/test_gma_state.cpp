@@ -12,6 +12,7 @@
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -105,6 +106,52 @@ TYPED_TEST(GmaState, PreparedMixtureGivesTheSameBits) {
   EXPECT_TRUE(out_mix == out_prep);
   EXPECT_TRUE(a.S == b.S);
   EXPECT_TRUE(a.z == b.z);
+}
+
+// The Mixture overload keeps the mixture prepared in the State: a mixture changed between tokens
+// (in place, at the same address; one entry of each parameter, var_floor too) must be prepared
+// again. The slow twin: the Prepared overload on a mixture prepared afresh for every token.
+TYPED_TEST(GmaState, ChangedMixtureIsPreparedAgainNotServedStale) {
+  using T = TypeParam;
+  const Index N = 12, K = 5, r = 4, dv = 3;
+  gma::Mixture<T> mix = test_mixture<T>(K, r, 41);
+  const Matrix<T> q = random_matrix<T>(N, r, 42), k = random_matrix<T>(N, r, 43);
+  const Matrix<T> v = random_matrix<T>(N, dv, 44);
+  gma::Options opt;
+  opt.causal = true;
+  gma::State<T> cached = gma::State<T>::empty(K, dv), fresh = gma::State<T>::empty(K, dv);
+  for (Index t = 0; t < N; ++t) {
+    switch (t % 6) {  // tokens 0, 5, 11: unchanged; the others change one parameter
+      case 1: mix.mean(t % K, t % r) += T(0.25); break;
+      case 2: mix.var_raw(t % K, t % r) -= T(0.5); break;
+      case 3: mix.prior_logit(t % K) += T(1); break;
+      case 4: mix.var_floor *= T(2); break;
+      default: break;
+    }
+    gma::Saved<T> saved;
+    const Matrix<T> a = gma::forward(mix, q.row(t), k.row(t), v.row(t), opt, cached, &saved);
+    const Matrix<T> b = gma::forward(gma::Prepared<T>(mix), q.row(t), k.row(t), v.row(t), opt, fresh);
+    ASSERT_TRUE(a == b) << "token " << t;
+    ASSERT_TRUE(cached.S == fresh.S && cached.z == fresh.z) << "token " << t;
+    // The record names the mixture the call used: backward accepts it, and refuses another one.
+    const Matrix<T> dout = random_matrix<T>(1, dv, 45 + t);
+    EXPECT_NO_THROW(gma::backward(mix, q.row(t), k.row(t), v.row(t), dout, saved, opt));
+    gma::Mixture<T> other = mix;
+    other.mean(0, 0) += T(1);
+    EXPECT_THROW(gma::backward(other, q.row(t), k.row(t), v.row(t), dout, saved, opt),
+                 std::invalid_argument);
+  }
+  // A mixture prepared without the value checks is checked when a call asks for them.
+  gma::Options unchecked = opt;
+  unchecked.check_finite = false;
+  mix.mean(1, 1) = std::numeric_limits<T>::quiet_NaN();
+  gma::forward(mix, q.row(0), k.row(0), v.row(0), unchecked, cached);
+  try {
+    gma::forward(mix, q.row(0), k.row(0), v.row(0), opt, cached);
+    FAIL() << "no throw";
+  } catch (const std::domain_error& e) {
+    EXPECT_NE(std::string(e.what()).find("mixture.mean"), std::string::npos) << e.what();
+  }
 }
 
 TYPED_TEST(GmaState, RejectsNonCausalMismatchedAndNonFiniteStates) {

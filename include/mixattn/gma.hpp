@@ -114,22 +114,17 @@ Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
 /// one-call outputs up to rounding. opt.causal must be true; state must be K x d_v
 /// (State<T>::empty(K, d_v)). `saved` receives what backward needs, the start state included
 /// (O(n K + n d_v + K d_v)), and keeps the working memory: with a reused `out` and `saved`, a
-/// call whose shapes repeat performs no heap allocation (it packs the mixture each call; the
-/// Prepared overload does not). On a throw (bad shapes or options: invalid_argument; non-finite
-/// q, k, v or state: domain_error) `state` is untouched.
+/// call whose shapes repeat performs no heap allocation. The mixture is prepared once and kept
+/// in `state` (State::prepared_mixture) while it stays the same bit for bit, so decoding token by
+/// token through this overload costs about what the Prepared overload costs; a changed mixture is
+/// prepared again. On a throw (bad shapes or options: invalid_argument; non-finite q, k, v or
+/// state: domain_error) `state`'s value is untouched.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
                   State<T>& state, Saved<typename detail::identity<T>::type>* saved) {
-  static constexpr const char* fn = "mixattn::gma::forward_into";
-  detail::gma_check_inputs(fn, mix, q, k, v, opt);
-  detail::gma_check_state(fn, state, mix.components(), v.cols(), q.rows(), opt);
-  using W = detail::wide_t<T>;
-  detail::GmaForwardScratch<T>& s = saved ? saved->scratch : detail::gma_thread_scratch<T>();
-  detail::mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
-  detail::pack_density_into<Arch>(s.packed, mix.mean, s.constants);
-  detail::gma_forward_continued<Arch, T>(fn, out, s.packed, q, k, v, opt, state, saved,
-                                         detail::mixture_fingerprint(mix));
+  detail::gma_forward_mixture_continued<Arch, T>("mixattn::gma::forward_into", out, mix, q, k, v,
+                                                 opt, state, saved);
 }
 
 /// The value-returning form of the above. Returns n x d_v.
@@ -137,16 +132,9 @@ template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T
 Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, const Options& opt, State<T>& state,
                   Saved<T>* saved = nullptr) {
-  static constexpr const char* fn = "mixattn::gma::forward";
-  detail::gma_check_inputs(fn, mix, q, k, v, opt);
-  detail::gma_check_state(fn, state, mix.components(), v.cols(), q.rows(), opt);
-  using W = detail::wide_t<T>;
-  const detail::MixtureConstants<W> c =
-      detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
-  const detail::PackedDensity<T> p = detail::pack_density<Arch, T>(mix.mean, c);
   Matrix<T> out;
-  detail::gma_forward_continued<Arch, T>(fn, out, p, q, k, v, opt, state, saved,
-                                         detail::mixture_fingerprint(mix));
+  detail::gma_forward_mixture_continued<Arch, T>("mixattn::gma::forward", out, mix, q, k, v, opt,
+                                                 state, saved);
   return out;
 }
 

@@ -57,13 +57,17 @@ struct Options {
 
 /// One head's causal prefix state (SPEC 1.4): after t tokens, S = sum_{j<t} gamma_k,j v_j^T and
 /// z = sum_{j<t} gamma_k,j, kept in the wide type (double for float) like the chunked scan.
-/// Constant size whatever the sequence length: O(K d_v).
+/// Constant size whatever the sequence length: O(K d_v), and O(K r) for the prepared mixture.
 template <class T>
 struct State {
   using Wide = detail::wide_t<T>;
   Matrix<Wide> S;  // K x d_v
   Vector<Wide> z;  // K
   Index tokens_seen = 0;
+  /// Not part of the state's value: the mixture the Mixture overloads of forward last continued
+  /// it with, prepared (O(K r)), reused while that mixture is unchanged and prepared again when
+  /// it changes. Copies carry it along; the Prepared overloads neither read nor write it.
+  detail::GmaPreparedMixture<T> prepared_mixture;
 
   Index components() const { return S.rows(); }
   Index value_dim() const { return S.cols(); }

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 MIXATTN_BEGIN_NAMESPACE
@@ -336,6 +337,70 @@ void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T
     gma_save(*saved, out, q, k, v, opt, mixture_fingerprint);
     saved->end_fingerprint = gma_state_fingerprint(st.S, st.z);
   }
+}
+
+/// Whether two plain matrices or vectors hold the same shape and the same bits.
+template <class D>
+bool same_bits(const Eigen::PlainObjectBase<D>& a, const Eigen::PlainObjectBase<D>& b) {
+  using S = typename D::Scalar;
+  return a.rows() == b.rows() && a.cols() == b.cols() &&
+         (a.size() == 0 ||
+          std::memcmp(a.data(), b.data(), sizeof(S) * static_cast<std::size_t>(a.size())) == 0);
+}
+
+/// The preparations of the continued forward's Mixture overloads at an instruction set other
+/// than the default one (a State holds the default one's), one mixture per thread.
+template <class Arch, class T>
+GmaPreparedMixture<T>& gma_thread_prepared_mixture() {
+  thread_local GmaPreparedMixture<T> prepared;
+  return prepared;
+}
+
+/// `c` made the preparation of `mix` (validated as gma_check_mixture does; its values only when
+/// they were not checked before): kept when mix has the bits it was prepared from, prepared again
+/// otherwise. Exact either way: equal bits give equal constants. A throw leaves c as it was.
+template <class Arch, class T>
+const GmaPreparedMixture<T>& gma_prepare_mixture(GmaPreparedMixture<T>& c,
+                                                 const gma::Mixture<T>& mix, const char* fn,
+                                                 bool check_finite) {
+  const bool same = c.valid && same_bits(c.mean, mix.mean) && same_bits(c.var_raw, mix.var_raw) &&
+                    same_bits(c.prior_logit, mix.prior_logit) &&
+                    std::memcmp(&c.var_floor, &mix.var_floor, sizeof(T)) == 0;
+  if (same && (c.checked_finite || !check_finite)) return c;
+  gma_check_mixture(mix, fn, check_finite);
+  c.checked_finite = check_finite;
+  if (same) return c;
+  c.valid = false;
+  c.mean = mix.mean;
+  c.var_raw = mix.var_raw;
+  c.prior_logit = mix.prior_logit;
+  c.var_floor = mix.var_floor;
+  mixture_constants_into<wide_t<T>>(c.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
+  pack_density_into<Arch>(c.packed, mix.mean, c.constants);
+  c.fingerprinted = false;
+  c.valid = true;
+  return c;
+}
+
+/// The Mixture overloads of the continued forward: gma_forward_continued on the mixture as the
+/// state last saw it prepared (prepared again when it changed), with the checks, in their order,
+/// of the overloads that prepared it on every call.
+template <class Arch, class T>
+void gma_forward_mixture_continued(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
+                                   const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                                   const ConstMatrixRef<T>& v, const gma::Options& opt,
+                                   gma::State<T>& st, gma::Saved<T>* saved) {
+  GmaPreparedMixture<T>& c = std::is_same<Arch, simd_arch>::value
+                                 ? st.prepared_mixture
+                                 : gma_thread_prepared_mixture<Arch, T>();
+  gma_prepare_mixture<Arch, T>(c, mix, fn, opt.check_finite);  // validates mix first
+  gma_check_qkv<T>(fn, mix.dim(), q, k, v, opt);
+  gma_check_state(fn, st, mix.components(), v.cols(), q.rows(), opt);
+  if (saved && !c.fingerprinted) {
+    c.fingerprint = mixture_fingerprint(mix);
+    c.fingerprinted = true;
+  }
+  gma_forward_continued<Arch, T>(fn, out, c.packed, q, k, v, opt, st, saved, c.fingerprint);
 }
 
 }  // namespace detail

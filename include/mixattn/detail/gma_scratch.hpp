@@ -12,6 +12,7 @@
 #include "mixattn/detail/log_density.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 MIXATTN_BEGIN_NAMESPACE
@@ -34,6 +35,23 @@ struct GmaForwardScratch {
   Vector<wide_t<T>> start_z;
   GmaScanScratch<T> scan;
   GemmSpace<T> gemm;
+};
+
+/// A mixture as the decoding forward last received it, and what preparing it gave: the Mixture
+/// overloads of the continued forward reuse the preparation while the mixture stays bit for bit
+/// the same (one comparison of its parameters per call instead of K r softplus and logs and the
+/// packing), so the obvious decoding loop costs about what the Prepared overload costs.
+template <class T>
+struct GmaPreparedMixture {
+  Matrix<T> mean, var_raw;  // K x r, copies of the mixture's
+  Vector<T> prior_logit;    // K
+  T var_floor = T(0);
+  bool valid = false;
+  bool checked_finite = false;  // its values were checked finite
+  bool fingerprinted = false;   // `fingerprint` is set (computed when a record first needs it)
+  std::uint64_t fingerprint = 0;
+  MixtureConstants<wide_t<T>> constants;
+  PackedDensity<T> packed;
 };
 
 /// Rows of Gamma a bidirectional forward computes before their write or read (with a record or
