@@ -54,8 +54,8 @@ struct HeadsGrad {
 /// Multi-head GMA forward. mixtures: H mixtures of dimension r; q: N x (H r), k: M x (H r),
 /// v: M x (H d_v). Returns N x (H d_v). threads: 0 = all cores, 1 = the calling thread only.
 template <class T>
-Matrix<T> forward_heads(const std::vector<Mixture<T>>& mixtures, const ConstMatrixRef<T>& q,
-                        const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+Matrix<T> forward_heads(const std::vector<Mixture<T>>& mixtures, const ConstMatrixArg<T>& q,
+                        const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
                         const Options& opt = {}, int threads = 1, HeadsSaved<T>* saved = nullptr) {
   mixattn::detail::check_gma_heads("mixattn::gma::forward_heads", mixtures, q.cols(), k.cols(),
                                    v.cols(), threads);
@@ -75,9 +75,9 @@ Matrix<T> forward_heads(const std::vector<Mixture<T>>& mixtures, const ConstMatr
 
 /// Multi-head GMA backward; grad_out: N x (H d_v); saved from forward_heads with the same inputs.
 template <class T>
-HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>& mixtures, const ConstMatrixRef<T>& q,
-                            const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                            const ConstMatrixRef<T>& grad_out, const HeadsSaved<T>& saved,
+HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>& mixtures, const ConstMatrixArg<T>& q,
+                            const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                            const ConstMatrixArg<T>& grad_out, const HeadsSaved<T>& saved,
                             const Options& opt = {}, int threads = 1) {
   const char* fn = "mixattn::gma::backward_heads";
   mixattn::detail::check_gma_heads(fn, mixtures, q.cols(), k.cols(), v.cols(), threads);
@@ -104,22 +104,6 @@ HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>& mixtures, const Const
     g.mixtures[hs] = std::move(gh.mixture);
   });
   return g;
-}
-
-// Compile-time refusals (core.hpp, refuse_arguments): a column-major or strided argument that
-// would be copied on every call selects these overloads; the static_assert is their only effect.
-template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> forward_heads(const std::vector<Mixture<T>>&, const Q&, const K&, const V&,
-                        const Options& = {}, int = 1, HeadsSaved<T>* = nullptr) {
-  mixattn::detail::refuse_arguments<T, Q, K, V>();
-  return {};
-}
-template <class T, class Q, class K, class V, class G,
-          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
-HeadsGrad<T> backward_heads(const std::vector<Mixture<T>>&, const Q&, const K&, const V&, const G&,
-                            const HeadsSaved<T>&, const Options& = {}, int = 1) {
-  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
-  return {};
 }
 
 }  // namespace gma

@@ -49,7 +49,7 @@ namespace gma {
 /// (log-densities beyond T's range) are computed in a wider type; with check_finite, a row that
 /// overflows even there throws std::domain_error naming x.
 template <class T, class Arch>
-Matrix<T> responsibilities(const Prepared<T, Arch>& prepared, const ConstMatrixRef<T>& x,
+Matrix<T> responsibilities(const Prepared<T, Arch>& prepared, const ConstMatrixArg<T>& x,
                            bool check_finite = true) {
   static constexpr const char* fn = "mixattn::gma::responsibilities";
   detail::require(x.cols() == prepared.dim(), fn, "x is ", detail::shape_str(x),
@@ -65,7 +65,7 @@ Matrix<T> responsibilities(const Prepared<T, Arch>& prepared, const ConstMatrixR
 /// mix: K components of dimension r; x: N x r, row-major. Prepares the mixture on every call:
 /// for many small calls, prepare it once (Prepared) and use the overload above.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixRef<T>& x,
+Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixArg<T>& x,
                            bool check_finite = true) {
   static constexpr const char* fn = "mixattn::gma::responsibilities";
   detail::gma_check_mixture(mix, fn, check_finite);
@@ -75,7 +75,6 @@ Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixRef<T>& x,
   return responsibilities<T, Arch>(Prepared<T, Arch>(mix, false), x, check_finite);
 }
 
-
 /// GMA forward (SPEC 1.3 bidirectional, 1.4 causal) into caller-owned memory.
 /// q: N x r, k: M x r, v: M x d_v (M == N when causal); out is resized to N x d_v.
 /// If `saved` is given it receives what backward needs (O((N + M) K + N d_v)) and keeps the
@@ -83,8 +82,8 @@ Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixRef<T>& x,
 /// no heap allocation. Without `saved`, this thread's scratch (kept for the thread's lifetime)
 /// is used instead.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
-                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
+                  const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v, const Options& opt,
                   Saved<typename detail::identity<T>::type>* saved) {
   detail::gma_forward<Arch, T>("mixattn::gma::forward_into", out, mix, q, k, v, opt, saved);
 }
@@ -93,8 +92,8 @@ void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>
 /// q: N x r, k: M x r, v: M x d_v (M == N when causal). Returns N x d_v.
 /// If `saved` is given it receives what backward needs (O((N + M) K + N d_v)).
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
+Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
   Matrix<T> out;
   detail::gma_forward<Arch, T>("mixattn::gma::forward", out, mix, q, k, v, opt, saved);
   return out;
@@ -120,8 +119,8 @@ Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
 /// prepared again. On a throw (bad shapes or options: invalid_argument; non-finite q, k, v or
 /// state: domain_error) `state`'s value is untouched.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
-                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
+                  const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v, const Options& opt,
                   State<T>& state, Saved<typename detail::identity<T>::type>* saved) {
   detail::gma_forward_mixture_continued<Arch, T>("mixattn::gma::forward_into", out, mix, q, k, v,
                                                  opt, state, saved);
@@ -129,8 +128,8 @@ void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixRef<T>
 
 /// The value-returning form of the above. Returns n x d_v.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Options& opt, State<T>& state,
+Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const Options& opt, State<T>& state,
                   Saved<T>* saved = nullptr) {
   Matrix<T> out;
   detail::gma_forward_mixture_continued<Arch, T>("mixattn::gma::forward", out, mix, q, k, v, opt,
@@ -141,8 +140,8 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const Const
 /// The same with the mixture prepared once (Prepared): the decode path, which spends per token
 /// only the responsibilities of q and k and one pass over the state (O(K (r + d_v))).
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
-                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+void forward_into(Matrix<T>& out, const Prepared<T, Arch>& prep, const ConstMatrixArg<T>& q,
+                  const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v, const Options& opt,
                   State<T>& state, Saved<typename detail::identity<T>::type>* saved) {
   static constexpr const char* fn = "mixattn::gma::forward_into";
   detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
@@ -153,8 +152,8 @@ void forward_into(Matrix<T>& out, const Prepared<T, Arch>& prep, const ConstMatr
 
 /// The value-returning form of the above. Returns n x d_v.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
-                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const Options& opt,
+Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixArg<T>& q,
+                  const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v, const Options& opt,
                   State<T>& state, Saved<T>* saved = nullptr) {
   static constexpr const char* fn = "mixattn::gma::forward";
   detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
@@ -169,9 +168,9 @@ Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
 /// matrices resized (no-op when shapes repeat) and its scratch reused, so a call whose shapes
 /// repeat performs no heap allocation.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
-                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
+                   const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                   const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt) {
   detail::gma_backward<Arch, T>("mixattn::gma::backward_into", grad, mix, q, k, v, grad_out, saved,
                                 opt, static_cast<const StateGrad<T>*>(nullptr));
 }
@@ -180,9 +179,9 @@ void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>
 /// overload with grad_state_out); grad_state_out may be grad.state itself, so one Grad can run
 /// the pieces' backwards in reverse, each fed the grad.state its successor left.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>& q,
-                   const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
+void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
+                   const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                   const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt,
                    const StateGrad<typename detail::identity<T>::type>* grad_state_out) {
   detail::gma_backward<Arch, T>("mixattn::gma::backward_into", grad, mix, q, k, v, grad_out, saved,
                                 opt, grad_state_out);
@@ -195,8 +194,8 @@ void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixRef<T>
 /// in reverse, each fed its successor's grad.state, gives the gradients of one call over the
 /// whole sequence.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                 const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+Grad<T> backward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                 const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                  const Saved<T>& saved, const Options& opt, const StateGrad<T>* grad_state_out) {
   Grad<T> grad;
   detail::gma_backward<Arch, T>("mixattn::gma::backward", grad, mix, q, k, v, grad_out, saved, opt,
@@ -211,81 +210,11 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
 /// with respect to the state that call continued (dS0, dz0); the end state is taken to have
 /// no further use (see the overload with grad_state_out for pieces of a longer sequence).
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                 const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+Grad<T> backward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                 const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                  const Saved<T>& saved, const Options& opt = {}) {
   return backward<T, Arch>(mix, q, k, v, grad_out, saved, opt,
                            static_cast<const StateGrad<T>*>(nullptr));
-}
-
-// Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
-// column-major or strided argument that would be copied on every call, selects one of these
-// overloads instead of the ones above; the static_assert's message is their only effect.
-template <class T, class X, detail::enable_if_refused<T, X> = 0>
-Matrix<T> responsibilities(const Mixture<T>&, const X&, bool = true) {
-  detail::refuse_arguments<T, X>();
-  return {};
-}
-template <class T, class Arch, class X, detail::enable_if_refused<T, X> = 0>
-Matrix<T> responsibilities(const Prepared<T, Arch>&, const X&, bool = true) {
-  detail::refuse_arguments<T, X>();
-  return {};
-}
-template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> forward(const Mixture<T>&, const Q&, const K&, const V&, const Options& = {},
-                  Saved<T>* = nullptr) {
-  detail::refuse_arguments<T, Q, K, V>();
-  return {};
-}
-template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> forward(const Mixture<T>&, const Q&, const K&, const V&, const Options&, State<T>&,
-                  Saved<T>* = nullptr) {
-  detail::refuse_arguments<T, Q, K, V>();
-  return {};
-}
-template <class T, class Arch, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> forward(const Prepared<T, Arch>&, const Q&, const K&, const V&, const Options&, State<T>&,
-                  Saved<T>* = nullptr) {
-  detail::refuse_arguments<T, Q, K, V>();
-  return {};
-}
-template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
-Grad<T> backward(const Mixture<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
-                 const Options& = {}) {
-  detail::refuse_arguments<T, Q, K, V, G>();
-  return {};
-}
-template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
-Grad<T> backward(const Mixture<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
-                 const Options&, const StateGrad<T>*) {
-  detail::refuse_arguments<T, Q, K, V, G>();
-  return {};
-}
-template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-void forward_into(Matrix<T>&, const Mixture<T>&, const Q&, const K&, const V&, const Options&,
-                  Saved<typename detail::identity<T>::type>*) {
-  detail::refuse_arguments<T, Q, K, V>();
-}
-template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-void forward_into(Matrix<T>&, const Mixture<T>&, const Q&, const K&, const V&, const Options&,
-                  State<T>&, Saved<typename detail::identity<T>::type>*) {
-  detail::refuse_arguments<T, Q, K, V>();
-}
-template <class T, class Arch, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-void forward_into(Matrix<T>&, const Prepared<T, Arch>&, const Q&, const K&, const V&,
-                  const Options&, State<T>&, Saved<typename detail::identity<T>::type>*) {
-  detail::refuse_arguments<T, Q, K, V>();
-}
-template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
-void backward_into(Grad<T>&, const Mixture<T>&, const Q&, const K&, const V&, const G&,
-                   const Saved<T>&, const Options&) {
-  detail::refuse_arguments<T, Q, K, V, G>();
-}
-template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
-void backward_into(Grad<T>&, const Mixture<T>&, const Q&, const K&, const V&, const G&,
-                   const Saved<T>&, const Options&,
-                   const StateGrad<typename detail::identity<T>::type>*) {
-  detail::refuse_arguments<T, Q, K, V, G>();
 }
 
 }  // namespace gma

@@ -166,24 +166,6 @@ void linear_check_backward(const char* fn, const ConstMatrixRef<T>& q, const Con
 
 }  // namespace detail
 
-namespace linear {
-
-// Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
-// column-major or strided argument that would be copied on every call, selects one of these
-// overloads instead of the forms below; the static_assert's message is their only effect.
-template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> forward(const Q&, const K&, const V&, const Options& = {}, Saved<T>* = nullptr) {
-  detail::refuse_arguments<T, Q, K, V>();
-  return {};
-}
-template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
-Grad<T> backward(const Q&, const K&, const V&, const G&, const Saved<T>&, const Options& = {}) {
-  detail::refuse_arguments<T, Q, K, V, G>();
-  return {};
-}
-
-}  // namespace linear
-
 // ---------------------------------------------------------------------------------------------
 // The bodies. Every result and working buffer lives in caller-owned records (LinearScratch in
 // Saved and Grad), so that a training loop whose shapes repeat allocates nothing; the
@@ -347,16 +329,16 @@ namespace linear {
 /// forward(q, k, v, opt, saved). With a reused `out` and `saved` (or none: this
 /// thread's scratch record), a call whose shapes repeat performs no heap allocation.
 template <class T, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Options& opt, Saved<T>* saved) {
+void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const Options& opt, Saved<T>* saved) {
   detail::linear_forward_into<T>("mixattn::linear::forward_into", out, q, k, v, opt, saved);
 }
 
 /// backward into caller-owned gradients (resized; scratch kept in `grad`): the result of
 /// backward(q, k, v, grad_out, saved, opt), allocating nothing when shapes repeat.
 template <class T, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+void backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                   const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                    const Saved<T>& saved, const Options& opt) {
   detail::linear_backward_into<T>("mixattn::linear::backward_into", grad, q, k, v, grad_out, saved,
                                   opt);
@@ -368,8 +350,8 @@ void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
 /// for non-finite q, k, v, or for an output that overflowed T (q, k, v near T's range).
 template <class T, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
+Matrix<T> forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
   Matrix<T> out;
   detail::linear_forward_into<T>("mixattn::linear::forward", out, q, k, v, opt, saved);
   return out;
@@ -380,24 +362,13 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 /// with the same q, k, v and options. With check_finite, non-finite grad_out or overflowed
 /// gradients throw std::domain_error.
 template <class T, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                 const ConstMatrixRef<T>& grad_out, const Saved<T>& saved,
+Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                 const ConstMatrixArg<T>& grad_out, const Saved<T>& saved,
                  const Options& opt = {}) {
   Grad<T> grad;
   detail::linear_backward_into<T>("mixattn::linear::backward", grad, q, k, v, grad_out, saved, opt);
   grad.scratch = {};  // a returned gradient carries no working memory
   return grad;
-}
-
-// Compile-time refusals of the `_into` forms, as above.
-template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-void forward_into(Matrix<T>&, const Q&, const K&, const V&, const Options&, Saved<T>*) {
-  detail::refuse_arguments<T, Q, K, V>();
-}
-template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
-void backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
-                   const Options&) {
-  detail::refuse_arguments<T, Q, K, V, G>();
 }
 
 }  // namespace linear
@@ -407,11 +378,11 @@ void backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Saved
 namespace linear {
 #define MIXATTN_LINEAR_INSTANCES(T)                                                 \
   MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
+      const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, \
       const Options&, Saved<T>*);                                                   \
   MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                 \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
-      const ConstMatrixRef<T>&, const Saved<T>&, const Options&);
+      const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, \
+      const ConstMatrixArg<T>&, const Saved<T>&, const Options&);
 MIXATTN_LINEAR_INSTANCES(float)
 MIXATTN_LINEAR_INSTANCES(double)
 #undef MIXATTN_LINEAR_INSTANCES

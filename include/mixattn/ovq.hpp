@@ -40,7 +40,6 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace ovq {
 
-
 /// OVQ attention over q, k, v as the continuation of `state` (SPEC 2.2-2.3), which it updates.
 ///   q: T x r, k: T x r, v: T x d_v (row-major, rows are tokens; r, d_v fixed by the state)
 ///   beta: scale factor (> 0), logits use s = beta sqrt(r)
@@ -49,8 +48,8 @@ namespace ovq {
 /// Throws std::invalid_argument on bad shapes, options or an inconsistent state, and
 /// std::domain_error on non-finite input (options.check_finite); `state` is untouched then.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
+Matrix<T> forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
                   const Options& opt, State<T>& state, Saved<T>* saved = nullptr) {
   Matrix<T> out;
   detail::ovq_forward<T>("mixattn::ovq::forward", out, q, k, v, beta, opt, state, state, saved);
@@ -61,8 +60,8 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 /// in forward, and `saved` keeps the call's working memory, so calls whose shapes repeat reuse
 /// it. Without `saved`, per-thread scratch is used.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
+void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
                   const Options& opt, State<T>& state,
                   Saved<typename mixattn::detail::identity<T>::type>* saved) {
   detail::ovq_forward<T>("mixattn::ovq::forward_into", out, q, k, v, beta, opt, state, state,
@@ -74,14 +73,12 @@ void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// (usually State::empty) and, with reused out, next and saved, allocates nothing in steady
 /// state. `next` may be `start`.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
+void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
                   const Options& opt, const State<T>& start, State<T>& next,
                   Saved<typename mixattn::detail::identity<T>::type>* saved) {
   detail::ovq_forward<T>("mixattn::ovq::forward_into", out, q, k, v, beta, opt, start, next, saved);
 }
-
-
 
 /// Gradients of a scalar loss L through forward (SPEC 2.4), given grad_out = dL/d(output).
 ///   q, k, v: the forward's inputs (T x r, T x r, T x d_v); beta as in forward;
@@ -96,9 +93,9 @@ void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// and pending_values; zero-size parts for State::empty); the end state is taken to have no
 /// further use (see the overload with grad_state_out for pieces of a longer sequence).
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
                  typename mixattn::detail::identity<T>::type beta,
-                 const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+                 const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt) {
   Grad<T> g;
   detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
                           static_cast<const StateGrad<T>*>(nullptr));
@@ -115,9 +112,9 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
 /// gradients of one call over the whole sequence. Throws std::invalid_argument on other shapes
 /// or when grad_state_out is the gradient of another state than this call's end state.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
                  typename mixattn::detail::identity<T>::type beta,
-                 const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
+                 const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt,
                  const StateGrad<typename mixattn::detail::identity<T>::type>* grad_state_out) {
   Grad<T> g;
   detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
@@ -128,9 +125,9 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
 /// backward into caller-owned gradients (resized; the working memory is kept in `grad`, so calls
 /// whose shapes repeat allocate nothing).
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
-                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+void backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                   const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
+                   const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt) {
   detail::ovq_backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt,
                           static_cast<const StateGrad<T>*>(nullptr));
 }
@@ -139,50 +136,12 @@ void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// grad_state_out); grad_state_out may be grad.state itself, so one Grad can run the pieces'
 /// backwards in reverse, each fed the grad.state its successor left.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
-                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
+void backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                   const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
+                   const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt,
                    const StateGrad<typename mixattn::detail::identity<T>::type>* grad_state_out) {
   detail::ovq_backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt,
                           grad_state_out);
-}
-
-// Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
-// column-major or strided argument that would be copied on every call, selects one of these
-// overloads instead of the ones above; the static_assert's message is their only effect.
-template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> forward(const Q&, const K&, const V&, typename mixattn::detail::identity<T>::type,
-                  const Options&, State<T>&, Saved<T>* = nullptr) {
-  mixattn::detail::refuse_arguments<T, Q, K, V>();
-  return {};
-}
-template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
-void forward_into(Matrix<T>&, const Q&, const K&, const V&,
-                  typename mixattn::detail::identity<T>::type, const Options&, State<T>&,
-                  Saved<typename mixattn::detail::identity<T>::type>*) {
-  mixattn::detail::refuse_arguments<T, Q, K, V>();
-}
-template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
-void forward_into(Matrix<T>&, const Q&, const K&, const V&,
-                  typename mixattn::detail::identity<T>::type, const Options&, const State<T>&,
-                  State<T>&, Saved<typename mixattn::detail::identity<T>::type>*) {
-  mixattn::detail::refuse_arguments<T, Q, K, V>();
-}
-template <class T, class Q, class K, class V, class G,
-          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
-Grad<T> backward(const Q&, const K&, const V&, typename mixattn::detail::identity<T>::type,
-                 const G&, const Saved<T>&, const Options&,
-                 const StateGrad<typename mixattn::detail::identity<T>::type>* = nullptr) {
-  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
-  return {};
-}
-template <class T, class Q, class K, class V, class G,
-          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
-void backward_into(Grad<T>&, const Q&, const K&, const V&,
-                   typename mixattn::detail::identity<T>::type, const G&, const Saved<T>&,
-                   const Options&,
-                   const StateGrad<typename mixattn::detail::identity<T>::type>* = nullptr) {
-  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
 }
 
 }  // namespace ovq

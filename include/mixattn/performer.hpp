@@ -151,20 +151,6 @@ Features<T> Features<T>::random(Index m, Index r, std::uint64_t seed, Draw draw)
   return f;
 }
 
-// Compile-time refusals (core.hpp, refuse_arguments), as in linear.hpp.
-template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> forward(const Q&, const K&, const V&, const Features<T>&, const Options& = {},
-                  Saved<T>* = nullptr) {
-  detail::refuse_arguments<T, Q, K, V>();
-  return {};
-}
-template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
-Grad<T> backward(const Q&, const K&, const V&, const G&, const Features<T>&, const Saved<T>&,
-                 const Options& = {}) {
-  detail::refuse_arguments<T, Q, K, V, G>();
-  return {};
-}
-
 }  // namespace performer
 
 namespace detail {
@@ -303,8 +289,8 @@ namespace performer {
 /// forward(q, k, v, features, opt, saved); with a reused `out` and `saved` (or
 /// none), a call whose shapes repeat performs no heap allocation.
 template <class T, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Features<T>& features, const Options& opt,
+void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const Features<T>& features, const Options& opt,
                   Saved<T>* saved) {
   detail::performer_forward_into<T>("mixattn::performer::forward_into", out, q, k, v, features, opt,
                                     saved);
@@ -314,8 +300,8 @@ void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// backward(q, k, v, grad_out, features, saved, opt), allocating nothing when
 /// shapes repeat.
 template <class T, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+void backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                   const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                    const Features<T>& features, const Saved<T>& saved, const Options& opt) {
   detail::performer_backward_into<T>("mixattn::performer::backward_into", grad, q, k, v, grad_out,
                                      features, saved, opt);
@@ -327,8 +313,8 @@ void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
 /// for non-finite q, k, v or W, or for an output that overflowed T.
 template <class T, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Features<T>& features, const Options& opt = {},
+Matrix<T> forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const Features<T>& features, const Options& opt = {},
                   Saved<T>* saved = nullptr) {
   Matrix<T> out;
   detail::performer_forward_into<T>("mixattn::performer::forward", out, q, k, v, features, opt,
@@ -341,26 +327,14 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 /// filled by forward with the same q, k, v, features and options. With check_finite,
 /// non-finite grad_out or overflowed gradients throw std::domain_error.
 template <class T, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                 const ConstMatrixRef<T>& grad_out, const Features<T>& features,
+Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                 const ConstMatrixArg<T>& grad_out, const Features<T>& features,
                  const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> grad;
   detail::performer_backward_into<T>("mixattn::performer::backward", grad, q, k, v, grad_out,
                                      features, saved, opt);
   grad.scratch = {};  // a returned gradient carries no working memory
   return grad;
-}
-
-// Compile-time refusals of the `_into` forms, as above.
-template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-void forward_into(Matrix<T>&, const Q&, const K&, const V&, const Features<T>&, const Options&,
-                  Saved<T>*) {
-  detail::refuse_arguments<T, Q, K, V>();
-}
-template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
-void backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Features<T>&,
-                   const Saved<T>&, const Options&) {
-  detail::refuse_arguments<T, Q, K, V, G>();
 }
 
 }  // namespace performer
@@ -370,11 +344,11 @@ void backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Featu
 namespace performer {
 #define MIXATTN_PERFORMER_INSTANCES(T)                                              \
   MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
+      const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, \
       const Features<T>&, const Options&, Saved<T>*);                               \
   MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                 \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
-      const ConstMatrixRef<T>&, const Features<T>&, const Saved<T>&, const Options&);
+      const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, \
+      const ConstMatrixArg<T>&, const Features<T>&, const Saved<T>&, const Options&);
 MIXATTN_PERFORMER_INSTANCES(float)
 MIXATTN_PERFORMER_INSTANCES(double)
 #undef MIXATTN_PERFORMER_INSTANCES

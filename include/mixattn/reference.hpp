@@ -257,8 +257,8 @@ namespace reference {
 /// N == 0 gives a 0 x d_v result. `saved` (optional) receives P for naive_backward.
 /// Throws std::invalid_argument on bad shapes/options, std::domain_error on non-finite input.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                        const ConstMatrixRef<T>& v, const Options& opt = {},
+Matrix<T> naive_forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                        const ConstMatrixArg<T>& v, const Options& opt = {},
                         Saved<T>* saved = nullptr) {
   Matrix<T> out;
   detail::naive_forward<T>("mixattn::reference::naive_forward", out, q, k, v, opt, saved);
@@ -268,9 +268,9 @@ Matrix<T> naive_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 /// naive_forward into a caller-owned `out` (resized to N x d_v); `saved` receives P. The working
 /// memory is per thread and kept, so with a reused `out` and `saved` repeated shapes allocate
 /// nothing.
-template <class T>
-void naive_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                        const ConstMatrixRef<T>& v, const Options& opt, Saved<T>* saved) {
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void naive_forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                        const ConstMatrixArg<T>& v, const Options& opt, Saved<T>* saved) {
   detail::naive_forward<T>("mixattn::reference::naive_forward_into", out, q, k, v, opt, saved);
 }
 
@@ -280,8 +280,8 @@ void naive_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstM
 ///   q: N x r, k: M x r, v: M x d_v, grad_out: N x d_v; saved from naive_forward on the same
 ///   inputs and options.  ->  Grad {q: N x r, k: M x r, v: M x d_v}.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-Grad<T> naive_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                       const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+Grad<T> naive_backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                       const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> g;
   detail::naive_backward<T>("mixattn::reference::naive_backward", g, q, k, v, grad_out, saved, opt);
@@ -289,9 +289,9 @@ Grad<T> naive_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 }
 
 /// naive_backward into caller-owned gradients (resized; scratch kept in `grad`).
-template <class T>
-void naive_backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                         const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void naive_backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                         const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                          const Saved<T>& saved, const Options& opt) {
   detail::naive_backward<T>("mixattn::reference::naive_backward_into", grad, q, k, v, grad_out,
                             saved, opt);
@@ -306,8 +306,8 @@ void naive_backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstM
 /// log-sum-exp for flash_backward.
 /// Throws std::invalid_argument on bad shapes/options, std::domain_error on non-finite input.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-Matrix<T> flash_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                        const ConstMatrixRef<T>& v, const Options& opt = {},
+Matrix<T> flash_forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                        const ConstMatrixArg<T>& v, const Options& opt = {},
                         Saved<T>* saved = nullptr) {
   Matrix<T> out;
   detail::flash_forward<T>("mixattn::reference::flash_forward", out, q, k, v, opt, saved);
@@ -317,9 +317,9 @@ Matrix<T> flash_forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 /// flash_forward into a caller-owned `out` (resized to N x d_v); `saved` receives the output and
 /// the log-sum-exps. The working memory is per thread and kept, so with a reused `out` and
 /// `saved` repeated shapes allocate nothing.
-template <class T>
-void flash_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                        const ConstMatrixRef<T>& v, const Options& opt, Saved<T>* saved) {
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void flash_forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                        const ConstMatrixArg<T>& v, const Options& opt, Saved<T>* saved) {
   detail::flash_forward<T>("mixattn::reference::flash_forward_into", out, q, k, v, opt, saved);
 }
 
@@ -331,8 +331,8 @@ void flash_forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstM
 ///   q: N x r, k: M x r, v: M x d_v, grad_out: N x d_v; saved from flash_forward on the same
 ///   inputs and options.  ->  Grad {q: N x r, k: M x r, v: M x d_v}.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-Grad<T> flash_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                       const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+Grad<T> flash_backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                       const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> g;
   detail::flash_backward<T>("mixattn::reference::flash_backward", g, q, k, v, grad_out, saved, opt);
@@ -340,9 +340,9 @@ Grad<T> flash_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 }
 
 /// flash_backward into caller-owned gradients (resized; scratch kept in `grad`).
-template <class T>
-void flash_backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                         const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void flash_backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                         const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                          const Saved<T>& saved, const Options& opt) {
   detail::flash_backward<T>("mixattn::reference::flash_backward_into", grad, q, k, v, grad_out,
                             saved, opt);
@@ -390,7 +390,7 @@ class KvCache {
   }
 
   /// Appends n tokens: k is n x r, v is n x d_v (validated by the caller, decode()).
-  void append(const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v) {
+  void append(const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v) {
     const Index n = k.rows();
     if (size_ + n > capacity()) reserve(std::max(size_ + n, 2 * capacity()));
     keys_.middleRows(size_, n) = k;
@@ -412,8 +412,8 @@ class KvCache {
 /// scratch. On a throw (invalid_argument for shapes or options, domain_error for non-finite
 /// input) the cache is untouched.
 template <class T, mixattn::detail::enable_if_supported<T> = 0>
-Matrix<T> decode(KvCache<T>& cache, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                 const ConstMatrixRef<T>& v, const Options& opt) {
+Matrix<T> decode(KvCache<T>& cache, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                 const ConstMatrixArg<T>& v, const Options& opt) {
   constexpr const char* fn = "mixattn::reference::decode";
   detail::require(opt.causal, fn, "decoding is causal: options.causal must be true");
   detail::require(q.cols() == cache.key_dim() && v.cols() == cache.value_dim(), fn, "q is ",
@@ -476,31 +476,6 @@ Grad<mixattn::detail::scalar_of<T, Q>> naive_backward(
   if constexpr (mixattn::detail::accepted<S, Q, K, V, G>)
     return naive_backward<S>(q, k, v, grad_out, saved, opt);
   return {};
-}
-template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> decode(KvCache<T>&, const Q&, const K&, const V&, const Options&) {
-  mixattn::detail::refuse_arguments<T, Q, K, V>();
-  return {};
-}
-template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
-void naive_forward_into(Matrix<T>&, const Q&, const K&, const V&, const Options&, Saved<T>*) {
-  mixattn::detail::refuse_arguments<T, Q, K, V>();
-}
-template <class T, class Q, class K, class V, mixattn::detail::enable_if_refused<T, Q, K, V> = 0>
-void flash_forward_into(Matrix<T>&, const Q&, const K&, const V&, const Options&, Saved<T>*) {
-  mixattn::detail::refuse_arguments<T, Q, K, V>();
-}
-template <class T, class Q, class K, class V, class G,
-          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
-void naive_backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
-                         const Options&) {
-  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
-}
-template <class T, class Q, class K, class V, class G,
-          mixattn::detail::enable_if_refused<T, Q, K, V, G> = 0>
-void flash_backward_into(Grad<T>&, const Q&, const K&, const V&, const G&, const Saved<T>&,
-                         const Options&) {
-  mixattn::detail::refuse_arguments<T, Q, K, V, G>();
 }
 template <class T = void, class Q, class K, class V, class G,
           mixattn::detail::enable_if_deduced_or_refused<T, Q, K, V, G> = 0>

@@ -139,7 +139,7 @@ namespace rope {
 /// with check_finite,
 /// std::domain_error for non-finite x or an output that overflows T.
 template <class T, detail::enable_if_supported<T> = 0>
-Matrix<T> apply(const ConstMatrixRef<T>& x, Index start = 0, const Options& opt = {}) {
+Matrix<T> apply(const ConstMatrixArg<T>& x, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::apply";
   detail::rope_check<T>(fn, "x", x, start, opt);
   Matrix<T> out(x.rows(), x.cols());
@@ -150,7 +150,7 @@ Matrix<T> apply(const ConstMatrixRef<T>& x, Index start = 0, const Options& opt 
 /// apply into a caller-owned `out` (resized to N x r; `out` may be x itself). Repeated shapes
 /// allocate nothing.
 template <class T, detail::enable_if_supported<T> = 0>
-void apply_into(Matrix<T>& out, const ConstMatrixRef<T>& x, Index start, const Options& opt) {
+void apply_into(Matrix<T>& out, const ConstMatrixArg<T>& x, Index start, const Options& opt) {
   static constexpr const char* fn = "mixattn::rope::apply_into";
   detail::rope_check<T>(fn, "x", x, start, opt);
   out.resize(x.rows(), x.cols());
@@ -171,7 +171,7 @@ void apply_in_place(MatrixRef<T> x, Index start = 0, const Options& opt = {}) {
 /// respect to apply(x, start, opt) is grad_out (N x r): the inverse rotation, angle -p theta_i.
 /// Positions and base get no gradient. Throws as apply does (grad_out in place of x).
 template <class T, detail::enable_if_supported<T> = 0>
-Matrix<T> backward(const ConstMatrixRef<T>& grad_out, Index start = 0, const Options& opt = {}) {
+Matrix<T> backward(const ConstMatrixArg<T>& grad_out, Index start = 0, const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::rope::backward";
   detail::rope_check<T>(fn, "grad_out", grad_out, start, opt);
   Matrix<T> grad(grad_out.rows(), grad_out.cols());
@@ -181,7 +181,7 @@ Matrix<T> backward(const ConstMatrixRef<T>& grad_out, Index start = 0, const Opt
 
 /// backward into a caller-owned `grad` (resized to N x r; may be grad_out itself).
 template <class T, detail::enable_if_supported<T> = 0>
-void backward_into(Matrix<T>& grad, const ConstMatrixRef<T>& grad_out, Index start,
+void backward_into(Matrix<T>& grad, const ConstMatrixArg<T>& grad_out, Index start,
                    const Options& opt) {
   static constexpr const char* fn = "mixattn::rope::backward_into";
   detail::rope_check<T>(fn, "grad_out", grad_out, start, opt);
@@ -195,19 +195,6 @@ void backward_in_place(MatrixRef<T> grad, Index start = 0, const Options& opt = 
   static constexpr const char* fn = "mixattn::rope::backward_in_place";
   detail::rope_check<T>(fn, "grad_out", grad, start, opt);
   detail::rope_rotate<T>(fn, grad, grad, start, opt, -1.0);
-}
-
-// Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
-// column-major or strided argument that would be copied on every call.
-template <class T, class X, detail::enable_if_refused<T, X> = 0>
-Matrix<T> apply(const X&, Index = 0, const Options& = {}) {
-  detail::refuse_arguments<T, X>();
-  return {};
-}
-template <class T, class X, detail::enable_if_refused<T, X> = 0>
-Matrix<T> backward(const X&, Index = 0, const Options& = {}) {
-  detail::refuse_arguments<T, X>();
-  return {};
 }
 
 }  // namespace rope

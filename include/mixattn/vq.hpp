@@ -113,27 +113,12 @@ namespace vq {
 /// The code of every key (SPEC 6.1): z_j = argmin_s |k_j - C_s|^2, ties to the lowest s.
 /// k: M x r, codebook: S x r. Returns M indices in [0, S).
 template <class T, detail::enable_if_supported<T> = 0>
-Eigen::Matrix<Index, Eigen::Dynamic, 1> assign(const ConstMatrixRef<T>& k,
-                                               const ConstMatrixRef<T>& codebook) {
+Eigen::Matrix<Index, Eigen::Dynamic, 1> assign(const ConstMatrixArg<T>& k,
+                                               const ConstMatrixArg<T>& codebook) {
   detail::require(codebook.rows() > 0 && codebook.cols() == k.cols(), "mixattn::vq::assign",
                   "codebook is ", detail::shape_str(codebook), " but k is ", detail::shape_str(k),
                   ": it must be S x ", k.cols(), " with S >= 1");
   return detail::vq_codes<T>(k, codebook);
-}
-
-// Compile-time refusals (core.hpp, refuse_arguments), as in linear.hpp.
-template <class T, class Q, class K, class V, class C, detail::enable_if_refused<T, Q, K, V, C> = 0>
-Matrix<T> forward(const Q&, const K&, const V&, const C&, const Options& = {},
-                  Saved<T>* = nullptr) {
-  detail::refuse_arguments<T, Q, K, V, C>();
-  return {};
-}
-template <class T, class Q, class K, class V, class C, class G,
-          detail::enable_if_refused<T, Q, K, V, C, G> = 0>
-Grad<T> backward(const Q&, const K&, const V&, const C&, const G&, const Saved<T>&,
-                 const Options& = {}) {
-  detail::refuse_arguments<T, Q, K, V, C, G>();
-  return {};
 }
 
 }  // namespace vq
@@ -294,8 +279,8 @@ namespace vq {
 /// forward(q, k, v, codebook, opt, saved); with a reused `out` and `saved` (or
 /// none), a call whose shapes repeat performs no heap allocation.
 template <class T, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook, const Options& opt,
+void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& codebook, const Options& opt,
                   Saved<T>* saved) {
   detail::vq_forward_into<T>("mixattn::vq::forward_into", out, q, k, v, codebook, opt, saved);
 }
@@ -304,9 +289,9 @@ void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// backward(q, k, v, codebook, grad_out, saved, opt), allocating nothing when
 /// shapes (and the set of codes the keys use) repeat.
 template <class T, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
-                   const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+void backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                   const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& codebook,
+                   const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt) {
   detail::vq_backward_into<T>("mixattn::vq::backward_into", grad, q, k, v, codebook, grad_out,
                               saved, opt);
 }
@@ -317,8 +302,8 @@ void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// Throws std::invalid_argument for bad shapes or options; with check_finite, std::domain_error
 /// for non-finite q, k, v or codebook, or for an output that overflowed T.
 template <class T, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
+Matrix<T> forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& codebook,
                   const Options& opt = {}, Saved<T>* saved = nullptr) {
   Matrix<T> out;
   detail::vq_forward_into<T>("mixattn::vq::forward", out, q, k, v, codebook, opt, saved);
@@ -331,26 +316,14 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 /// same inputs and options. With check_finite, non-finite grad_out or overflowed gradients
 /// throw std::domain_error.
 template <class T, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                 const ConstMatrixRef<T>& codebook, const ConstMatrixRef<T>& grad_out,
+Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                 const ConstMatrixArg<T>& codebook, const ConstMatrixArg<T>& grad_out,
                  const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> grad;
   detail::vq_backward_into<T>("mixattn::vq::backward", grad, q, k, v, codebook, grad_out, saved,
                               opt);
   grad.scratch = {};  // a returned gradient carries no working memory
   return grad;
-}
-
-// Compile-time refusals of the `_into` forms, as above.
-template <class T, class Q, class K, class V, class C, detail::enable_if_refused<T, Q, K, V, C> = 0>
-void forward_into(Matrix<T>&, const Q&, const K&, const V&, const C&, const Options&, Saved<T>*) {
-  detail::refuse_arguments<T, Q, K, V, C>();
-}
-template <class T, class Q, class K, class V, class C, class G,
-          detail::enable_if_refused<T, Q, K, V, C, G> = 0>
-void backward_into(Grad<T>&, const Q&, const K&, const V&, const C&, const G&, const Saved<T>&,
-                   const Options&) {
-  detail::refuse_arguments<T, Q, K, V, C, G>();
 }
 
 }  // namespace vq
@@ -360,11 +333,11 @@ void backward_into(Grad<T>&, const Q&, const K&, const V&, const C&, const G&, c
 namespace vq {
 #define MIXATTN_VQ_INSTANCES(T)                                                     \
   MIXATTN_TEMPLATE_INSTANCE Matrix<T> forward<T, 0>(                                \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
-      const ConstMatrixRef<T>&, const Options&, Saved<T>*);                         \
+      const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, \
+      const ConstMatrixArg<T>&, const Options&, Saved<T>*);                         \
   MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                 \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
-      const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const Saved<T>&, const Options&);
+      const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, \
+      const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const Saved<T>&, const Options&);
 MIXATTN_VQ_INSTANCES(float)
 MIXATTN_VQ_INSTANCES(double)
 #undef MIXATTN_VQ_INSTANCES

@@ -54,8 +54,8 @@ namespace window {
 /// Throws std::invalid_argument on bad shapes or options, std::domain_error on non-finite input
 /// or an output that overflowed T (with check_finite).
 template <class T, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
+Matrix<T> forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
   static constexpr const char* fn = "mixattn::window::forward";
   Matrix<T> out;
   detail::flash_forward<T>(fn, out, q, k, v, detail::window_options(opt, fn), saved);
@@ -64,8 +64,8 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 
 /// forward into a caller-owned `out` (resized to N x d_v).
 template <class T, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const Options& opt,
+void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const Options& opt,
                   Saved<typename detail::identity<T>::type>* saved) {
   static constexpr const char* fn = "mixattn::window::forward_into";
   detail::flash_forward<T>(fn, out, q, k, v, detail::window_options(opt, fn), saved);
@@ -75,8 +75,8 @@ void forward_into(Matrix<T>& out, const ConstMatrixRef<T>& q, const ConstMatrixR
 /// v (N x d_v). grad_out: N x d_v; saved: filled by forward with the same inputs and options
 /// (a record made with another window is refused).
 template <class T, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                 const ConstMatrixRef<T>& grad_out, const Saved<T>& saved,
+Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                 const ConstMatrixArg<T>& grad_out, const Saved<T>& saved,
                  const Options& opt = {}) {
   static constexpr const char* fn = "mixattn::window::backward";
   Grad<T> g;
@@ -86,25 +86,11 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
 
 /// backward into caller-owned gradients (resized; scratch kept in `grad`).
 template <class T, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+void backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                   const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                    const Saved<typename detail::identity<T>::type>& saved, const Options& opt) {
   static constexpr const char* fn = "mixattn::window::backward_into";
   detail::flash_backward<T>(fn, grad, q, k, v, grad_out, saved, detail::window_options(opt, fn));
-}
-
-// Compile-time refusals (core.hpp, refuse_arguments): an unsupported scalar type, or a
-// column-major or strided argument that would be copied on every call, selects one of these
-// overloads instead of the ones above; the static_assert's message is their only effect.
-template <class T, class Q, class K, class V, detail::enable_if_refused<T, Q, K, V> = 0>
-Matrix<T> forward(const Q&, const K&, const V&, const Options& = {}, Saved<T>* = nullptr) {
-  detail::refuse_arguments<T, Q, K, V>();
-  return {};
-}
-template <class T, class Q, class K, class V, class G, detail::enable_if_refused<T, Q, K, V, G> = 0>
-Grad<T> backward(const Q&, const K&, const V&, const G&, const Saved<T>&, const Options& = {}) {
-  detail::refuse_arguments<T, Q, K, V, G>();
-  return {};
 }
 
 }  // namespace window

@@ -1,5 +1,6 @@
 // mixattn/detail/refuse.hpp — the compile-time refusal of an unsupported scalar type or of an
-// argument that would be copied on every call (a column-major or strided matrix).
+// argument that would be copied on every call (a column-major or strided matrix): one check,
+// done where the argument binds (ConstMatrixArg) or where T is chosen (enable_if_supported).
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"
@@ -36,8 +37,8 @@ struct copied_layout<T, A, std::enable_if_t<is_eigen<A> && !std::is_void<T>::val
 template <class T, class... A>
 constexpr bool any_copied_layout = (copied_layout<T, A>::value || ...);
 
-/// The compile-time refusals of every entry point, in one place: the catch-all overloads that
-/// the conditions below select call this, and its static_asserts are the whole diagnostic.
+/// The compile-time refusals of every entry point, in one place: InputRef's converting
+/// constructor and enable_if_supported call this, and its static_asserts are the whole diagnostic.
 template <class T, class... A>
 constexpr bool refuse_arguments() {
   static_assert(supported_scalar<T>,
@@ -52,15 +53,35 @@ constexpr bool refuse_arguments() {
   return true;
 }
 
-/// Selects an entry point's catch-all overload: T is not supported or an argument would be
-/// copied. Main overloads require supported_scalar<T> (enable_if_supported) so that an
-/// unsupported T reports the static_assert alone.
+/// The main overloads' check of T (a defaulted template parameter): an unsupported T stops at
+/// refuse_arguments' static_assert as the overload is considered, before anything else of the
+/// call is compiled, so its message is the diagnostic.
+template <class T>
+using enable_if_supported = std::enable_if_t<refuse_arguments<T>(), int>;
+/// Selects the catch-all overloads layer.hpp still declares: T is not supported or an argument
+/// would be copied.
 template <class T, class... A>
 using enable_if_refused =
     std::enable_if_t<(is_eigen<A> && ...) && (!supported_scalar<T> || any_copied_layout<T, A...>),
                      int>;
+
+/// The type of every public entry point's matrix inputs (ConstMatrixArg<T>): a ConstMatrixRef<T>
+/// (by inheritance, so the workers take it as one) whose converting constructor refuses, where
+/// the argument binds, what would be copied on every call (a column-major or strided matrix)
+/// with refuse_arguments' message. Everything else binds as to a ConstMatrixRef<T>: a row-major
+/// matrix, Map or row block in place, a ConstMatrixRef<T> without a copy, an expression
+/// evaluated.
 template <class T>
-using enable_if_supported = std::enable_if_t<supported_scalar<T>, int>;
+class InputRef : public Eigen::Ref<const Matrix<T>> {
+  using Base = Eigen::Ref<const Matrix<T>>;
+
+ public:
+  InputRef(const Base& ref) : Base(ref) {}  // NOLINT(google-explicit-constructor): binds as Base
+  template <class A, std::enable_if_t<is_eigen<A>, int> = 0>
+  InputRef(const A& arg) : Base(arg) {  // NOLINT(google-explicit-constructor)
+    static_cast<void>(refuse_arguments<T, A>());
+  }
+};
 
 /// For entry points whose T is written explicitly or deduced from the arguments (reference::,
 /// diagnostics::): T = void means "deduce from the first argument".
@@ -76,4 +97,10 @@ template <class S, class... A>
 constexpr bool accepted = supported_scalar<S> && !any_copied_layout<S, A...>;
 
 }  // namespace detail
+
+/// Read-only matrix input of the public entry points: binds what ConstMatrixRef<T> binds without
+/// a copy and refuses at compile time what it would copy (detail::InputRef). T is non-deduced.
+template <class T>
+using ConstMatrixArg = detail::InputRef<typename detail::identity<T>::type>;
+
 MIXATTN_END_NAMESPACE
