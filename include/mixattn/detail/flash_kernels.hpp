@@ -68,6 +68,48 @@ inline Index window_first_column(Index i, Index j0, Index window, Index visible)
   return std::clamp<Index>(i - window + 1 - j0, 0, visible);
 }
 
+/// One key tile of one query tile, keys [j0, j0 + bc) for queries [i0, i0 + br), and the masks
+/// its rows need: with causal tiles cut at the query tile's last query only a diagonal tile is
+/// masked, and with a window (SPEC §7) only a trailing tile, one that holds keys before the
+/// window of the query tile's last query. Every tiled kernel, forward and backward, reads its
+/// rows' visible keys from here.
+struct FlashTile {
+  Index i0, br, j0, bc, window;
+  bool diagonal, trailing;
+  FlashTile(Index i0_, Index br_, Index j0_, Index bc_, bool causal, Index window_)
+      : i0(i0_),
+        br(br_),
+        j0(j0_),
+        bc(bc_),
+        window(window_),
+        diagonal(causal && j0_ + bc_ - 1 > i0_),
+        trailing(window_ > 0 && j0_ < i0_ + br_ - window_) {}
+  /// Row t's visible keys are the tile's columns [first(t, visible(t)), visible(t)).
+  Index visible(Index t) const { return diagonal ? visible_columns(i0 + t, j0, bc) : bc; }
+  Index first(Index t, Index visible) const {
+    return trailing ? window_first_column(i0 + t, j0, window, visible) : 0;
+  }
+};
+
+/// The keys [begin, end) the forwards visit for a query tile [i0, i0 + br): causal, key tiles
+/// wholly after the tile's last query are skipped (the last one is cut at it); with a window,
+/// the keys before the window of the tile's first query.
+struct FlashKeyRange {
+  Index i0, br, begin, end, window;
+  bool causal;
+  FlashKeyRange(Index i0_, Index br_, Index m_keys, bool causal_, Index window_)
+      : i0(i0_),
+        br(br_),
+        begin(window_ > 0 ? std::max<Index>(0, i0_ - window_ + 1) : 0),
+        end(causal_ ? i0_ + br_ : m_keys),
+        window(window_),
+        causal(causal_) {}
+  /// The key tile from j0, at most `width` keys.
+  FlashTile tile(Index j0, Index width) const {
+    return FlashTile(i0, br, j0, std::min(width, end - j0), causal, window);
+  }
+};
+
 /// The forward's schedule and masks, with Eigen products on every tile: the kernel of builds
 /// without SIMD (scalar_arch). Same contract as flash_forward_tiles below.
 template <class T, Index BlockQ, Index BlockK>
@@ -100,22 +142,14 @@ void flash_forward_tiles_eigen(const ConstMatrixRef<T>& q, const ConstMatrixRef<
     MatrixRef<T> o = out.middleRows(i0, br);
     o.setZero();
 
-    // Causal: key tiles wholly after the tile's last query are skipped; the last tile is cut
-    // at the tile's last query, so only the diagonal tile needs a mask.
-    const Index key_end = causal ? i0 + br : m_keys;
-    // Sliding window: keys before the tile's first query's window are skipped.
-    const Index key_begin = window > 0 ? std::max<Index>(0, i0 - window + 1) : 0;
-    for (Index j0 = key_begin; j0 < key_end; j0 += BlockK) {
-      const Index bc = std::min(BlockK, key_end - j0);
+    const FlashKeyRange keys(i0, br, m_keys, causal, window);
+    for (Index j0 = keys.begin; j0 < keys.end; j0 += BlockK) {
+      const FlashTile tile = keys.tile(j0, BlockK);
+      const Index bc = tile.bc;
       MatrixRef<T> st = s.topLeftCorner(br, bc);
       st.noalias() = qs.topRows(br) * k.middleRows(j0, bc).transpose();
-      const bool diagonal = causal && j0 + bc - 1 > i0;
-      // Sliding window: the tile holds keys before the window of the tile's last query.
-      const bool trailing = window > 0 && j0 < i0 + br - window;
-
       for (Index t = 0; t < br; ++t) {
-        const Index visible = diagonal ? visible_columns(i0 + t, j0, bc) : bc;
-        const Index first = trailing ? window_first_column(i0 + t, j0, window, visible) : 0;
+        const Index visible = tile.visible(t), first = tile.first(t, visible);
         // Masked keys get probability 0 in the tile that feeds the P V product (set, not
         // computed: Eigen's vectorised exp clamps its argument, exp(-inf) is a denormal).
         RowMap(&st(t, 0) + visible, bc - visible).setZero();
@@ -290,12 +324,183 @@ inline wide_t<T> flash_exp_sum(Arch, T* s, Index n, T shift) {
   return sum;
 }
 
+/// The SIMD forward's compile-time shape for (Arch, T) and its tile sizes.
+template <class Arch, class T, Index BlockQ, Index BlockK>
+struct FlashSimdShape {
+  using B = xsimd::batch<T, Arch>;
+  static constexpr Index Wd = static_cast<Index>(B::size);
+  static constexpr int MR = FlashRegisterTile<Arch>::rows, NV = FlashRegisterTile<Arch>::vectors;
+  /// Columns of one register tile: keys of a score tile, output dims of a P V tile.
+  static constexpr Index TileCols = NV * Wd;
+  static constexpr Index BQp = (BlockQ + MR - 1) / MR * MR;  // query tile in whole register tiles
+  /// Key tile in whole register tiles, from the register block of its first key (up to Wd - 1
+  /// keys before it, when the tile starts off a block: windows and small tiles).
+  static constexpr Index BKp = (BlockK + Wd - 1 + TileCols - 1) / TileCols * TileCols;
+};
+
+/// K^T in key blocks of one register: block b holds keys [b Wd, (b + 1) Wd) as r rows of Wd lanes
+/// (r Wd contiguous values), zero beyond M. A score register tile's NV blocks are then one
+/// contiguous stretch of NV r Wd values, streamed in order (no 4 KiB strides, few pages). A tile
+/// of keys from j0 reads blocks from j0 / Wd up to column j0 + bc - 1 + TileCols - 1
+/// <= M + TileCols - 2.
+template <Index Wd, Index TileCols, class T>
+MIXATTN_ALWAYS_INLINE void flash_layout_keys(const ConstMatrixRef<T>& k, Index r, Matrix<T>& kt) {
+  const Index m_keys = k.rows();
+  const Index key_blocks = (m_keys + TileCols + Wd - 1) / Wd;
+  kt.resize(key_blocks, r * Wd);
+  for (Index b = 0; b < key_blocks; ++b) {
+    T* dst = kt.data() + b * r * Wd;
+    const Index lanes = std::clamp<Index>(m_keys - b * Wd, 0, Wd);
+    for (Index c = 0; c < lanes; ++c) {
+      const T* src = k.data() + (b * Wd + c) * k.outerStride();
+      for (Index l = 0; l < r; ++l) dst[l * Wd + c] = src[l];
+    }
+    for (Index c = lanes; c < Wd; ++c)
+      for (Index l = 0; l < r; ++l) dst[l * Wd + c] = T(0);
+  }
+}
+
+/// V as the P V tiles read it (dvp columns, ldv apart): v itself when d_v is a whole number of
+/// registers (dvp == d_v), else a copy padded with zero dims.
+template <class T>
+MIXATTN_ALWAYS_INLINE const T* flash_padded_values(const ConstMatrixRef<T>& v, Index dvp,
+                                                   Matrix<T>& padded, Index& ldv) {
+  ldv = v.outerStride();
+  if (v.cols() == dvp) return v.data();
+  const Index dv = v.cols();
+  padded.resize(v.rows(), dvp);
+  padded.leftCols(dv) = v;
+  padded.rightCols(dvp - dv).setZero();
+  ldv = dvp;
+  return padded.data();
+}
+
+/// O[:, d0 .. d0 + nb registers) (+)= P V over one chunk of kc keys for the brp rows of a query
+/// tile, nb <= NV dispatched to a register tile of that width; al: the rows' rescale exp(m - m')
+/// (the first chunk of a key tile) or null. o, vc: already offset to column d0.
+template <int MR, int NV, class Arch, class T>
+MIXATTN_ALWAYS_INLINE void flash_pv_rows(Arch arch, Index brp, const T* p, Index ldp, const T* vc,
+                                         Index ldv, Index kc, T* o, Index ldo, Index nb,
+                                         const T* al) {
+  for (Index m0 = 0; m0 < brp; m0 += MR) {
+    const T* pm = p + m0 * ldp;
+    T* om = o + m0 * ldo;
+    const T* am = al != nullptr ? al + m0 : nullptr;
+    if (nb == NV)
+      flash_pv_tile<MR, NV>(arch, pm, ldp, vc, ldv, kc, om, ldo, am);
+    else if (NV > 2 && nb == 2)
+      flash_pv_tile<MR, (NV > 2 ? 2 : NV)>(arch, pm, ldp, vc, ldv, kc, om, ldo, am);
+    else if (NV > 3 && nb == 3)
+      flash_pv_tile<MR, (NV > 3 ? 3 : NV)>(arch, pm, ldp, vc, ldv, kc, om, ldo, am);
+    else
+      flash_pv_tile<MR, 1>(arch, pm, ldp, vc, ldv, kc, om, ldo, am);
+  }
+}
+
+/// The rows' maxima over one key tile, into next_max (max with the running max row_max): from
+/// the score tiles' registers (vmax, lane maxima of each row) when every computed score is a
+/// visible key's, else over each row's visible keys, whose masked keys get probability 0 in the
+/// tile that feeds the P V product (set, not computed: exp(-inf) must not reach the vectorised
+/// exp). s: the tile's scores from column off (the tile's first key), ldp apart.
+template <class Arch, class T>
+MIXATTN_ALWAYS_INLINE void flash_tile_maxima(Arch arch, const FlashTile& tile, T* s, Index ldp,
+                                             const T* vmax, const T* row_max, T* next_max) {
+  using B = xsimd::batch<T, Arch>;
+  using RowMap = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  for (Index t = 0; t < tile.br; ++t) {
+    T tile_max;
+    if (vmax != nullptr) {
+      const B lanes = B::load_unaligned(vmax + t * Wd);
+      tile_max = xsimd::any(xsimd::isnan(lanes)) ? std::numeric_limits<T>::quiet_NaN()
+                                                 : mixattn::detail::reduce_max(lanes);
+    } else {
+      const Index visible = tile.visible(t), first = tile.first(t, visible);
+      T* st = s + t * ldp;
+      RowMap(st + visible, tile.bc - visible).setZero();
+      if (first > 0) RowMap(st, first).setZero();
+      // nothing visible in this tile: -inf, the state is left unchanged below
+      tile_max = mixattn::detail::row_max(arch, st + first, visible - first);
+    }
+    next_max[t] = mixattn::detail::max_keep_nan(row_max[t], tile_max);
+  }
+}
+
+/// The online softmax's step over one key tile, after its maxima: the rows' rescales
+/// alpha = exp(m - m') in registers of rows, then their exp passes, which depend on no other
+/// row's and overlap (with the maxima from the score tiles this gained 2-4% at N = 4096 over a
+/// max pass, a scalar exp and the exp pass row by row). next_max is finite (finite scores) on a
+/// row that saw a key; the old max may still be -inf on the first visible tile, where
+/// exp(-inf - finite) = 0 correctly discards the empty history. A row that has seen no key yet
+/// gives -inf - -inf here, replaced by 1 below.
+template <class Arch, class T>
+MIXATTN_ALWAYS_INLINE void flash_tile_rescale(Arch arch, const FlashTile& tile, T* s, Index ldp,
+                                              const T* next_max, T* row_max, wide_t<T>* row_sum,
+                                              T* alpha) {
+  using B = xsimd::batch<T, Arch>;
+  using W = wide_t<T>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  const Index br = tile.br;
+  Index t = 0;
+  for (; t + Wd <= br; t += Wd)
+    exp_shifted(B::load_unaligned(row_max + t), B::load_unaligned(next_max + t))
+        .store_unaligned(alpha + t);
+  for (; t < br; ++t) alpha[t] = std::exp(row_max[t] - next_max[t]);
+  for (t = 0; t < br; ++t) {
+    const Index visible = tile.visible(t), first = tile.first(t, visible);
+    if (visible == first) {  // nothing visible in this tile: state unchanged
+      alpha[t] = T(1);
+      continue;
+    }
+    T* seen = s + t * ldp + first;
+    row_sum[t] = static_cast<W>(alpha[t]) * row_sum[t] +
+                 flash_exp_sum(arch, seen, visible - first, next_max[t]);
+    row_max[t] = next_max[t];
+  }
+}
+
+/// One key tile of the SIMD forward for the brp (padded) rows of a query tile: its scores on
+/// register tiles, the rows' maxima, the online-softmax step and O = diag(alpha) O + P V, the
+/// rescale riding on the first chunk of keys. KC: keys per chunk of the P V product, whose V
+/// rows (KC x d_v) stay in L1 across the row tiles; 128 beat 64 and 256 by ~5% at d_v = 64.
+template <class Shape, Index KC, class Arch, class T>
+MIXATTN_ALWAYS_INLINE void flash_forward_key_tile(Arch arch, const FlashTile& tile, Index brp,
+                                                  Index r, const T* vp, Index ldv, Index dvp,
+                                                  FlashScratch<T>& scratch) {
+  constexpr Index Wd = Shape::Wd, TileCols = Shape::TileCols, BKp = Shape::BKp;
+  constexpr int MR = Shape::MR, NV = Shape::NV;
+  const Index j0 = tile.j0, bc = tile.bc;
+  const Index off = j0 % Wd;  // score column c is key j0 - off + c
+  const T* ktb = scratch.kt.data() + (j0 - off) * r;
+  T* const s = scratch.s.data();
+  // Every score the register tiles compute is a visible key's: the row maxima are taken in the
+  // score tiles' registers. Otherwise a row's max is taken over its visible keys only.
+  const bool whole = !tile.diagonal && !tile.trailing && off == 0 && bc % TileCols == 0;
+  T* const vmax = whole ? scratch.lane_max.data() : nullptr;
+  if (whole) scratch.lane_max.topRows(brp).setConstant(-std::numeric_limits<T>::infinity());
+  for (Index c0 = 0; c0 < off + bc; c0 += TileCols)
+    for (Index m0 = 0; m0 < brp; m0 += MR)
+      flash_score_tile<MR, NV>(arch, scratch.qs.data() + m0 * r, r, ktb + c0 * r, r,
+                               s + m0 * BKp + c0, BKp, whole ? vmax + m0 * Wd : nullptr);
+  flash_tile_maxima(arch, tile, s + off, BKp, vmax, scratch.row_max.data(),
+                    scratch.next_max.data());
+  flash_tile_rescale(arch, tile, s + off, BKp, scratch.next_max.data(), scratch.row_max.data(),
+                     scratch.row_sum.data(), scratch.alpha.data());
+  for (Index d0 = 0; d0 < dvp; d0 += TileCols) {
+    const Index nb = std::min<Index>(NV, (dvp - d0) / Wd);
+    for (Index c0 = 0; c0 < bc; c0 += KC)
+      flash_pv_rows<MR, NV>(arch, brp, s + off + c0, BKp, vp + (j0 + c0) * ldv + d0, ldv,
+                            std::min(KC, bc - c0), scratch.o.data() + d0, dvp, nb,
+                            c0 == 0 ? scratch.alpha.data() : nullptr);
+  }
+}
+
 /// The SIMD forward (flash_forward_tiles' contract). Both tile products run on register tiles
 /// (flash_score_tile, flash_pv_tile) over operands laid out once per call, instead of a GEMM
 /// call per tile that packs its operands again each time (K and V are re-read by every query
 /// tile):
-/// - K^T in key blocks of one register width (see below): a score tile's columns are one load
-///   per register for any first key (a tile starting off a block computes up to Wd - 1 keys
+/// - K^T in key blocks of one register width (flash_layout_keys): a score tile's columns are one
+///   load per register for any first key (a tile starting off a block computes up to Wd - 1 keys
 ///   before it, never read: windows and small tiles).
 /// - V as given when d_v is a multiple of the register width, else a copy padded with zero dims.
 /// - The row maxima of a key tile whose computed scores are all visible (no mask, no keys before
@@ -310,179 +515,46 @@ template <class Arch, class T, Index BlockQ, Index BlockK, Index KC = 128>
 void flash_forward_tiles_simd(Arch arch, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                               const ConstMatrixRef<T>& v, T scale, bool causal, Matrix<T>& out,
                               Vector<T>& lse, FlashScratch<T>& scratch, Index window) {
-  const Index n = q.rows(), m_keys = k.rows(), r = q.cols(), dv = v.cols();
-  const T neg_inf = -std::numeric_limits<T>::infinity();
-  using RowMap = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
+  using Shape = FlashSimdShape<Arch, T, BlockQ, BlockK>;
   using W = mixattn::detail::wide_t<T>;
-  using B = xsimd::batch<T, Arch>;
-  constexpr Index Wd = static_cast<Index>(B::size);
-  constexpr int MR = FlashRegisterTile<Arch>::rows, NV = FlashRegisterTile<Arch>::vectors;
-  constexpr Index P = NV * Wd;                        // keys of one score register tile
-  constexpr Index BQp = (BlockQ + MR - 1) / MR * MR;  // query tile in whole register tiles
-  // Key tile in whole register tiles, from the register block of its first key (up to Wd - 1
-  // keys before it, when the tile starts off a block: windows and small tiles).
-  constexpr Index BKp = (BlockK + Wd - 1 + P - 1) / P * P;
-  // KC: keys per chunk of the P V product, whose V rows (KC x d_v) stay in L1 across the row
-  // tiles; 128 beat 64 and 256 by ~5% at d_v = 64.
+  constexpr Index Wd = Shape::Wd, BQp = Shape::BQp, MR = Shape::MR;
+  const Index n = q.rows(), m_keys = k.rows(), r = q.cols(), dv = v.cols();
   const Index dvp = (dv + Wd - 1) / Wd * Wd;
   if (n == 0) return;  // nothing to compute (and no keys to lay out: M = N = 0 when causal)
-
-  // K^T in key blocks of one register: block b holds keys [b Wd, (b + 1) Wd) as r rows of Wd
-  // lanes (r Wd contiguous values), zero beyond M. A score register tile's NV blocks are then one
-  // contiguous stretch of NV r Wd values, streamed in order (no 4 KiB strides, few pages). A tile
-  // of keys from j0 reads blocks from j0 / Wd up to column j0 + bc - 1 + P - 1 <= M + P - 2.
-  Matrix<T>& kt = scratch.kt;
-  const Index key_blocks = (m_keys + P + Wd - 1) / Wd;
-  kt.resize(key_blocks, r * Wd);
-  for (Index b = 0; b < key_blocks; ++b) {
-    T* dst = kt.data() + b * r * Wd;
-    const Index lanes = std::clamp<Index>(m_keys - b * Wd, 0, Wd);
-    for (Index c = 0; c < lanes; ++c) {
-      const T* src = k.data() + (b * Wd + c) * k.outerStride();
-      for (Index l = 0; l < r; ++l) dst[l * Wd + c] = src[l];
-    }
-    for (Index c = lanes; c < Wd; ++c)
-      for (Index l = 0; l < r; ++l) dst[l * Wd + c] = T(0);
-  }
-  const T* vp = v.data();
-  Index ldv = v.outerStride();
-  if (dv != dvp) {
-    scratch.vp.resize(m_keys, dvp);
-    scratch.vp.leftCols(dv) = v;
-    scratch.vp.rightCols(dvp - dv).setZero();
-    vp = scratch.vp.data();
-    ldv = dvp;
-  }
-
-  Matrix<T>& qs = scratch.qs;  // scale * query tile, so the score tile needs no rescale
-  Matrix<T>& s = scratch.s;    // scores, then probabilities, of one tile
-  Matrix<T>& o = scratch.o;    // unnormalised output of one query tile
-  Vector<T>& row_max = scratch.row_max;
-  Vector<W>& row_sum = scratch.row_sum;
-  Vector<T>& alpha = scratch.alpha;        // exp(m - m') of each row for the current key tile
-  Vector<T>& next_max = scratch.next_max;  // m' of each row for the current key tile
-  Matrix<T>& lane_max = scratch.lane_max;  // lane maxima of each row's scores (BQp x Wd)
-  qs.resize(BQp, r);
-  next_max.resize(BQp);
-  lane_max.resize(BQp, Wd);
-  s.resize(BQp, BKp);
-  o.resize(BQp, dvp);
-  row_max.resize(BQp);
-  row_sum.resize(BQp);
-  alpha.resize(BQp);
-
-  // P V over the columns [d0, d0 + nb registers) for one chunk of keys, nb <= NV dispatched to
-  // a register tile of that width.
-  const auto pv_rows = [&](Index brp, const T* p, const T* vc, Index kc, Index d0, Index nb,
-                           const T* al) {
-    for (Index m0 = 0; m0 < brp; m0 += MR) {
-      const T* pm = p + m0 * BKp;
-      T* om = o.data() + m0 * dvp + d0;
-      const T* am = al != nullptr ? al + m0 : nullptr;
-      if (nb == NV)
-        flash_pv_tile<MR, NV>(arch, pm, BKp, vc + d0, ldv, kc, om, dvp, am);
-      else if (NV > 2 && nb == 2)
-        flash_pv_tile<MR, (NV > 2 ? 2 : NV)>(arch, pm, BKp, vc + d0, ldv, kc, om, dvp, am);
-      else if (NV > 3 && nb == 3)
-        flash_pv_tile<MR, (NV > 3 ? 3 : NV)>(arch, pm, BKp, vc + d0, ldv, kc, om, dvp, am);
-      else
-        flash_pv_tile<MR, 1>(arch, pm, BKp, vc + d0, ldv, kc, om, dvp, am);
-    }
-  };
-
+  flash_layout_keys<Wd, Shape::TileCols>(k, r, scratch.kt);
+  Index ldv = 0;
+  const T* vp = flash_padded_values(v, dvp, scratch.vp, ldv);
+  // scale * query tile (the score tile needs no rescale); scores, then probabilities, of one
+  // tile; the unnormalised output of one query tile; per row: the running max and sum, the
+  // rescale exp(m - m') and new max m' of the current key tile, one register of lane maxima.
+  scratch.qs.resize(BQp, r);
+  scratch.next_max.resize(BQp);
+  scratch.lane_max.resize(BQp, Wd);
+  scratch.s.resize(BQp, Shape::BKp);
+  scratch.o.resize(BQp, dvp);
+  scratch.row_max.resize(BQp);
+  scratch.row_sum.resize(BQp);
+  scratch.alpha.resize(BQp);
   for (Index i0 = 0; i0 < n; i0 += BlockQ) {
     const Index br = std::min(BlockQ, n - i0);
     const Index brp = (br + MR - 1) / MR * MR;
-    qs.topRows(br) = scale * q.middleRows(i0, br);
-    qs.middleRows(br, brp - br).setZero();
-    row_max.head(br).setConstant(neg_inf);
-    row_sum.head(br).setZero();
-    alpha.segment(br, brp - br).setOnes();  // padded rows: zero scores, never read
-    o.topRows(brp).setZero();
-
-    // Causal: key tiles wholly after the tile's last query are skipped; the last tile is cut
-    // at the tile's last query, so only the diagonal tile needs a mask.
-    const Index key_end = causal ? i0 + br : m_keys;
-    // Sliding window: keys before the tile's first query's window are skipped.
-    const Index key_begin = window > 0 ? std::max<Index>(0, i0 - window + 1) : 0;
-    for (Index j0 = key_begin; j0 < key_end; j0 += BlockK) {
-      const Index bc = std::min(BlockK, key_end - j0);
-      const Index off = j0 % Wd;  // score column c is key j0 - off + c
-      const T* ktb = kt.data() + (j0 - off) * r;
-      const bool diagonal = causal && j0 + bc - 1 > i0;
-      // Sliding window: the tile holds keys before the window of the tile's last query.
-      const bool trailing = window > 0 && j0 < i0 + br - window;
-      // Every score the register tiles compute is a visible key's: the row maxima are taken in
-      // the score tiles' registers. Otherwise a row's max is taken over its visible keys only.
-      const bool whole = !diagonal && !trailing && off == 0 && bc % P == 0;
-      T* const vmax = whole ? lane_max.data() : nullptr;
-      if (whole) lane_max.topRows(brp).setConstant(neg_inf);
-      for (Index c0 = 0; c0 < off + bc; c0 += P)
-        for (Index m0 = 0; m0 < brp; m0 += MR)
-          flash_score_tile<MR, NV>(arch, qs.data() + m0 * r, r, ktb + c0 * r, r,
-                                   s.data() + m0 * BKp + c0, BKp, whole ? vmax + m0 * Wd : nullptr);
-
-      // The rows' new maxima first, then their rescales exp(m - m') in registers of rows, then
-      // the exp passes, which then depend on no other row's and overlap. With the maxima from the
-      // score tiles this gained 2-4% at N = 4096 over a max pass, a scalar exp and the exp pass
-      // row by row (a max pass reads the whole score tile again, out of L2).
-      for (Index t = 0; t < br; ++t) {
-        T tile_max;
-        if (whole) {
-          const B lanes = B::load_unaligned(vmax + t * Wd);
-          tile_max = xsimd::any(xsimd::isnan(lanes)) ? std::numeric_limits<T>::quiet_NaN()
-                                                     : mixattn::detail::reduce_max(lanes);
-        } else {
-          const Index visible = diagonal ? visible_columns(i0 + t, j0, bc) : bc;
-          const Index first = trailing ? window_first_column(i0 + t, j0, window, visible) : 0;
-          T* st = s.data() + t * BKp + off;
-          // Masked keys get probability 0 in the tile that feeds the P V product (set, not
-          // computed: exp(-inf) must not reach the vectorised exp).
-          RowMap(st + visible, bc - visible).setZero();
-          if (first > 0) RowMap(st, first).setZero();
-          // nothing visible in this tile: -inf, the state is left unchanged below
-          tile_max = mixattn::detail::row_max(arch, st + first, visible - first);
-        }
-        next_max[t] = mixattn::detail::max_keep_nan(row_max[t], tile_max);
-      }
-      // next_max is finite (finite scores) on a row that saw a key; the old max may still be -inf
-      // on the first visible tile, where exp(-inf - finite) = 0 correctly discards the empty
-      // history. A row that has seen no key yet gives -inf - -inf here, replaced by 1 below.
-      {
-        Index t = 0;
-        for (; t + Wd <= br; t += Wd)
-          exp_shifted(B::load_unaligned(row_max.data() + t), B::load_unaligned(next_max.data() + t))
-              .store_unaligned(alpha.data() + t);
-        for (; t < br; ++t) alpha[t] = std::exp(row_max[t] - next_max[t]);
-      }
-      for (Index t = 0; t < br; ++t) {
-        const Index visible = diagonal ? visible_columns(i0 + t, j0, bc) : bc;
-        const Index first = trailing ? window_first_column(i0 + t, j0, window, visible) : 0;
-        if (visible == first) {  // nothing visible in this tile: state unchanged
-          alpha[t] = T(1);
-          continue;
-        }
-        T* seen = s.data() + t * BKp + off + first;
-        row_sum[t] = static_cast<W>(alpha[t]) * row_sum[t] +
-                     flash_exp_sum(arch, seen, visible - first, next_max[t]);
-        row_max[t] = next_max[t];
-      }
-
-      // O = diag(alpha) O + P V: the rescale rides on the first chunk of keys.
-      for (Index d0 = 0; d0 < dvp; d0 += P) {
-        const Index nb = std::min<Index>(NV, (dvp - d0) / Wd);
-        for (Index c0 = 0; c0 < bc; c0 += KC)
-          pv_rows(brp, s.data() + off + c0, vp + (j0 + c0) * ldv, std::min(KC, bc - c0), d0, nb,
-                  c0 == 0 ? alpha.data() : nullptr);
-      }
-    }
-
+    scratch.qs.topRows(br) = scale * q.middleRows(i0, br);
+    scratch.qs.middleRows(br, brp - br).setZero();
+    scratch.row_max.head(br).setConstant(-std::numeric_limits<T>::infinity());
+    scratch.row_sum.head(br).setZero();
+    scratch.alpha.segment(br, brp - br).setOnes();  // padded rows: zero scores, never read
+    scratch.o.topRows(brp).setZero();
+    const FlashKeyRange keys(i0, br, m_keys, causal, window);
+    for (Index j0 = keys.begin; j0 < keys.end; j0 += BlockK)
+      flash_forward_key_tile<Shape, KC>(arch, keys.tile(j0, BlockK), brp, r, vp, ldv, dvp,
+                                        scratch);
     for (Index t = 0; t < br; ++t) {
       // row_sum >= 1 (the max term contributes exp(0)) whenever a key was visible; NaN only
       // from non-finite input the caller chose not to check.
-      MIXATTN_ASSERT(!(row_sum[t] < W(1)));
-      out.row(i0 + t) = o.row(t).head(dv) * static_cast<T>(W(1) / row_sum[t]);
-      lse[i0 + t] = static_cast<T>(static_cast<W>(row_max[t]) + std::log(row_sum[t]));
+      MIXATTN_ASSERT(!(scratch.row_sum[t] < W(1)));
+      out.row(i0 + t) = scratch.o.row(t).head(dv) * static_cast<T>(W(1) / scratch.row_sum[t]);
+      lse[i0 + t] =
+          static_cast<T>(static_cast<W>(scratch.row_max[t]) + std::log(scratch.row_sum[t]));
     }
   }
 }
@@ -569,8 +641,7 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
       const Index jb = window > 0 ? std::max(j0, i0 - window + 1) : j0;
       // Causal: keys after the tile's last query are masked for every row of the tile.
       const Index bcc = (causal ? std::min(bc, i0 + br - j0) : bc) - (jb - j0);
-      const bool diagonal = causal && jb + bcc - 1 > i0;
-      const bool trailing = window > 0 && jb < i0 + br - window;
+      const FlashTile tile(i0, br, jb, bcc, causal, window);
       const ConstMatrixRef<T> kb = k.middleRows(jb, bcc);
       const ConstMatrixRef<T> vb = v.middleRows(jb, bcc);
       const ConstMatrixRef<T> gb = grad_out.middleRows(i0, br);
@@ -580,8 +651,7 @@ void flash_backward_tiles(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k
 
       pt.noalias() = qsb * kb.transpose();
       for (Index t = 0; t < br; ++t) {
-        const Index visible = diagonal ? visible_columns(i0 + t, jb, bcc) : bcc;
-        const Index first = trailing ? window_first_column(i0 + t, jb, window, visible) : 0;
+        const Index visible = tile.visible(t), first = tile.first(t, visible);
         // P <= 1 exactly; the clamp keeps it so when this S differs from the forward's by
         // rounding and logits are huge (|S| ~ 1e8 in float: a few ulps would be exp(+8)).
         RowMap seen(&pt(t, 0) + first, visible - first);
