@@ -149,41 +149,20 @@ struct TileRows {
   Index block_pos = -1;
 };
 
-/// tile_forward on register tiles, for m >= one vector of queries. The logits are computed
-/// transposed, S^T = [D_k; K_o; K_n] Q_hat^T ((N + L) x m'), as row_tiles' read: each key row
-/// broadcast against vectors of queries, so that a tile of R keys x NV query vectors stays in
-/// registers over the r products and nothing of the dictionary is packed or transposed (only
-/// the tile's m x r queries are). The epilogue scales, adds the count bias, masks the block's
-/// future keys to -inf and keeps each query's running max in a vector lane; exp and the wide
-/// row sums then run down the columns; the read-out O = P [D_v; V_o; V_n] broadcasts weights
-/// from the transposed tile over chunks of value rows that stay in L1.
-template <class T, class Arch = simd_arch>
-bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v,
-                        const T* logc, const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn,
-                        const CRef<T>& vn, Index p0, T s, AttentionScratch<T>& sc,
-                        Eigen::Ref<Matrix<T>> out, bool check = false) {
+/// tile_forward_tiled's logits: S^T = [D_k; K_o; K_n] Q_hat^T into st ((n + l) x mp, stride mp)
+/// over panels of NV query vectors, each tile of R key rows scaled by s, given the count bias
+/// and the block's causal mask, and each query's running max kept in colmax; with `check`,
+/// probe collects x * 0 of every logit. qt: Q_hat^T (r x mp).
+template <class T, class Arch>
+MIXATTN_ALWAYS_INLINE void tile_logits_tiled(const TileRows<T> (&keys)[3], const T* qt, Index r,
+                                             Index mp, Index p0, T s, T* st, T* colmax,
+                                             xsimd::batch<T, Arch>& probe, bool check) {
   using B = xsimd::batch<T, Arch>;
-  using W = wide_t<T>;
-  using BW = xsimd::batch<W, Arch>;
-  constexpr Index Wd = static_cast<Index>(B::size), WW = static_cast<Index>(BW::size);
+  constexpr Index Wd = static_cast<Index>(B::size);
   constexpr int R = plain_tile_rows<Arch>(), NV = row_tile_vectors<Arch>();
-  const Index m = qh.rows(), r = qh.cols(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
-  const Index d_v = out.cols(), mp = padded_to_vectors<T>(m);
-  MIXATTN_ASSERT(l == p0 + m && m >= Wd && mp <= sc.st.cols() && n + l <= sc.st.rows());
-  MIXATTN_ASSERT(sc.qt.rows() >= r && sc.qt.cols() >= mp);
-  T* const qt = sc.qt.data();  // r x mp, stride mp
-  T* const st = sc.st.data();  // (n + l) x mp, stride mp
-  transpose_padded<T>(qh, qt, mp);
-  alignas(64) T colmax[query_tile + 64];
   alignas(64) T lane[64];
   for (Index i = 0; i < Wd; ++i) lane[i] = static_cast<T>(i);
-  for (Index i = 0; i < mp; ++i) colmax[i] = -std::numeric_limits<T>::infinity();
-  B probe(T(0));  // x * 0 is 0 for finite x, NaN otherwise
   const B neg_inf(-std::numeric_limits<T>::infinity()), scale(s), lanes = B::load_aligned(lane);
-  const TileRows<T> keys[3] = {{dict_k.data(), dict_k.outerStride(), n, logc, -1},
-                               {ko.data(), ko.outerStride(), lo, nullptr, 0},
-                               {kn.data(), kn.outerStride(), l - lo, nullptr, lo}};
-  // logits: S^T rows x0 .. x0 + R of each part, over panels of NV query vectors
   Index row0 = 0;  // first row of the part in S^T
   for (const TileRows<T>& part : keys) {
     for (Index x0 = 0; x0 < part.rows; x0 += R)
@@ -220,11 +199,21 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
       });
     row0 += part.rows;
   }
-  // weights: exp(S^T - column max) in place, the column sums in W (lanes 0 .. W-lanes to lo,
-  // the rest to hi: add_wide keeps the lanes apart). In float, four rows are added in float
-  // before one widening (as flash_exp_sum does): each group's sum of four weights in [0, 1] is
-  // within 2 eps of exact, whatever the number of rows; widening was a quarter of the pass.
-  const Index rows = n + l;
+}
+
+/// tile_forward_tiled's weights: exp(S^T - column max) in place over the `rows` rows of st, the
+/// column sums in W (lanes 0 .. W-lanes to lo, the rest to hi: add_wide keeps the lanes apart),
+/// and the inverses of the first m sums into inv. In float, four rows are added in float before
+/// one widening (as flash_exp_sum does): each group's sum of four weights in [0, 1] is within
+/// 2 eps of exact, whatever the number of rows; widening was a quarter of the pass.
+template <class T, class Arch>
+MIXATTN_ALWAYS_INLINE void tile_weights_tiled(T* st, Index rows, Index mp, Index m,
+                                              const T* colmax, T* inv) {
+  using B = xsimd::batch<T, Arch>;
+  using W = wide_t<T>;
+  using BW = xsimd::batch<W, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size), WW = static_cast<Index>(BW::size);
+  constexpr int NV = row_tile_vectors<Arch>();
   over_column_tiles<NV, Arch, T>(mp, [&](Index c0, auto nv_c) {
     constexpr int NVp = decltype(nv_c)::value;
     B mx[NVp];
@@ -272,19 +261,24 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
       if (Wd > WW) sum_hi[j].store_aligned(sums + WW);
       for (Index e = 0; e < Wd; ++e) {
         const Index i = c0 + j * Wd + e;
-        if (i < m) sc.inv[i] = static_cast<T>(W(1) / sums[e]);
+        if (i < m) inv[i] = static_cast<T>(W(1) / sums[e]);
       }
     }
   });
-  // read-out: out = P [D_v; V_o; V_n] over chunks of value rows, then the row scaling
-  constexpr Index chunk = 64;  // value rows per pass: 16 KiB at d_v = 64 in float
-  const TileRows<T> vals[3] = {{dict_v.data(), dict_v.outerStride(), n},
-                               {vo.data(), vo.outerStride(), lo},
-                               {vn.data(), vn.outerStride(), l - lo}};
-  T* const o = out.data();
-  const Index ldo = out.outerStride();
+}
+
+/// tile_forward_tiled's read-out: o (m x d_v, stride ldo) = P [D_v; V_o; V_n], unscaled, over
+/// chunks of value rows that stay in L1 (64 rows: 16 KiB at d_v = 64 in float), the weights
+/// broadcast from the transposed tile st (stride mp).
+template <class T, class Arch>
+MIXATTN_ALWAYS_INLINE void tile_readout_tiled(const TileRows<T> (&vals)[3], const T* st, Index mp,
+                                              Index m, Index d_v, T* o, Index ldo) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  constexpr int R = plain_tile_rows<Arch>(), NV = row_tile_vectors<Arch>();
+  constexpr Index chunk = 64;
   bool first = true;
-  row0 = 0;
+  Index row0 = 0;
   for (const TileRows<T>& part : vals) {
     for (Index x0 = 0; x0 < part.rows; x0 += chunk) {
       const Index depth = std::min(chunk, part.rows - x0);
@@ -316,6 +310,43 @@ bool tile_forward_tiled(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>&
     }
     row0 += part.rows;
   }
+}
+
+/// tile_forward on register tiles, for m >= one vector of queries. The logits are computed
+/// transposed, S^T = [D_k; K_o; K_n] Q_hat^T ((N + L) x m'), as row_tiles' read: each key row
+/// broadcast against vectors of queries, so that a tile of R keys x NV query vectors stays in
+/// registers over the r products and nothing of the dictionary is packed or transposed (only
+/// the tile's m x r queries are). The epilogue scales, adds the count bias, masks the block's
+/// future keys to -inf and keeps each query's running max in a vector lane; exp and the wide
+/// row sums then run down the columns; the read-out O = P [D_v; V_o; V_n] broadcasts weights
+/// from the transposed tile over chunks of value rows that stay in L1.
+template <class T, class Arch = simd_arch>
+bool tile_forward_tiled(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k,
+                        const ConstMatrixRef<T>& dict_v, const T* logc,
+                        const ConstMatrixRef<T>& ko, const ConstMatrixRef<T>& vo,
+                        const ConstMatrixRef<T>& kn, const ConstMatrixRef<T>& vn, Index p0, T s,
+                        AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> out, bool check = false) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  const Index m = qh.rows(), r = qh.cols(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
+  const Index mp = padded_to_vectors<T>(m);
+  MIXATTN_ASSERT(l == p0 + m && m >= Wd && mp <= sc.st.cols() && n + l <= sc.st.rows());
+  MIXATTN_ASSERT(sc.qt.rows() >= r && sc.qt.cols() >= mp);
+  T* const qt = sc.qt.data();  // r x mp, stride mp
+  T* const st = sc.st.data();  // (n + l) x mp, stride mp
+  transpose_padded<T>(qh, qt, mp);
+  alignas(64) T colmax[query_tile + 64];
+  for (Index i = 0; i < mp; ++i) colmax[i] = -std::numeric_limits<T>::infinity();
+  B probe(T(0));  // x * 0 is 0 for finite x, NaN otherwise
+  const TileRows<T> keys[3] = {{dict_k.data(), dict_k.outerStride(), n, logc, -1},
+                               {ko.data(), ko.outerStride(), lo, nullptr, 0},
+                               {kn.data(), kn.outerStride(), l - lo, nullptr, lo}};
+  tile_logits_tiled<T, Arch>(keys, qt, r, mp, p0, s, st, colmax, probe, check);
+  tile_weights_tiled<T, Arch>(st, n + l, mp, m, colmax, sc.inv.data());
+  const TileRows<T> vals[3] = {{dict_v.data(), dict_v.outerStride(), n},
+                               {vo.data(), vo.outerStride(), lo},
+                               {vn.data(), vn.outerStride(), l - lo}};
+  tile_readout_tiled<T, Arch>(vals, st, mp, m, out.cols(), out.data(), out.outerStride());
   out.array().colwise() *= sc.inv.head(m).array();
   if (!check) return true;
   alignas(64) T pr[64];
