@@ -162,15 +162,110 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
 /// and a non-finite grad_out raises domain_error naming it once every panel is through: the
 /// gradients were overwritten by then, which an _into form allows, and nothing else was (a
 /// separate pass over grad_out before the panels took ~0.6% of a training step).
+/// Whether the bidirectional backward runs its products on row_tiles.hpp's register tiles (SIMD
+/// builds: no packing, the K x d_v operands stay in L1, the two that contract over value columns
+/// reading a transposed copy) or on Eigen's GEMM (the scalar build).
+template <class Arch>
+constexpr bool gma_backward_tiles = MIXATTN_HAS_SIMD && !std::is_same<Arch, scalar_arch>::value;
+
+/// The bidirectional backward's pass over one panel of queries [i0, i0 + n): g = dO / den, dS_Q
+/// into s.ds, this panel's part of [dVt | dZ] into the wide sums, and grad.q's rows. probe_g
+/// collects finite_probe(g).
+template <class Arch, class T>
+MIXATTN_ALWAYS_INLINE void gma_bidirectional_query_panel(const PackedDensityDims<T>& p,
+                                                         const ConstMatrixRef<T>& q,
+                                                         const ConstMatrixRef<T>& grad_out,
+                                                         const gma::Saved<T>& saved, Index panel,
+                                                         Index i0, Index n, gma::Grad<T>& grad,
+                                                         bool probe_finite, T& probe_g) {
+  using W = wide_t<T>;
+  constexpr bool tiles = gma_backward_tiles<Arch>;
+  GmaBackwardScratch<T>& s = grad.scratch;
+  const Index N = q.rows(), K = p.components, r = p.dim, d_v = grad_out.cols();
+  Eigen::Map<Matrix<T>> g(s.gh.data(), n, d_v), ds(s.ds.data(), n, K);
+  for (Index i = 0; i < n; ++i) g.row(i) = grad_out.row(i0 + i) * (T(1) / saved.den(i0 + i));
+  if (probe_finite) probe_g += finite_probe(g);
+  const T* gq = saved.gamma_q.data() + i0 * K;
+#if MIXATTN_HAS_SIMD
+  if constexpr (tiles)
+    read_block<Arch, T>(ReadSources<T>{g.data(), d_v, s.vzt.data(), K, d_v}, n, K, nullptr,
+                        ds.data(), K);
+#endif
+  if constexpr (!tiles) gemm<T>(ds, plain<T>(g), transposed<T>(saved.vt), T(1), false, s.gemm);
+  Eigen::Map<Vector<T>> dz(s.panel_dz.data(), K);
+  dz.setZero();
+  for (Index i = 0; i < n; ++i) {
+    Eigen::Map<const Vector<T>> gi(gq + i * K, K);
+    Eigen::Map<Vector<T>> di(ds.data() + i * K, K);
+    const T h = static_cast<T>(-row_dot(Arch{}, gi.data(), di.data(), K) / saved.den(i0 + i));
+    dz.noalias() += h * gi;
+    di = gi.cwiseProduct(di + h * s.z_eps);  // dS_Q,i
+  }
+#if MIXATTN_HAS_SIMD
+  // dVt's terms accumulate in T over gma_backward_fold_rows queries (several panels), then
+  // fold into the wide sum: a fold (and the clearing after it) per panel of 32 rows, K d_v
+  // conversions and adds each, took ~1.5% of an AVX2 training step
+  if constexpr (tiles) {
+    if (i0 % gma_backward_fold_rows(panel) == 0) s.upd.setZero();
+    write_block<Arch>(gq, K, g.data(), d_v, n, K, d_v, s.upd.data(), d_v);
+    if ((i0 + n) % gma_backward_fold_rows(panel) == 0 || i0 + n == N)
+      s.dvz_wide += s.upd.template cast<W>();
+  }
+#endif
+  if constexpr (!tiles) {
+    gemm<T>(s.upd, transposed<T>(saved.gamma_q.middleRows(i0, n)), plain<T>(g), T(1), false,
+            s.gemm);
+    s.dvz_wide += s.upd.template cast<W>();
+  }
+  s.dz_wide += dz.template cast<W>();
+  gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(), gq, K,
+                            ds.data(), K, n, s, s.sums, grad.q.data() + i0 * r, r,
+                            DensitySoftmax::done);
+}
+
+/// The bidirectional backward's pass over one panel of keys [j0, j0 + n), after the queries'
+/// [dVt | dZ]: grad.v's rows (SIMD builds; the scalar build forms grad.v in one GEMM),
+/// dS_K = V dVt^T + 1 dZ^T and grad.k's rows. probe collects finite_probe of the rows written.
+template <class Arch, class T>
+MIXATTN_ALWAYS_INLINE void gma_bidirectional_key_panel(const PackedDensityDims<T>& p,
+                                                       const ConstMatrixRef<T>& k,
+                                                       const ConstMatrixRef<T>& v,
+                                                       const gma::Saved<T>& saved, Index j0,
+                                                       Index n, gma::Grad<T>& grad,
+                                                       bool probe_finite, T& probe) {
+  GmaBackwardScratch<T>& s = grad.scratch;
+  const Index K = p.components, r = p.dim, d_v = v.cols();
+  Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
+#if MIXATTN_HAS_SIMD
+  if constexpr (gma_backward_tiles<Arch>) {
+    // dV = Gamma_K dVt panel by panel (each row its own sum: the bits of one pass over M)
+    read_block<Arch, T>(ReadSources<T>{saved.gamma_k.data() + j0 * K, K, s.dvz.data(), d_v, K}, n,
+                        d_v, nullptr, grad.v.data() + j0 * d_v, d_v);
+    if (probe_finite) probe += finite_probe(grad.v.middleRows(j0, n));
+    read_block<Arch, T>(
+        ReadSources<T>{v.data() + j0 * v.outerStride(), v.outerStride(), s.dvt.data(), K, d_v}, n,
+        K, nullptr, ds.data(), K);
+  }
+#endif
+  if constexpr (!gma_backward_tiles<Arch>)
+    gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz), T(1), false, s.gemm);
+  for (Index j = 0; j < n; ++j)
+    zip_rows(Arch{}, ds.data() + j * K, s.panel_dz.data(), ds.data() + j * K, K,
+             [](auto a, auto b) { return a + b; });
+  gma_density_backward_rows(Arch{}, p, k.data() + j0 * k.outerStride(), k.outerStride(),
+                            saved.gamma_k.data() + j0 * K, K, ds.data(), K, n, s, s.sums,
+                            grad.k.data() + j0 * r, r);
+}
+
 template <class Arch, class T>
 bool gma_bidirectional_backward(const char* fn, const PackedDensityDims<T>& p,
                                 const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                                 const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                                 const gma::Saved<T>& saved, Index panel, gma::Grad<T>& grad,
                                 bool probe_finite) {
-  using W = wide_t<T>;
+  constexpr bool tiles = gma_backward_tiles<Arch>;
   GmaBackwardScratch<T>& s = grad.scratch;
-  const Index N = q.rows(), M = k.rows(), K = p.components, r = p.dim, d_v = v.cols();
+  const Index N = q.rows(), M = k.rows(), K = p.components, d_v = v.cols();
   s.gh.resize(panel, d_v);
   s.ds.resize(panel, K);
   s.upd.resize(K, d_v);  // whole registers per row: the write's rows of M load aligned
@@ -178,59 +273,15 @@ bool gma_bidirectional_backward(const char* fn, const PackedDensityDims<T>& p,
   s.dvz_wide.setZero(K, d_v);
   s.dz_wide.setZero(K);
   s.z_eps = saved.z.array() + static_cast<T>(saved.eps);
-  // SIMD builds run the four products on row_tiles.hpp's register tiles (no packing; the K x
-  // d_v operands stay in L1), with the two that contract over value columns reading a
-  // transposed copy; the scalar build uses Eigen's GEMM.
-  constexpr bool tiles = MIXATTN_HAS_SIMD && !std::is_same<Arch, scalar_arch>::value;
   if constexpr (tiles) s.vzt = saved.vt.transpose();
   // sum of 0 * every gradient entry written (finite_probe): 0 unless one is inf or NaN; the
   // same for g
   T probe = T(0), probe_g = T(0);
-  const auto probe_rows = [&](const Matrix<T>& g, Index i0, Index n) {
-    if (probe_finite) probe += finite_probe(g.middleRows(i0, n));
-  };
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);
-    Eigen::Map<Matrix<T>> g(s.gh.data(), n, d_v), ds(s.ds.data(), n, K);
-    for (Index i = 0; i < n; ++i) g.row(i) = grad_out.row(i0 + i) * (T(1) / saved.den(i0 + i));
-    if (probe_finite) probe_g += finite_probe(g);
-    const T* gq = saved.gamma_q.data() + i0 * K;
-#if MIXATTN_HAS_SIMD
-    if constexpr (tiles)
-      read_block<Arch, T>(ReadSources<T>{g.data(), d_v, s.vzt.data(), K, d_v}, n, K, nullptr,
-                          ds.data(), K);
-#endif
-    if constexpr (!tiles) gemm<T>(ds, plain<T>(g), transposed<T>(saved.vt), T(1), false, s.gemm);
-    Eigen::Map<Vector<T>> dz(s.panel_dz.data(), K);
-    dz.setZero();
-    for (Index i = 0; i < n; ++i) {
-      Eigen::Map<const Vector<T>> gi(gq + i * K, K);
-      Eigen::Map<Vector<T>> di(ds.data() + i * K, K);
-      const T h = static_cast<T>(-row_dot(Arch{}, gi.data(), di.data(), K) / saved.den(i0 + i));
-      dz.noalias() += h * gi;
-      di = gi.cwiseProduct(di + h * s.z_eps);  // dS_Q,i
-    }
-#if MIXATTN_HAS_SIMD
-    // dVt's terms accumulate in T over gma_backward_fold_rows queries (several panels), then
-    // fold into the wide sum: a fold (and the clearing after it) per panel of 32 rows, K d_v
-    // conversions and adds each, took ~1.5% of an AVX2 training step
-    if constexpr (tiles) {
-      if (i0 % gma_backward_fold_rows(panel) == 0) s.upd.setZero();
-      write_block<Arch>(gq, K, g.data(), d_v, n, K, d_v, s.upd.data(), d_v);
-      if ((i0 + n) % gma_backward_fold_rows(panel) == 0 || i0 + n == N)
-        s.dvz_wide += s.upd.template cast<W>();
-    }
-#endif
-    if constexpr (!tiles) {
-      gemm<T>(s.upd, transposed<T>(saved.gamma_q.middleRows(i0, n)), plain<T>(g), T(1), false,
-              s.gemm);
-      s.dvz_wide += s.upd.template cast<W>();
-    }
-    s.dz_wide += dz.template cast<W>();
-    gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(), gq, K,
-                              ds.data(), K, n, s, s.sums, grad.q.data() + i0 * r, r,
-                              /*softmax_done=*/true);
-    probe_rows(grad.q, i0, n);
+    gma_bidirectional_query_panel<Arch, T>(p, q, grad_out, saved, panel, i0, n, grad, probe_finite,
+                                           probe_g);
+    if (probe_finite) probe += finite_probe(grad.q.middleRows(i0, n));
   }
   s.dvz = s.dvz_wide.template cast<T>();      // dVt, K x d_v
   s.panel_dz = s.dz_wide.template cast<T>();  // dZ
@@ -239,31 +290,12 @@ bool gma_bidirectional_backward(const char* fn, const PackedDensityDims<T>& p,
 #endif
   if constexpr (!tiles) {
     gemm<T>(grad.v, plain<T>(saved.gamma_k), plain<T>(s.dvz), T(1), false, s.gemm);
-    probe_rows(grad.v, 0, M);
+    if (probe_finite) probe += finite_probe(grad.v);
   }
   for (Index j0 = 0; j0 < M; j0 += panel) {
     const Index n = std::min(panel, M - j0);
-    Eigen::Map<Matrix<T>> ds(s.ds.data(), n, K);
-#if MIXATTN_HAS_SIMD
-    if constexpr (tiles) {
-      // dV = Gamma_K dVt panel by panel (each row its own sum: the bits of one pass over M)
-      read_block<Arch, T>(ReadSources<T>{saved.gamma_k.data() + j0 * K, K, s.dvz.data(), d_v, K}, n,
-                          d_v, nullptr, grad.v.data() + j0 * d_v, d_v);
-      probe_rows(grad.v, j0, n);
-      read_block<Arch, T>(
-          ReadSources<T>{v.data() + j0 * v.outerStride(), v.outerStride(), s.dvt.data(), K, d_v}, n,
-          K, nullptr, ds.data(), K);
-    }
-#endif
-    if constexpr (!tiles)
-      gemm<T>(ds, plain<T>(v.middleRows(j0, n)), transposed<T>(s.dvz), T(1), false, s.gemm);
-    for (Index j = 0; j < n; ++j)
-      zip_rows(Arch{}, ds.data() + j * K, s.panel_dz.data(), ds.data() + j * K, K,
-               [](auto a, auto b) { return a + b; });
-    gma_density_backward_rows(Arch{}, p, k.data() + j0 * k.outerStride(), k.outerStride(),
-                              saved.gamma_k.data() + j0 * K, K, ds.data(), K, n, s, s.sums,
-                              grad.k.data() + j0 * r, r);
-    probe_rows(grad.k, j0, n);
+    gma_bidirectional_key_panel<Arch, T>(p, k, v, saved, j0, n, grad, probe_finite, probe);
+    if (probe_finite) probe += finite_probe(grad.k.middleRows(j0, n));
   }
   if (probe_g != T(0)) require_finite(grad_out, fn, "grad_out");  // else g overflowed
   return probe_finite && probe == T(0);

@@ -183,9 +183,13 @@ void gma_gamma_into(const PackedDensity<T>& p, const ConstMatrixRef<T>& x, T* ou
                               arg, " down"));
 }
 
+/// What gma_density_backward_rows' ds holds on entry: dGamma (the softmax's backward is still
+/// to run) or dS already.
+enum class DensitySoftmax { pending, done };
+
 /// Through the softmax and the log-density (SPEC 1.5) for n <= panel tokens x (stride ldx) with
 /// responsibilities gamma (n x K, stride ldg): ds holds dGamma on entry and dS on exit (n x K,
-/// stride ldds; with softmax_done, dS on entry already); dx (n x r, stride lddx) is written; the
+/// stride ldds; with DensitySoftmax::done, dS on entry already); dx (n x r, stride lddx) is written; the
 /// mixture's token sums go to `sums`.
 /// When r is a whole number of registers the kernel reads x and accumulates into dx in place;
 /// otherwise through the zero-padded copies in s.
@@ -193,7 +197,8 @@ template <class Arch, class T>
 void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T* x, Index ldx,
                                const T* gamma, Index ldg, T* ds, Index ldds, Index n,
                                GmaBackwardScratch<T>& s, DensityGradSums<T>& sums, T* dx,
-                               Index lddx, bool softmax_done = false) {
+                               Index lddx,
+                               DensitySoftmax softmax = DensitySoftmax::pending) {
   using W = wide_t<T>;
   const Index K = p.components, r = p.dim, rp = p.padded_dim;
   // the panel's sum of dS in T (a few hundred terms, as the kernel's own in-panel sums), then
@@ -203,7 +208,7 @@ void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T
   for (Index i = 0; i < n; ++i) {
     // dS = gamma . (dgamma - gamma . dgamma)
     T* di = ds + i * ldds;
-    if (!softmax_done) softmax_backward_row(arch, gamma + i * ldg, di, K);
+    if (softmax == DensitySoftmax::pending) softmax_backward_row(arch, gamma + i * ldg, di, K);
     panel_w += Eigen::Map<const Vector<T>>(di, K);
   }
   sums.w += panel_w.template cast<W>();
