@@ -66,7 +66,7 @@ void gma_check_backward(const char* fn, const gma::Mixture<T>& mix, const ConstM
                         const gma::Options& opt, const gma::StateGrad<T>* grad_state_out,
                         bool probe_grad_out = true) {
   // The inputs' finiteness probes (check_finite) and their fingerprints in one pass each.
-  gma_check_inputs(fn, mix, q, k, v, opt, /*values=*/false);
+  gma_check_inputs(fn, mix, q, k, v, opt, InputValues::skip);
   std::uint64_t input_fp[3];
   gma_fingerprint_inputs<T>(fn, q, k, v, opt.check_finite, input_fp);
   const Index N = q.rows(), M = k.rows(), K = mix.components(), d_v = v.cols();

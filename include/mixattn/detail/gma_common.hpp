@@ -56,11 +56,16 @@ void gma_check_mixture(const gma::Mixture<T>& mix, const char* fn, bool check_fi
   }
 }
 
+/// Whether an argument check also reads the inputs' values (with check_finite), or leaves them
+/// to a pass of the caller's that reads them anyway.
+enum class InputValues { check, skip };
+
 /// Shapes of q, k, v against the mixture's dimension r, the options, and (with check_finite and
-/// `values`) the inputs' values.
+/// InputValues::check) the inputs' values.
 template <class T>
 void gma_check_qkv(const char* fn, Index r, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                   const ConstMatrixRef<T>& v, const gma::Options& opt, bool values = true) {
+                   const ConstMatrixRef<T>& v, const gma::Options& opt,
+                   InputValues values = InputValues::check) {
   require(q.cols() == r, fn, "q is ", shape_str(q), " but the mixture has dimension ", r,
           " (its r: q must have ", r, " columns)");
   require(k.cols() == r, fn, "k is ", shape_str(k), " but the mixture has dimension ", r,
@@ -76,7 +81,7 @@ void gma_check_qkv(const char* fn, Index r, const ConstMatrixRef<T>& q, const Co
               std::isfinite(static_cast<T>(opt.eps)),
           fn, "options.eps is ", opt.eps, "; it must be positive and finite in the scalar type");
   require(opt.chunk >= 0, fn, "options.chunk is ", opt.chunk, "; it must be >= 0 (0: default)");
-  if (opt.check_finite && values) {
+  if (opt.check_finite && values == InputValues::check) {
     require_finite(q, fn, "q");
     require_finite(k, fn, "k");
     require_finite(v, fn, "v");
@@ -109,7 +114,7 @@ void gma_probe_on_failure(bool late, const char* fn, const ConstMatrixRef<T>& q,
 template <class T>
 void gma_check_inputs(const char* fn, const gma::Mixture<T>& mix, const ConstMatrixRef<T>& q,
                       const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                      const gma::Options& opt, bool values = true) {
+                      const gma::Options& opt, InputValues values = InputValues::check) {
   gma_check_mixture(mix, fn, opt.check_finite);
   gma_check_qkv<T>(fn, mix.mean.cols(), q, k, v, opt, values);
 }
@@ -152,12 +157,18 @@ void gma_check_state(const char* fn, const gma::State<T>& st, Index K, Index d_v
   }
 }
 
-/// Per-thread scratch for forward without `saved` (two N x K buffers, kept for the thread's
-/// lifetime and grown to the largest call; each thread has its own, so calls stay reentrant).
+/// Gamma_Q and Gamma_K (N x K, M x K) of a forward without `saved`.
 template <class T>
-Matrix<T>& gma_workspace(int slot) {
-  thread_local Matrix<T> buffers[2];
-  return buffers[slot];
+struct GmaGammaWorkspace {
+  Matrix<T> queries, keys;
+};
+
+/// This thread's Gamma buffers for forwards without `saved` (kept for the thread's lifetime and
+/// grown to the largest call; each thread has its own, so calls stay reentrant).
+template <class T>
+GmaGammaWorkspace<T>& gma_gamma_workspace() {
+  thread_local GmaGammaWorkspace<T> workspace;
+  return workspace;
 }
 
 inline Index gma_chunk(const gma::Options& opt) {

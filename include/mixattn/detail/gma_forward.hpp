@@ -159,6 +159,59 @@ void gma_forward_finish(const char* fn, const Matrix<T>& out, const ConstMatrixR
   }
 }
 
+/// Where one forward call writes, chosen once for the call: the record's buffers when it keeps
+/// one for backward, else this thread's (its forward scratch and Gamma workspace, so a steady
+/// stream of calls neither page-faults fresh memory nor returns it to the OS each time).
+template <class T>
+struct GmaForwardBuffers {
+  GmaForwardScratch<T>& scratch;
+  Matrix<T>& gamma_q;  // N x K, whole: the record's, or the thread's workspace
+  Matrix<T>& gamma_k;  // M x K
+  Matrix<T>& block_q;  // the fused bidirectional forward's Gamma rows: the record's whole Gamma,
+  Matrix<T>& block_k;  // or one block of rows at a time
+  Matrix<T>& vt;       // K x d_v, Gamma_K^T V (bidirectional)
+  Vector<T>& z;        // K, Gamma_K^T 1 (bidirectional)
+  Vector<T>& den;      // N
+  Matrix<wide_t<T>>& start_S;  // a continued forward's start state
+  Vector<wide_t<T>>& start_z;
+};
+
+template <class T>
+MIXATTN_ALWAYS_INLINE GmaForwardBuffers<T> gma_forward_buffers(gma::Saved<T>* saved) {
+  if (saved != nullptr)
+    return {saved->scratch, saved->gamma_q, saved->gamma_k, saved->gamma_q, saved->gamma_k,
+            saved->vt,      saved->z,       saved->den,     saved->start_S, saved->start_z};
+  GmaForwardScratch<T>& s = gma_thread_scratch<T>();
+  GmaGammaWorkspace<T>& w = gma_gamma_workspace<T>();
+  return {s, w.queries, w.keys, s.block_q, s.block_k, s.vt, s.z, s.den, s.start_S, s.start_z};
+}
+
+/// The causal forward without a record, which keeps no Gamma: blocks of whole chunks, their
+/// Gamma_Q and Gamma_K computed and scanned while they are in cache (the scan continues its
+/// state from block to block, so the chunks and their sums are those of one pass).
+template <class Arch, class T>
+void gma_causal_forward_blocks(const char* fn, GmaForwardScratch<T>& s, const ConstMatrixRef<T>& q,
+                               const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                               const gma::Options& opt, Matrix<T>& out, Vector<T>& den) {
+  const Index N = q.rows(), K = s.packed.components, d_v = v.cols();
+  const Index chunk = gma_chunk(opt);
+  const Index block = (gma_causal_block + chunk - 1) / chunk * chunk;
+  s.scan.S.setZero(K, d_v);
+  s.scan.z.setZero(K);
+  s.block_q.resize(std::min(N, block), K);
+  s.block_k.resize(std::min(N, block), K);
+  for (Index b0 = 0; b0 < N; b0 += block) {
+    const Index n = std::min(block, N - b0);
+    gma_gamma_into<Arch, T>(s.packed, q.middleRows(b0, n), s.block_q.data(), opt.check_finite, fn,
+                            "q", &s.scores, b0);
+    gma_gamma_into<Arch, T>(s.packed, k.middleRows(b0, n), s.block_k.data(), opt.check_finite, fn,
+                            "k", &s.scores, b0);
+    gma_causal_forward<T, Arch>(s.block_q.topRows(n), s.block_k.topRows(n), v.middleRows(b0, n),
+                                static_cast<T>(opt.eps), chunk, out.middleRows(b0, n),
+                                den.segment(b0, n), s.scan.S, s.scan.z, s.scan);
+  }
+}
+
 /// forward_into's body; `fn` names the public entry point in messages.
 template <class Arch, class T>
 void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
@@ -173,78 +226,54 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
   if constexpr (!std::is_same<Arch, scalar_arch>::value)
     late_probes = saved == nullptr && opt.check_finite && !opt.causal;
 #endif
-  gma_check_inputs(fn, mix, q, k, v, opt, /*values=*/saved == nullptr && !late_probes);
-  std::uint64_t input_fp[3];
-  if (saved) gma_fingerprint_inputs<T>(fn, q, k, v, opt.check_finite, input_fp);
+  gma_check_inputs(fn, mix, q, k, v, opt,
+                   saved == nullptr && !late_probes ? InputValues::check : InputValues::skip);
+  std::uint64_t fingerprints[3];
+  if (saved) gma_fingerprint_inputs<T>(fn, q, k, v, opt.check_finite, fingerprints);
+  const std::uint64_t* input_fp = saved ? fingerprints : nullptr;
   const FlushSubnormals flush;
   using W = wide_t<T>;
   const Index N = q.rows(), K = mix.components(), d_v = v.cols();
   const T eps = static_cast<T>(opt.eps);
-  // Without `saved` the responsibilities and the rest are scratch: this thread's buffers, so a
-  // steady stream of calls neither page-faults fresh memory nor returns it to the OS each time.
-  GmaForwardScratch<T>& s = saved ? saved->scratch : gma_thread_scratch<T>();
+  const GmaForwardBuffers<T> b = gma_forward_buffers<T>(saved);
+  GmaForwardScratch<T>& s = b.scratch;
   if (saved) saved->valid = false;
   mixture_constants_into<W>(s.constants, mix.var_raw, mix.prior_logit, mix.var_floor);
   pack_density_into<Arch>(s.packed, mix.mean, s.constants);
   out.resize(N, d_v);
-  Vector<T>& den = saved ? saved->den : s.den;
-  den.resize(N);
+  b.den.resize(N);
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
     if (!opt.causal) {
       gma_probe_on_failure<T>(late_probes, fn, q, k, v, [&] {
         gma_bidirectional_fused<Arch, T>(s.packed, q, k, v, eps, opt.check_finite, fn,
-                                         saved != nullptr, saved ? saved->gamma_q : s.block_q,
-                                         saved ? saved->gamma_k : s.block_k,
-                                         saved ? saved->vt : s.vt, saved ? saved->z : s.z, out,
-                                         den, s);
-        const bool bounded =
-            opt.check_finite && gma_bidirectional_output_bounded(saved ? saved->vt : s.vt, den);
-        gma_forward_finish(fn, out, q, k, v, opt, mix, saved, saved ? input_fp : nullptr, bounded);
+                                         saved != nullptr, b.block_q, b.block_k, b.vt, b.z, out,
+                                         b.den, s);
+        const bool bounded = opt.check_finite && gma_bidirectional_output_bounded(b.vt, b.den);
+        gma_forward_finish(fn, out, q, k, v, opt, mix, saved, input_fp, bounded);
       });
       return;
     }
   }
 #endif
   if (opt.causal && !saved) {
-    // Without a record Gamma is not kept: blocks of whole chunks, their Gamma_Q and Gamma_K
-    // computed and scanned while they are in cache (the scan continues its state from block to
-    // block, so the chunks and their sums are those of one pass).
-    const Index chunk = gma_chunk(opt);
-    const Index block = (gma_causal_block + chunk - 1) / chunk * chunk;
-    s.scan.S.setZero(K, d_v);
-    s.scan.z.setZero(K);
-    s.block_q.resize(std::min(N, block), K);
-    s.block_k.resize(std::min(N, block), K);
-    for (Index b0 = 0; b0 < N; b0 += block) {
-      const Index n = std::min(block, N - b0);
-      gma_gamma_into<Arch, T>(s.packed, q.middleRows(b0, n), s.block_q.data(), opt.check_finite, fn,
-                              "q", &s.scores, b0);
-      gma_gamma_into<Arch, T>(s.packed, k.middleRows(b0, n), s.block_k.data(), opt.check_finite, fn,
-                              "k", &s.scores, b0);
-      gma_causal_forward<T, Arch>(s.block_q.topRows(n), s.block_k.topRows(n), v.middleRows(b0, n),
-                                  eps, chunk, out.middleRows(b0, n), den.segment(b0, n), s.scan.S,
-                                  s.scan.z, s.scan);
-    }
+    gma_causal_forward_blocks<Arch, T>(fn, s, q, k, v, opt, out, b.den);
     gma_forward_finish(fn, out, q, k, v, opt, mix, saved, nullptr);
     return;
   }
-  Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
-  Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
-  gq.resize(N, K);
-  gk.resize(k.rows(), K);
-  gma_gamma_into<Arch, T>(s.packed, q, gq.data(), opt.check_finite, fn, "q", &s.scores);
-  gma_gamma_into<Arch, T>(s.packed, k, gk.data(), opt.check_finite, fn, "k", &s.scores);
+  b.gamma_q.resize(N, K);
+  b.gamma_k.resize(k.rows(), K);
+  gma_gamma_into<Arch, T>(s.packed, q, b.gamma_q.data(), opt.check_finite, fn, "q", &s.scores);
+  gma_gamma_into<Arch, T>(s.packed, k, b.gamma_k.data(), opt.check_finite, fn, "k", &s.scores);
   if (opt.causal) {
     s.scan.S.setZero(K, d_v);
     s.scan.z.setZero(K);
-    gma_causal_forward<T, Arch>(gq, gk, v, eps, gma_chunk(opt), out, den, s.scan.S, s.scan.z,
-                                s.scan);
+    gma_causal_forward<T, Arch>(b.gamma_q, b.gamma_k, v, eps, gma_chunk(opt), out, b.den, s.scan.S,
+                                s.scan.z, s.scan);
   } else {
-    gma_bidirectional_forward<T>(gq, gk, v, eps, saved ? saved->vt : s.vt, saved ? saved->z : s.z,
-                                 out, den, s);
+    gma_bidirectional_forward<T>(b.gamma_q, b.gamma_k, v, eps, b.vt, b.z, out, b.den, s);
   }
-  gma_forward_finish(fn, out, q, k, v, opt, mix, saved, saved ? input_fp : nullptr);
+  gma_forward_finish(fn, out, q, k, v, opt, mix, saved, input_fp);
 }
 
 /// Wide scratch of the one-token decode kernel, per thread (d_v + 2K).
@@ -296,24 +325,25 @@ void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T
   const FlushSubnormals flush;
   using W = wide_t<T>;
   const Index N = q.rows(), K = p.components, d_v = v.cols(), chunk = gma_chunk(opt);
-  GmaForwardScratch<T>& s = saved ? saved->scratch : gma_thread_scratch<T>();
+  const GmaForwardBuffers<T> b = gma_forward_buffers<T>(saved);
+  GmaForwardScratch<T>& s = b.scratch;
   if (saved) saved->valid = false;
-  Matrix<T>& gq = saved ? saved->gamma_q : gma_workspace<T>(0);
-  Matrix<T>& gk = saved ? saved->gamma_k : gma_workspace<T>(1);
+  Matrix<T>& gq = b.gamma_q;
+  Matrix<T>& gk = b.gamma_k;
   gq.resize(N, K);
   gk.resize(N, K);
   // Rows far from every component fall back to a wider type; a throw here leaves st untouched.
   gma_gamma_into<Arch, T>(p, q, gq.data(), opt.check_finite, fn, "q", &s.scores);
   gma_gamma_into<Arch, T>(p, k, gk.data(), opt.check_finite, fn, "k", &s.scores);
   out.resize(N, d_v);
-  Vector<T>& den = saved ? saved->den : s.den;
+  Vector<T>& den = b.den;
   den.resize(N);
   // The start state, for backward or to give it back untouched after an overflow (capacity
   // reused when shapes repeat).
   const Index start_tokens = st.tokens_seen;
   const bool large = gma_large_values<T>(v, opt), kept = large || saved != nullptr;
-  Matrix<W>& start_S = saved ? saved->start_S : s.start_S;
-  Vector<W>& start_z = saved ? saved->start_z : s.start_z;
+  Matrix<W>& start_S = b.start_S;
+  Vector<W>& start_z = b.start_z;
   if (kept) {
     start_S = st.S;
     start_z = st.z;
