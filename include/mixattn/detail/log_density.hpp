@@ -298,6 +298,70 @@ MIXATTN_ALWAYS_INLINE xsimd::batch<float, Arch> pairwise_sum(const xsimd::batch<
     return a[0];
 }
 
+/// responsibilities_tile's maxima: each token's exact max over its logits (acc), as the shift of
+/// its exponentials. A token whose max is not finite or that has a NaN logit (padding included)
+/// fails: its shift is +inf, so that every lane of its stages below is -inf or NaN (exp_shifted
+/// gives 0 or NaN, with no out-of-range exponent: with a NaN lane, the vector max may miss the
+/// true maximum, and s - m would then be large and positive). Returns the failed tokens' mask.
+template <int TI, int TK, class Arch, class T>
+MIXATTN_ALWAYS_INLINE unsigned tile_softmax_shifts(const xsimd::batch<T, Arch> (&acc)[TI][TK],
+                                                   xsimd::batch<T, Arch> (&shift)[TI]) {
+  using B = xsimd::batch<T, Arch>;
+  unsigned failed = 0;
+#pragma GCC unroll 32
+  for (int i = 0; i < TI; ++i) {
+    B mx = acc[i][0];
+    auto bad = xsimd::isnan(acc[i][0]);
+#pragma GCC unroll 8
+    for (int j = 1; j < TK; ++j) {
+      mx = xsimd::max(mx, acc[i][j]);
+      bad = bad | xsimd::isnan(acc[i][j]);
+    }
+    const T m = reduce_max(mx);
+    const bool bad_row = xsimd::any(bad) || m == -std::numeric_limits<T>::infinity();
+    failed |= unsigned(bad_row) << i;
+    shift[i] = B(bad_row ? std::numeric_limits<T>::infinity() : m);
+  }
+  return failed;
+}
+
+/// responsibilities_tile's exponentials: acc = exp(acc - shift) in place and each token's sum in
+/// W. In float, exp_shifted of the whole tile (its bits, but 0 below about 2^-127.5: the forward
+/// flushes those anyway), exp_interleave registers in lockstep; each token's registers are then
+/// added in float, pairwise, before one widening: each lane's group of at most 4 terms in [0, 1]
+/// is within 2 eps of its exact sum, and the sum over lanes is wide. Against exp_shifted and
+/// add_wide register by register, the epilogue went from ~300 to ~190 cycles per 5 x 4 tile
+/// (Zen 5; the tile's FMA loop alone ~1350); with 4, 8 or 20 registers in lockstep alike.
+template <int TI, int TK, class Arch, class T>
+MIXATTN_ALWAYS_INLINE void tile_exp_sums(xsimd::batch<T, Arch> (&acc)[TI][TK],
+                                         const xsimd::batch<T, Arch> (&shift)[TI],
+                                         xsimd::batch<wide_t<T>, Arch> (&sum)[TI]) {
+  using W = wide_t<T>;
+  using BW = xsimd::batch<W, Arch>;
+  if constexpr (std::is_same<T, float>::value) {
+#pragma GCC unroll 32
+    for (int i = 0; i < TI; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < TK; ++j) acc[i][j] = acc[i][j] - shift[i];
+    constexpr int N = TI * TK, G = std::min(exp_interleave<Arch>(), N);
+#pragma GCC unroll 32
+    for (int g = 0; g + G <= N; g += G) fast_exp_nonpositive_flush_many<G, Arch>(&acc[0][0] + g);
+    if constexpr (N % G != 0) fast_exp_nonpositive_flush_many<N % G, Arch>(&acc[0][0] + N / G * G);
+#pragma GCC unroll 32
+    for (int i = 0; i < TI; ++i) {
+      sum[i] = widened_halves_sum<Arch, T>(pairwise_sum<TK, Arch>(acc[i]));
+    }
+  } else {
+    for (int i = 0; i < TI; ++i) {
+      sum[i] = BW(W(0));
+      for (int j = 0; j < TK; ++j) {
+        acc[i][j] = exp_shifted(acc[i][j], shift[i]);
+        add_wide(sum[i], acc[i][j]);
+      }
+    }
+  }
+}
+
 /// Responsibilities of TI tokens when the whole padded row is TK registers (K <= TK lanes): the
 /// log-density tile's accumulators go through the softmax (softmax.hpp's row: same exact max,
 /// the same exp in float but for results below about 2^-127.5, which are 0 here as when
@@ -326,55 +390,10 @@ inline unsigned responsibilities_tile(Arch, const PackedDensity<T>& p, const T* 
 #pragma GCC unroll 32
     for (int i = 0; i < TI; ++i) acc[i][j] = off - acc[i][j];
   }
-  unsigned failed = 0;
   B shift[TI];
-#pragma GCC unroll 32
-  for (int i = 0; i < TI; ++i) {
-    B mx = acc[i][0];
-    auto bad = xsimd::isnan(acc[i][0]);
-#pragma GCC unroll 8
-    for (int j = 1; j < TK; ++j) {
-      mx = xsimd::max(mx, acc[i][j]);
-      bad = bad | xsimd::isnan(acc[i][j]);
-    }
-    const T m = reduce_max(mx);
-    // A failed token's stages below run on a shift of +inf, so that every lane is -inf or NaN
-    // (exp_shifted gives 0 or NaN, with no out-of-range exponent: with a NaN lane, the vector
-    // max may miss the true maximum, and s - m would then be large and positive), and its row
-    // is not written.
-    const bool bad_row = xsimd::any(bad) || m == -std::numeric_limits<T>::infinity();
-    failed |= unsigned(bad_row) << i;
-    shift[i] = B(bad_row ? std::numeric_limits<T>::infinity() : m);
-  }
+  const unsigned failed = tile_softmax_shifts<TI, TK, Arch, T>(acc, shift);
   BW sum[TI];
-  if constexpr (std::is_same<T, float>::value) {
-    // exp_shifted of the whole tile (its bits, but 0 below about 2^-127.5: the forward flushes
-    // those anyway), exp_interleave registers in lockstep. Each token's registers are then added in
-    // float, pairwise, before one widening: each lane's group of at most 4 terms in [0, 1] is
-    // within 2 eps of its exact sum, and the sum over lanes is wide. Against exp_shifted and
-    // add_wide register by register, the epilogue went from ~300 to ~190 cycles per 5 x 4 tile
-    // (Zen 5; the tile's FMA loop alone ~1350); with 4, 8 or 20 registers in lockstep alike.
-#pragma GCC unroll 32
-    for (int i = 0; i < TI; ++i)
-#pragma GCC unroll 8
-      for (int j = 0; j < TK; ++j) acc[i][j] = acc[i][j] - shift[i];
-    constexpr int N = TI * TK, G = std::min(exp_interleave<Arch>(), N);
-#pragma GCC unroll 32
-    for (int g = 0; g + G <= N; g += G) fast_exp_nonpositive_flush_many<G, Arch>(&acc[0][0] + g);
-    if constexpr (N % G != 0) fast_exp_nonpositive_flush_many<N % G, Arch>(&acc[0][0] + N / G * G);
-#pragma GCC unroll 32
-    for (int i = 0; i < TI; ++i) {
-      sum[i] = widened_halves_sum<Arch, T>(pairwise_sum<TK, Arch>(acc[i]));
-    }
-  } else {
-    for (int i = 0; i < TI; ++i) {
-      sum[i] = BW(W(0));
-      for (int j = 0; j < TK; ++j) {
-        acc[i][j] = exp_shifted(acc[i][j], shift[i]);
-        add_wide(sum[i], acc[i][j]);
-      }
-    }
-  }
+  tile_exp_sums<TI, TK, Arch, T>(acc, shift, sum);
   alignas(64) T lanes[Wd];
 #pragma GCC unroll 32
   for (int i = 0; i < TI; ++i) {
