@@ -111,8 +111,11 @@ struct Saved {
   bool causal = false;
   double eps = 0;
   Index chunk = 0;
-  // of q, k, v, the mixture and the start state below (detail::Fingerprint)
-  std::uint64_t fingerprint[5] = {0, 0, 0, 0, 0};
+  /// Of q, k, v, the mixture and the start state below (detail::Fingerprint), checked by backward.
+  struct Fingerprints {
+    std::uint64_t q = 0, k = 0, v = 0, mixture = 0, start_state = 0;
+  };
+  Fingerprints fingerprint;
   bool valid = false;
   // Set by the State overload of forward: the state the call continued (a copy, O(K d_v)).
   bool continued = false;

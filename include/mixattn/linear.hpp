@@ -159,9 +159,10 @@ void linear_check_backward(const char* fn, const ConstMatrixRef<T>& q, const Con
           ", chunk = ", linear_chunk(opt));
   std::uint64_t now[3];
   linear_fingerprints<T>(q, k, v, now);
-  const char* names[3] = {"q", "k", "v"};
-  for (int a = 0; a < 3; ++a)
-    if (now[a] != saved.fingerprint[a]) raise_other_data(fn, "saved", names[a]);
+  check_record(fn, "saved",
+               {{saved.fingerprint[0], now[0], "q"},
+                {saved.fingerprint[1], now[1], "k"},
+                {saved.fingerprint[2], now[2], "v"}});
 }
 
 }  // namespace detail

@@ -79,11 +79,10 @@ double reference_check_backward(const char* fn, const ConstMatrixRef<T>& q,
           " but options give causal = ", opt.causal, ", scale = ", scale);
   require(saved.window == opt.window, fn, "saved was made with window = ", saved.window,
           " but options give window = ", opt.window);
-  const ConstMatrixRef<T>* inputs[3] = {&q, &k, &v};
-  const char* names[3] = {"q", "k", "v"};
-  for (int a = 0; a < 3; ++a)
-    if (mixattn::detail::fingerprint(*inputs[a]) != saved.fingerprint[a])
-      mixattn::detail::raise_other_data(fn, "saved", names[a]);
+  mixattn::detail::check_record(fn, "saved",
+                                {{saved.fingerprint[0], mixattn::detail::fingerprint(q), "q"},
+                                 {saved.fingerprint[1], mixattn::detail::fingerprint(k), "k"},
+                                 {saved.fingerprint[2], mixattn::detail::fingerprint(v), "v"}});
   return scale;
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 
 MIXATTN_BEGIN_NAMESPACE
@@ -184,6 +185,21 @@ std::uint64_t fingerprint(const X& x) {
   raise_invalid_argument(concat(fn, ": ", record, " came from other data: ", which,
                                 " is different from what its forward was given (the record's "
                                 "fingerprint does not match); run forward on these inputs again"));
+}
+
+/// One fingerprint of a record's check: what the record kept, what the call gives now, and what
+/// it is the fingerprint of (for the message).
+struct FingerprintCheck {
+  std::uint64_t kept, now;
+  const char* what;
+};
+
+/// The one check every backward makes of its record (a Saved, a layer's Cache): the first
+/// fingerprint that differs raises raise_other_data naming it.
+inline void check_record(const char* fn, const char* record,
+                         std::initializer_list<FingerprintCheck> checks) {
+  for (const FingerprintCheck& c : checks)
+    if (c.kept != c.now) raise_other_data(fn, record, c.what);
 }
 
 }  // namespace detail

@@ -48,13 +48,14 @@ void gma_check_state_grad(const char* fn, const gma::Saved<T>& saved, const gma:
 template <class T>
 void gma_check_record(const char* fn, const gma::Saved<T>& saved, const gma::Mixture<T>& mix,
                       const std::uint64_t* input_fp) {
-  if (input_fp[0] != saved.fingerprint[0]) raise_other_data(fn, "saved", "q");
-  if (input_fp[1] != saved.fingerprint[1]) raise_other_data(fn, "saved", "k");
-  if (input_fp[2] != saved.fingerprint[2]) raise_other_data(fn, "saved", "v");
-  if (mixture_fingerprint(mix) != saved.fingerprint[3])
-    raise_other_data(fn, "saved", "the mixture");
-  if (gma_state_fingerprint(saved.start_S, saved.start_z) != saved.fingerprint[4])
-    raise_other_data(fn, "saved", "saved.start_S or saved.start_z (the start state)");
+  const typename gma::Saved<T>::Fingerprints& kept = saved.fingerprint;
+  check_record(fn, "saved",
+               {{kept.q, input_fp[0], "q"},
+                {kept.k, input_fp[1], "k"},
+                {kept.v, input_fp[2], "v"},
+                {kept.mixture, mixture_fingerprint(mix), "the mixture"},
+                {kept.start_state, gma_state_fingerprint(saved.start_S, saved.start_z),
+                 "saved.start_S or saved.start_z (the start state)"}});
 }
 
 /// Validates backward's arguments against the inputs and the Saved record. probe_grad_out: probe
@@ -130,7 +131,7 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
     grad.state.S.resize(0, 0);
     grad.state.z.resize(0);
   }
-  grad.state.state_fingerprint = saved.continued ? saved.fingerprint[4] : 0;
+  grad.state.state_fingerprint = saved.continued ? saved.fingerprint.start_state : 0;
   gma_causal_backward<T>(saved.gamma_q, saved.gamma_k, v, s.g, s.h, saved.chunk, s.dgq, s.dgk,
                          grad.v, saved.continued ? &saved.start_S : nullptr,
                          saved.continued ? &saved.start_z : nullptr, G, u, s.scan);

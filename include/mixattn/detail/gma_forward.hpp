@@ -128,11 +128,11 @@ void gma_save(gma::Saved<T>& saved, const Matrix<T>& out, const ConstMatrixRef<T
   saved.causal = opt.causal;
   saved.eps = opt.eps;
   saved.chunk = gma_chunk(opt);
-  saved.fingerprint[0] = input_fp ? input_fp[0] : fingerprint(q);
-  saved.fingerprint[1] = input_fp ? input_fp[1] : fingerprint(k);
-  saved.fingerprint[2] = input_fp ? input_fp[2] : fingerprint(v);
-  saved.fingerprint[3] = mixture_fingerprint;
-  saved.fingerprint[4] = gma_state_fingerprint(saved.start_S, saved.start_z);
+  saved.fingerprint.q = input_fp ? input_fp[0] : fingerprint(q);
+  saved.fingerprint.k = input_fp ? input_fp[1] : fingerprint(k);
+  saved.fingerprint.v = input_fp ? input_fp[2] : fingerprint(v);
+  saved.fingerprint.mixture = mixture_fingerprint;
+  saved.fingerprint.start_state = gma_state_fingerprint(saved.start_S, saved.start_z);
   saved.end_fingerprint = 0;
   saved.valid = true;
 }
