@@ -122,15 +122,25 @@ TYPED_TEST(GmaState, ChangedMixtureIsPreparedAgainNotServedStale) {
   gma::State<T> cached = gma::State<T>::empty(K, dv), fresh = gma::State<T>::empty(K, dv);
   for (Index t = 0; t < N; ++t) {
     switch (t % 6) {  // tokens 0, 5, 11: unchanged; the others change one parameter
-      case 1: mix.mean(t % K, t % r) += T(0.25); break;
-      case 2: mix.var_raw(t % K, t % r) -= T(0.5); break;
-      case 3: mix.prior_logit(t % K) += T(1); break;
-      case 4: mix.var_floor *= T(2); break;
-      default: break;
+      case 1:
+        mix.mean(t % K, t % r) += T(0.25);
+        break;
+      case 2:
+        mix.var_raw(t % K, t % r) -= T(0.5);
+        break;
+      case 3:
+        mix.prior_logit(t % K) += T(1);
+        break;
+      case 4:
+        mix.var_floor *= T(2);
+        break;
+      default:
+        break;
     }
     gma::Saved<T> saved;
     const Matrix<T> a = gma::forward(mix, q.row(t), k.row(t), v.row(t), opt, cached, &saved);
-    const Matrix<T> b = gma::forward(gma::Prepared<T>(mix), q.row(t), k.row(t), v.row(t), opt, fresh);
+    const Matrix<T> b =
+        gma::forward(gma::Prepared<T>(mix), q.row(t), k.row(t), v.row(t), opt, fresh);
     ASSERT_TRUE(a == b) << "token " << t;
     ASSERT_TRUE(cached.S == fresh.S && cached.z == fresh.z) << "token " << t;
     // The record names the mixture the call used: backward accepts it, and refuses another one.

@@ -18,7 +18,6 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace gma {
 
-
 /// One head's routing mixture (SPEC 1.1): mean K x r, var_raw K x r, prior_logit K.
 /// variance = softplus(var_raw) + var_floor, log pi = log_softmax(prior_logit).
 template <class T>
@@ -95,7 +94,6 @@ struct StateGrad {
   /// by the previous piece's backward against the state its forward ended with; 0: not checked.
   std::uint64_t state_fingerprint = 0;
 };
-
 
 /// What forward keeps for backward: O((N + M) K + N d_v), never O(N M).
 /// Reusable: forward_into overwrites it and keeps its capacity when shapes repeat.

@@ -10,7 +10,6 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace ovq {
 
-
 /// Dictionary growth schedule (SPEC 2.3 step 1).
 enum class Growth {
   plateau,  // N(t) = min(max(floor(t N_max / (t + alpha)), 1), N_max)

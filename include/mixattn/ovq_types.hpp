@@ -16,7 +16,6 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace ovq {
 
-
 /// What forward keeps for backward. No dictionary snapshot per block: the state the call began
 /// from plus every token's centroid assignment, from which backward replays the updates bit for
 /// bit (checkpointing sqrt(#blocks) dictionaries while it runs). Tokens are indexed by their

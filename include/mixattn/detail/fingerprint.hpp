@@ -1,5 +1,5 @@
-// mixattn/detail/fingerprint.hpp — the position-sensitive fingerprint that ties a backward's record to
-// the data its forward was given, and the error raised when they differ.
+// mixattn/detail/fingerprint.hpp — the position-sensitive fingerprint that ties a backward's record
+// to the data its forward was given, and the error raised when they differ.
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"

@@ -546,8 +546,7 @@ void flash_forward_tiles_simd(Arch arch, const ConstMatrixRef<T>& q, const Const
     scratch.o.topRows(brp).setZero();
     const FlashKeyRange keys(i0, br, m_keys, causal, window);
     for (Index j0 = keys.begin; j0 < keys.end; j0 += BlockK)
-      flash_forward_key_tile<Shape, KC>(arch, keys.tile(j0, BlockK), brp, r, vp, ldv, dvp,
-                                        scratch);
+      flash_forward_key_tile<Shape, KC>(arch, keys.tile(j0, BlockK), brp, r, vp, ldv, dvp, scratch);
     for (Index t = 0; t < br; ++t) {
       // row_sum >= 1 (the max term contributes exp(0)) whenever a key was visible; NaN only
       // from non-finite input the caller chose not to check.

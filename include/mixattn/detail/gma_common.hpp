@@ -200,16 +200,14 @@ enum class DensitySoftmax { pending, done };
 
 /// Through the softmax and the log-density (SPEC 1.5) for n <= panel tokens x (stride ldx) with
 /// responsibilities gamma (n x K, stride ldg): ds holds dGamma on entry and dS on exit (n x K,
-/// stride ldds; with DensitySoftmax::done, dS on entry already); dx (n x r, stride lddx) is written; the
-/// mixture's token sums go to `sums`.
-/// When r is a whole number of registers the kernel reads x and accumulates into dx in place;
-/// otherwise through the zero-padded copies in s.
+/// stride ldds; with DensitySoftmax::done, dS on entry already); dx (n x r, stride lddx) is
+/// written; the mixture's token sums go to `sums`. When r is a whole number of registers the kernel
+/// reads x and accumulates into dx in place; otherwise through the zero-padded copies in s.
 template <class Arch, class T>
 void gma_density_backward_rows(Arch arch, const PackedDensityDims<T>& p, const T* x, Index ldx,
                                const T* gamma, Index ldg, T* ds, Index ldds, Index n,
                                GmaBackwardScratch<T>& s, DensityGradSums<T>& sums, T* dx,
-                               Index lddx,
-                               DensitySoftmax softmax = DensitySoftmax::pending) {
+                               Index lddx, DensitySoftmax softmax = DensitySoftmax::pending) {
   using W = wide_t<T>;
   const Index K = p.components, r = p.dim, rp = p.padded_dim;
   // the panel's sum of dS in T (a few hundred terms, as the kernel's own in-panel sums), then

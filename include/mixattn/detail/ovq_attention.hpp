@@ -207,8 +207,8 @@ MIXATTN_ALWAYS_INLINE void tile_logits_tiled(const TileRows<T> (&keys)[3], const
 /// one widening (as flash_exp_sum does): each group's sum of four weights in [0, 1] is within
 /// 2 eps of exact, whatever the number of rows; widening was a quarter of the pass.
 template <class T, class Arch>
-MIXATTN_ALWAYS_INLINE void tile_weights_tiled(T* st, Index rows, Index mp, Index m,
-                                              const T* colmax, T* inv) {
+MIXATTN_ALWAYS_INLINE void tile_weights_tiled(T* st, Index rows, Index mp, Index m, const T* colmax,
+                                              T* inv) {
   using B = xsimd::batch<T, Arch>;
   using W = wide_t<T>;
   using BW = xsimd::batch<W, Arch>;
@@ -322,10 +322,10 @@ MIXATTN_ALWAYS_INLINE void tile_readout_tiled(const TileRows<T> (&vals)[3], cons
 /// from the transposed tile over chunks of value rows that stay in L1.
 template <class T, class Arch = simd_arch>
 bool tile_forward_tiled(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k,
-                        const ConstMatrixRef<T>& dict_v, const T* logc,
-                        const ConstMatrixRef<T>& ko, const ConstMatrixRef<T>& vo,
-                        const ConstMatrixRef<T>& kn, const ConstMatrixRef<T>& vn, Index p0, T s,
-                        AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> out, bool check = false) {
+                        const ConstMatrixRef<T>& dict_v, const T* logc, const ConstMatrixRef<T>& ko,
+                        const ConstMatrixRef<T>& vo, const ConstMatrixRef<T>& kn,
+                        const ConstMatrixRef<T>& vn, Index p0, T s, AttentionScratch<T>& sc,
+                        Eigen::Ref<Matrix<T>> out, bool check = false) {
   using B = xsimd::batch<T, Arch>;
   constexpr Index Wd = static_cast<Index>(B::size);
   const Index m = qh.rows(), r = qh.cols(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
