@@ -236,8 +236,8 @@ TYPED_TEST(OvqExactness, TiledTileForwardMatchesGemmPath) {
     sc.reserve(sh.n, l, sh.r, false, sh.m);
     Matrix<T> fast(sh.m, sh.dv), slow(sh.m, sh.dv);
     const auto run = [&](bool tiled, Matrix<T>& out) {
-      const detail::CRef<T> ko = kb.topRows(sh.lo), vo = vb.topRows(sh.lo);
-      const detail::CRef<T> kn = kb.bottomRows(l - sh.lo), vn = vb.bottomRows(l - sh.lo);
+      const ConstMatrixRef<T> ko = kb.topRows(sh.lo), vo = vb.topRows(sh.lo);
+      const ConstMatrixRef<T> kn = kb.bottomRows(l - sh.lo), vn = vb.bottomRows(l - sh.lo);
       return tiled ? detail::tile_forward_tiled<T>(qh, dk, dvals, lc, ko, vo, kn, vn, sh.p0, s, sc,
                                                    out, true)
                    : detail::tile_forward_gemm<T>(qh, dk, dvals, lc, ko, vo, kn, vn, sh.p0, s, sc,

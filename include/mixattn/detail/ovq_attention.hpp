@@ -22,8 +22,9 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
 
+/// ConstMatrixRef under its old name, for the OVQ headers that still spell it so.
 template <class T>
-using CRef = Eigen::Ref<const Matrix<T>>;
+using CRef = ConstMatrixRef<T>;
 template <class T>
 using RowVec = Eigen::Matrix<T, 1, Eigen::Dynamic>;
 
@@ -77,8 +78,9 @@ struct AttentionScratch {
 /// bias. With `check`, returns whether every logit was finite (a non-finite dictionary or
 /// pending entry always makes one non-finite: x * inf and 0 * inf are never finite).
 template <class T>
-bool tile_weights(const CRef<T>& qh, const CRef<T>& dict_k, const T* logc, const CRef<T>& ko,
-                  const CRef<T>& kn, Index p0, T s, AttentionScratch<T>& sc, bool check = false) {
+bool tile_weights(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k, const T* logc,
+                  const ConstMatrixRef<T>& ko, const ConstMatrixRef<T>& kn, Index p0, T s,
+                  AttentionScratch<T>& sc, bool check = false) {
   const Index m = qh.rows(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
   MIXATTN_ASSERT(l == p0 + m);
   Eigen::Ref<Matrix<T>> pd = sc.pd.topLeftCorner(m, n);
@@ -114,8 +116,8 @@ bool tile_weights(const CRef<T>& qh, const CRef<T>& dict_k, const T* logc, const
 
 /// The same with the block's keys in one piece (kb: L x r).
 template <class T>
-void tile_weights(const CRef<T>& qh, const CRef<T>& dict_k, const T* logc, const CRef<T>& kb,
-                  Index p0, T s, AttentionScratch<T>& sc) {
+void tile_weights(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k, const T* logc,
+                  const ConstMatrixRef<T>& kb, Index p0, T s, AttentionScratch<T>& sc) {
   tile_weights<T>(qh, dict_k, logc, kb.topRows(0), kb, p0, s, sc);
 }
 
@@ -124,9 +126,10 @@ void tile_weights(const CRef<T>& qh, const CRef<T>& dict_k, const T* logc, const
 /// call's). Returns tile_weights' finiteness verdict. Eigen's products; tile_forward_tiled is
 /// the same on register tiles.
 template <class T>
-bool tile_forward_gemm(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v,
-                       const T* logc, const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn,
-                       const CRef<T>& vn, Index p0, T s, AttentionScratch<T>& sc,
+bool tile_forward_gemm(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k,
+                       const ConstMatrixRef<T>& dict_v, const T* logc, const ConstMatrixRef<T>& ko,
+                       const ConstMatrixRef<T>& vo, const ConstMatrixRef<T>& kn,
+                       const ConstMatrixRef<T>& vn, Index p0, T s, AttentionScratch<T>& sc,
                        Eigen::Ref<Matrix<T>> out, bool check = false) {
   const Index m = qh.rows(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
   const bool finite = tile_weights<T>(qh, dict_k, logc, ko, kn, p0, s, sc, check);
@@ -359,10 +362,11 @@ bool tile_forward_tiled(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& di
 
 /// out (m x d_v) as tile_forward_gemm, on register tiles when the tile has a vector of queries.
 template <class T>
-bool tile_forward(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v, const T* logc,
-                  const CRef<T>& ko, const CRef<T>& vo, const CRef<T>& kn, const CRef<T>& vn,
-                  Index p0, T s, AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> out,
-                  bool check = false) {
+bool tile_forward(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k,
+                  const ConstMatrixRef<T>& dict_v, const T* logc, const ConstMatrixRef<T>& ko,
+                  const ConstMatrixRef<T>& vo, const ConstMatrixRef<T>& kn,
+                  const ConstMatrixRef<T>& vn, Index p0, T s, AttentionScratch<T>& sc,
+                  Eigen::Ref<Matrix<T>> out, bool check = false) {
 #if MIXATTN_HAS_SIMD
   if (uses_tiled_forward<T>(qh.rows()) && sc.st.cols() >= padded_to_vectors<T>(qh.rows()) &&
       sc.st.rows() >= dict_k.rows() + ko.rows() + kn.rows() && sc.qt.rows() >= qh.cols())
@@ -378,8 +382,9 @@ bool tile_forward(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_
 ///   dD_v += P_dict^T dO.
 /// dkb, dvb: L x r, L x d_v accumulators (rows of the block); ddk, ddv: N x r, N x d_v.
 template <class T>
-void tile_backward(const CRef<T>& qh, const CRef<T>& dict_k, const CRef<T>& dict_v, const T* logc,
-                   const CRef<T>& kb, const CRef<T>& vb, Index p0, T s, const CRef<T>& dout,
+void tile_backward(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k,
+                   const ConstMatrixRef<T>& dict_v, const T* logc, const ConstMatrixRef<T>& kb,
+                   const ConstMatrixRef<T>& vb, Index p0, T s, const ConstMatrixRef<T>& dout,
                    AttentionScratch<T>& sc, Eigen::Ref<Matrix<T>> dqh,
                    mixattn::detail::wide_t<T>& ds, Eigen::Ref<Matrix<T>> dkb,
                    Eigen::Ref<Matrix<T>> dvb, bool dict_grad, Eigen::Ref<Matrix<T>> ddk,

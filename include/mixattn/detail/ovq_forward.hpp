@@ -104,7 +104,7 @@ void ovq_check_inputs(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 /// ... in order), then the lanes' sum and the columns past the last whole vector; the bits
 /// depend on the row alone, never on which call or how many rows are normalised together.
 template <class T>
-void normalize_rows(const CRef<T>& x, Eigen::Ref<Matrix<T>> out, double eps) {
+void normalize_rows(const ConstMatrixRef<T>& x, Eigen::Ref<Matrix<T>> out, double eps) {
   using W = wide_t<T>;
   const Index cols = x.cols();
   for (Index i = 0; i < x.rows(); ++i) {
@@ -136,7 +136,7 @@ void normalize_rows(const CRef<T>& x, Eigen::Ref<Matrix<T>> out, double eps) {
 ///   dx = (g - x (x . g) / (n (n + eps))) / (n + eps),
 /// and dx = g / eps at x = 0, where the second term vanishes in the limit.
 template <class T>
-void normalize_backward(const CRef<T>& x, Eigen::Ref<Matrix<T>> g, double eps) {
+void normalize_backward(const ConstMatrixRef<T>& x, Eigen::Ref<Matrix<T>> g, double eps) {
   using W = wide_t<T>;
   const Index cols = x.cols();
   for (Index i = 0; i < x.rows(); ++i) {
@@ -203,7 +203,7 @@ void log_counts(const Dictionary<T>& d, Vector<T>& logc) {
 
 /// Appends rows to a matrix (the unfinished block growing by a call's tokens).
 template <class T>
-void append_rows(Matrix<T>& m, const CRef<T>& rows) {
+void append_rows(Matrix<T>& m, const ConstMatrixRef<T>& rows) {
   if (rows.rows() == 0) return;
   const Index n = m.rows();
   m.conservativeResize(n + rows.rows(), m.cols());
@@ -272,7 +272,8 @@ void forward_blocks(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
   for (Index u = 0; u < blocks.count; ++u) {
     const Index pq = blocks.query_offset(u), m = blocks.queries(u), row = blocks.call_row(u);
     const Index po = u == 0 ? blocks.p0 : 0;
-    const CRef<T> ko = start.pending_keys.topRows(po), vo = start.pending_values.topRows(po);
+    const ConstMatrixRef<T> ko = start.pending_keys.topRows(po),
+                            vo = start.pending_values.topRows(po);
     normalize_rows<T>(q.middleRows(row, m), w.qh.topRows(m), opt.norm_eps);
     normalize_rows<T>(k.middleRows(row, m), w.kn.topRows(m), opt.norm_eps);
     w.vn.topRows(m) = v.middleRows(row, m);
