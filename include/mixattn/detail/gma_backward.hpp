@@ -58,14 +58,14 @@ void gma_check_record(const char* fn, const gma::Saved<T>& saved, const gma::Mix
                  "saved.start_S or saved.start_z (the start state)"}});
 }
 
-/// Validates backward's arguments against the inputs and the Saved record. probe_grad_out: probe
-/// grad_out's values here (else the caller does, on its way through them).
+/// Validates backward's arguments against the inputs and the Saved record. grad_out_values:
+/// check probes grad_out's values here; skip leaves them to the caller, on its way through them.
 template <class T>
 void gma_check_backward(const char* fn, const gma::Mixture<T>& mix, const ConstMatrixRef<T>& q,
                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                         const ConstMatrixRef<T>& grad_out, const gma::Saved<T>& saved,
                         const gma::Options& opt, const gma::StateGrad<T>* grad_state_out,
-                        bool probe_grad_out = true) {
+                        InputValues grad_out_values = InputValues::check) {
   // The inputs' finiteness probes (check_finite) and their fingerprints in one pass each.
   gma_check_inputs(fn, mix, q, k, v, opt, InputValues::skip);
   std::uint64_t input_fp[3];
@@ -73,7 +73,8 @@ void gma_check_backward(const char* fn, const gma::Mixture<T>& mix, const ConstM
   const Index N = q.rows(), M = k.rows(), K = mix.components(), d_v = v.cols();
   require(grad_out.rows() == N && grad_out.cols() == d_v, fn, "grad_out is ", shape_str(grad_out),
           " but the output is ", N, " x ", d_v);
-  if (opt.check_finite && probe_grad_out) require_finite(grad_out, fn, "grad_out");
+  if (opt.check_finite && grad_out_values == InputValues::check)
+    require_finite(grad_out, fn, "grad_out");
   require(saved.valid, fn, "saved was not filled by forward");
   // the causal backward reads the output (h), the bidirectional one Vt and z
   const Index saved_dv = saved.causal ? saved.out.cols() : saved.vt.cols();
@@ -310,7 +311,7 @@ void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix
                   const gma::Saved<T>& saved, const gma::Options& opt,
                   const gma::StateGrad<T>* grad_state_out) {
   gma_check_backward(fn, mix, q, k, v, grad_out, saved, opt, grad_state_out,
-                     /*probe_grad_out=*/opt.causal);
+                     opt.causal ? InputValues::check : InputValues::skip);
   const FlushSubnormals flush;
   using W = wide_t<T>;
   const Index N = q.rows(), M = k.rows(), K = mix.components(), d_v = v.cols(), r = mix.dim();

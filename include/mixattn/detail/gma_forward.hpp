@@ -41,24 +41,29 @@ void gma_bidirectional_forward(const Matrix<T>& gq, const Matrix<T>& gk, const C
   out.array().colwise() /= den.array();
 }
 
+/// Whether a forward writes Gamma_Q and Gamma_K whole (for a record) or one block of rows at a
+/// time through the first rows of its buffers.
+enum class GammaRows { whole, blocks };
+
 #if MIXATTN_HAS_SIMD
 /// Bidirectional forward (SPEC 1.3) fused with the responsibilities: each block of
 /// gma_gamma_block rows of Gamma_K goes into [Vt | z] while it is still in L1, then each block of
 /// Gamma_Q rows is read out at once, so neither product packs or re-reads Gamma from memory.
-/// With `keep` (a record), Gamma_Q and Gamma_K are written to gq, gk whole, block by block;
-/// without, each block goes through the first rows of gq, gk, which stay in L1: nothing of size
-/// N x K is written (2 MiB of stores at N = 4096, K = 64 that nothing reads again). Same sums as
-/// the GEMMs, in another order. A block's responsibilities are all computed before its write or
-/// read (not tile by tile), so that the density kernel's coefficients stay in L1 across the
-/// block's tiles instead of being evicted by [Vt | z] after each one (N = 4096, K = r = d_v = 64,
-/// AVX2: the forward ~3% faster).
+/// With GammaRows::whole (a record), Gamma_Q and Gamma_K are written to gq, gk whole, block by
+/// block; with GammaRows::blocks, each block goes through the first rows of gq, gk, which stay in
+/// L1: nothing of size N x K is written (2 MiB of stores at N = 4096, K = 64 that nothing reads
+/// again). Same sums as the GEMMs, in another order. A block's responsibilities are all computed
+/// before its write or read (not tile by tile), so that the density kernel's coefficients stay in
+/// L1 across the block's tiles instead of being evicted by [Vt | z] after each one (N = 4096, K = r
+/// = d_v = 64, AVX2: the forward ~3% faster).
 template <class Arch, class T>
 void gma_bidirectional_fused(const PackedDensity<T>& p, const ConstMatrixRef<T>& q,
                              const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T eps,
-                             bool check, const char* fn, bool keep, Matrix<T>& gq, Matrix<T>& gk,
-                             Matrix<T>& vt, Vector<T>& z, Matrix<T>& out, Vector<T>& den,
-                             GmaForwardScratch<T>& s) {
+                             bool check, const char* fn, GammaRows rows_kept, Matrix<T>& gq,
+                             Matrix<T>& gk, Matrix<T>& vt, Vector<T>& z, Matrix<T>& out,
+                             Vector<T>& den, GmaForwardScratch<T>& s) {
   const Index K = p.components, d_v = v.cols(), ldv = v.outerStride();
+  const bool keep = rows_kept == GammaRows::whole;
   vt.setZero(K, d_v);
   z.setZero(K);
   // hook(g, i, n): rows [i, i + n) of Gamma, at g
@@ -247,8 +252,8 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
     if (!opt.causal) {
       gma_probe_on_failure<T>(late_probes, fn, q, k, v, [&] {
         gma_bidirectional_fused<Arch, T>(s.packed, q, k, v, eps, opt.check_finite, fn,
-                                         saved != nullptr, b.block_q, b.block_k, b.vt, b.z, out,
-                                         b.den, s);
+                                         saved ? GammaRows::whole : GammaRows::blocks, b.block_q,
+                                         b.block_k, b.vt, b.z, out, b.den, s);
         const bool bounded = opt.check_finite && gma_bidirectional_output_bounded(b.vt, b.den);
         gma_forward_finish(fn, out, q, k, v, opt, mix, saved, input_fp, bounded);
       });
