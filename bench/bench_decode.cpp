@@ -107,45 +107,37 @@ void decode_loop(benchmark::State& state, Step&& step, std::vector<double>& seco
   state.counters["N"] = benchmark::Counter(static_cast<double>(state.range(0)));
 }
 
-void decode_gma(benchmark::State& state) {
+/// One GMA head decoding through `head`: a gma::Prepared (decode_gma) or the gma::Mixture itself
+/// (decode_gma_mixture), continuing one gma::State.
+template <class Head>
+void decode_gma_through(benchmark::State& state, const Head& head) {
   const Index p = state.range(0);
   const Tokens& in = tokens();
-  const gma::Mixture<float> mix = gma::Mixture<float>::random(kDim, kDim, 7);
-  const gma::Prepared<float> prep(mix);  // once, not per token
   gma::Options opt;
   opt.causal = true;
   gma::State<float> st = gma::State<float>::empty(kDim, kDim);
-  gma::forward(prep, in.q.topRows(p - 1), in.k.topRows(p - 1), in.v.topRows(p - 1), opt, st);
+  gma::forward(head, in.q.topRows(p - 1), in.k.topRows(p - 1), in.v.topRows(p - 1), opt, st);
   std::vector<double> seconds;
   decode_loop(
       state,
       [&](Index i) {
         const Index t = p - 1 + i;  // the warm-up call is token P - 1, the timed ones P, P + 1 …
-        Matrix<float> o = gma::forward(prep, in.q.row(t), in.k.row(t), in.v.row(t), opt, st);
+        Matrix<float> o = gma::forward(head, in.q.row(t), in.k.row(t), in.v.row(t), opt, st);
         benchmark::DoNotOptimize(o.data());
       },
       seconds);
 }
 
+void decode_gma(benchmark::State& state) {
+  const gma::Mixture<float> mix = gma::Mixture<float>::random(kDim, kDim, 7);
+  const gma::Prepared<float> prep(mix);  // once, not per token
+  decode_gma_through(state, prep);
+}
+
 /// decode_gma's twin through the Mixture overload, the loop a user writes first: the State keeps
 /// the mixture prepared while it is unchanged, so this should cost about what decode_gma costs.
 void decode_gma_mixture(benchmark::State& state) {
-  const Index p = state.range(0);
-  const Tokens& in = tokens();
-  const gma::Mixture<float> mix = gma::Mixture<float>::random(kDim, kDim, 7);
-  gma::Options opt;
-  opt.causal = true;
-  gma::State<float> st = gma::State<float>::empty(kDim, kDim);
-  gma::forward(mix, in.q.topRows(p - 1), in.k.topRows(p - 1), in.v.topRows(p - 1), opt, st);
-  std::vector<double> seconds;
-  decode_loop(
-      state,
-      [&](Index i) {
-        const Index t = p - 1 + i;
-        Matrix<float> o = gma::forward(mix, in.q.row(t), in.k.row(t), in.v.row(t), opt, st);
-        benchmark::DoNotOptimize(o.data());
-      },
-      seconds);
+  decode_gma_through(state, gma::Mixture<float>::random(kDim, kDim, 7));
 }
 
 /// Whether timed call j of an OVQ point at position P (it decodes token P + j) completes a block.
