@@ -183,7 +183,7 @@ MIXATTN_ALWAYS_INLINE void gma_bidirectional_query_panel(const PackedDensityDims
   using W = wide_t<T>;
   constexpr bool tiles = gma_backward_tiles<Arch>;
   GmaBackwardScratch<T>& s = grad.scratch;
-  const Index N = q.rows(), K = p.components, r = p.dim, d_v = grad_out.cols();
+  const Index K = p.components, r = p.dim, d_v = grad_out.cols();
   Eigen::Map<Matrix<T>> g(s.gh.data(), n, d_v), ds(s.ds.data(), n, K);
   for (Index i = 0; i < n; ++i) g.row(i) = grad_out.row(i0 + i) * (T(1) / saved.den(i0 + i));
   if (probe_finite) probe_g += finite_probe(g);
@@ -210,7 +210,7 @@ MIXATTN_ALWAYS_INLINE void gma_bidirectional_query_panel(const PackedDensityDims
   if constexpr (tiles) {
     if (i0 % gma_backward_fold_rows(panel) == 0) s.upd.setZero();
     write_block<Arch>(gq, K, g.data(), d_v, n, K, d_v, s.upd.data(), d_v);
-    if ((i0 + n) % gma_backward_fold_rows(panel) == 0 || i0 + n == N)
+    if ((i0 + n) % gma_backward_fold_rows(panel) == 0 || i0 + n == q.rows())
       s.dvz_wide += s.upd.template cast<W>();
   }
 #endif
