@@ -54,10 +54,10 @@ constexpr bool refuse_arguments() {
 }
 
 /// The main overloads' check of T (a defaulted template parameter): an unsupported T stops at
-/// refuse_arguments' static_assert as the overload is considered, before anything else of the
-/// call is compiled, so its message is the diagnostic.
+/// refuse_arguments' static_assert as the overload is considered, and the overload then drops
+/// out, so that nothing of its body is compiled for that T: the message is the diagnostic.
 template <class T>
-using enable_if_supported = std::enable_if_t<refuse_arguments<T>(), int>;
+using enable_if_supported = std::enable_if_t<refuse_arguments<T>() && supported_scalar<T>, int>;
 /// Selects the catch-all overloads layer.hpp still declares: T is not supported or an argument
 /// would be copied.
 template <class T, class... A>
