@@ -83,89 +83,55 @@ inline constexpr std::uint32_t file_version = 1;
 ///       u64     rows, u64 cols
 ///       rows·cols scalars, row-major
 ///
-/// Throws std::runtime_error naming the path when the file cannot be written.
+/// The file is replaced whole or not at all (POSIX systems): the bytes go to a temporary file
+/// in the same directory ("<path>.tmp.<pid>.<n>"), which is flushed, fsync'ed and renamed over
+/// `path`, then the directory is fsync'ed. A process killed or a disk filling up mid-save leaves
+/// the previous file byte for byte, and a reader opening `path` at any time sees the old file or
+/// the new one. A symbolic link at `path` is followed; only regular files are replaced.
+/// Throws std::runtime_error naming the path and the reason (the system's error text) when the
+/// file cannot be written; the temporary file is removed and `path` left as it was.
 template <class T>
 void save_parameters(const std::string& path, const std::vector<ConstNamedBlock<T>>& blocks) {
   static_assert(sizeof(T) == 4 || sizeof(T) == 8, "float or double");
   const std::string fn = "mixattn::layer::save_parameters";
-  std::ofstream os(path, std::ios::binary | std::ios::trunc);
-  if (!os) detail::raise_io(detail::concat_msg(fn, path, "cannot open the file for writing"));
-  os.write(file_magic, sizeof(file_magic));
-  detail::put_le(os, file_version);
-  detail::put_le(os, static_cast<std::uint32_t>(sizeof(T)));
-  detail::put_le(os, static_cast<std::uint64_t>(blocks.size()));
-  for (const ConstNamedBlock<T>& b : blocks) {
-    detail::put_le(os, static_cast<std::uint32_t>(b.name.size()));
-    os.write(b.name.data(), static_cast<std::streamsize>(b.name.size()));
-    detail::put_le(os, static_cast<std::uint64_t>(b.rows));
-    detail::put_le(os, static_cast<std::uint64_t>(b.cols));
-    for (Index i = 0; i < b.rows * b.cols; ++i) detail::put_scalar(os, b.data[i]);
+  detail::FileReplacer os(path);
+  if (os.open()) {
+    os.write(file_magic, sizeof(file_magic));
+    detail::put_le(os, file_version);
+    detail::put_le(os, static_cast<std::uint32_t>(sizeof(T)));
+    detail::put_le(os, static_cast<std::uint64_t>(blocks.size()));
+    for (const ConstNamedBlock<T>& b : blocks) {
+      detail::put_le(os, static_cast<std::uint32_t>(b.name.size()));
+      os.write(b.name.data(), static_cast<std::streamsize>(b.name.size()));
+      detail::put_le(os, static_cast<std::uint64_t>(b.rows));
+      detail::put_le(os, static_cast<std::uint64_t>(b.cols));
+      for (Index i = 0; i < b.rows * b.cols; ++i) detail::put_scalar(os, b.data[i]);
+    }
+    os.commit();
   }
-  os.flush();
-  if (!os) detail::raise_io(detail::concat_msg(fn, path, "write failed"));
+  if (!os.ok()) {
+    os.abandon();  // before raising: without exceptions raise_io aborts
+    detail::raise_io(detail::concat_msg(fn, path, os.error()));
+  }
 }
 
 /// Reads a file written by save_parameters into `blocks`, which must match it exactly: same
 /// scalar type, same number of blocks, and per block the same name and shape, in order.
-/// Nothing is written into the blocks unless the whole file is valid. Throws
-/// std::runtime_error naming the path and the first mismatch (bad magic, other version, other
-/// scalar size, other count, other name or shape, truncated file, trailing bytes).
+/// Nothing is written into the blocks unless the whole file is valid: it is read into a staged
+/// copy first, whose size is the model's, never what the file declares. Any bytes at all give
+/// either a correct load or std::runtime_error naming the path and the first mismatch (bad
+/// magic, other version, other scalar size, other count, other name or shape, truncated file,
+/// trailing bytes).
 template <class T>
 void load_parameters(const std::string& path, const std::vector<NamedBlock<T>>& blocks) {
   static_assert(sizeof(T) == 4 || sizeof(T) == 8, "float or double");
   const std::string fn = "mixattn::layer::load_parameters";
   std::ifstream is(path, std::ios::binary);
   if (!is) detail::raise_io(detail::concat_msg(fn, path, "cannot open the file for reading"));
-  char magic[sizeof(file_magic)];
-  if (!is.read(magic, sizeof(magic)) || std::memcmp(magic, file_magic, sizeof(magic)) != 0)
-    detail::raise_io(detail::concat_msg(fn, path, "not a mixattn parameter file (bad magic)"));
-  std::uint32_t version = 0, scalar_size = 0;
-  std::uint64_t count = 0;
-  if (!detail::get_le(is, version) || !detail::get_le(is, scalar_size) ||
-      !detail::get_le(is, count))
-    detail::raise_io(detail::concat_msg(fn, path, "truncated header"));
-  if (version != file_version)
-    detail::raise_io(
-        detail::concat_msg(fn, path,
-                           ::mixattn::detail::concat("format version ", version,
-                                                     " but this library reads ", file_version)));
-  if (scalar_size != sizeof(T))
-    detail::raise_io(detail::concat_msg(fn, path,
-                                        ::mixattn::detail::concat("scalars of ", scalar_size,
-                                                                  " bytes but the model "
-                                                                  "uses ",
-                                                                  sizeof(T), "-byte scalars")));
-  if (count != blocks.size())
-    detail::raise_io(
-        detail::concat_msg(fn, path,
-                           ::mixattn::detail::concat(count, " parameters in the file but ",
-                                                     blocks.size(), " in the model")));
+  detail::load_header(is, fn, path, file_magic, file_version, sizeof(T), blocks.size());
   std::vector<Matrix<T>> staged(blocks.size());
-  for (std::size_t p = 0; p < blocks.size(); ++p) {
-    const NamedBlock<T>& b = blocks[p];
-    std::uint32_t len = 0;
-    if (!detail::get_le(is, len) || len > (1u << 16))
-      detail::raise_io(detail::concat_msg(
-          fn, path, ::mixattn::detail::concat("parameter ", p, ": bad or truncated name")));
-    std::string name(len, '\0');
-    std::uint64_t rows = 0, cols = 0;
-    if (!is.read(&name[0], len) || !detail::get_le(is, rows) || !detail::get_le(is, cols))
-      detail::raise_io(
-          detail::concat_msg(fn, path, ::mixattn::detail::concat("parameter ", p, ": truncated")));
-    if (name != b.name || rows != static_cast<std::uint64_t>(b.rows) ||
-        cols != static_cast<std::uint64_t>(b.cols))
-      detail::raise_io(detail::concat_msg(
-          fn, path,
-          ::mixattn::detail::concat("parameter ", p, " is '", name, "' ", rows, " x ", cols,
-                                    " in the file but '", b.name, "' ", b.rows, " x ", b.cols,
-                                    " in the model")));
-    staged[p].resize(b.rows, b.cols);
-    for (Index i = 0; i < b.rows * b.cols; ++i)
-      if (!detail::get_scalar(is, staged[p].data()[i]))
-        detail::raise_io(detail::concat_msg(
-            fn, path,
-            ::mixattn::detail::concat("parameter ", p, " ('", name, "'): truncated data")));
-  }
+  for (std::size_t p = 0; p < blocks.size(); ++p)
+    detail::load_block(is, fn, path, p, blocks[p].name, blocks[p].rows, blocks[p].cols, staged[p]);
   if (is.peek() != std::char_traits<char>::eof())
     detail::raise_io(detail::concat_msg(fn, path, "trailing bytes after the last parameter"));
   for (std::size_t p = 0; p < blocks.size(); ++p) blocks[p].map() = staged[p];
