@@ -273,6 +273,7 @@ template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T
 Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
   Matrix<T> out;
+  const detail::LentScratch<detail::GmaForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
   detail::gma_forward<Arch, T>("mixattn::gma::forward", out, mix, q, k, v, opt, saved);
   return out;
 }
@@ -322,6 +323,7 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const Const
       detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
   const detail::PackedDensity<T> p = detail::pack_density<Arch, T>(mix.mean, c);
   Matrix<T> out;
+  const detail::LentScratch<detail::GmaForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
   detail::gma_forward_continued<Arch, T>(fn, out, p, q, k, v, opt, state, saved,
                                          detail::mixture_fingerprint(mix));
   return out;
@@ -349,6 +351,7 @@ Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixRef<T>& q,
   detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
   detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
   Matrix<T> out;
+  const detail::LentScratch<detail::GmaForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
   detail::gma_forward_continued<Arch, T>(fn, out, prep.packed(), q, k, v, opt, state, saved,
                                          prep.mixture_fingerprint());
   return out;
@@ -388,8 +391,11 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixRef<T>& q, const ConstM
                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                  const Saved<T>& saved, const Options& opt, const StateGrad<T>* grad_state_out) {
   Grad<T> grad;
-  detail::gma_backward<Arch, T>("mixattn::gma::backward", grad, mix, q, k, v, grad_out, saved, opt,
-                                grad_state_out);
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<detail::GmaBackwardScratch<T>> lent(&grad.scratch);
+    detail::gma_backward<Arch, T>("mixattn::gma::backward", grad, mix, q, k, v, grad_out, saved,
+                                  opt, grad_state_out);
+  }
   return grad;
 }
 

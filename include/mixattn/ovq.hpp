@@ -187,6 +187,7 @@ Matrix<T> forward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                   const ConstMatrixRef<T>& v, typename mixattn::detail::identity<T>::type beta,
                   const Options& opt, State<T>& state, Saved<T>* saved = nullptr) {
   Matrix<T> out;
+  const detail::LentScratch<detail::ForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
   detail::ovq_forward<T>("mixattn::ovq::forward", out, q, k, v, beta, opt, state, state, saved);
   return out;
 }
@@ -240,8 +241,11 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
                  typename mixattn::detail::identity<T>::type beta,
                  const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt) {
   Grad<T> g;
-  detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
-                          static_cast<const StateGrad<T>*>(nullptr));
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<detail::BackwardScratch<T>> lent(&g.scratch);
+    detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
+                            static_cast<const StateGrad<T>*>(nullptr));
+  }
   return g;
 }
 
@@ -260,8 +264,11 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
                  const ConstMatrixRef<T>& grad_out, const Saved<T>& saved, const Options& opt,
                  const StateGrad<typename mixattn::detail::identity<T>::type>* grad_state_out) {
   Grad<T> g;
-  detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
-                          grad_state_out);
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<detail::BackwardScratch<T>> lent(&g.scratch);
+    detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
+                            grad_state_out);
+  }
   return g;
 }
 

@@ -342,9 +342,11 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
                  const ConstMatrixRef<T>& grad_out, const Features<T>& features,
                  const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> grad;
-  detail::performer_backward_into<T>("mixattn::performer::backward", grad, q, k, v, grad_out,
-                                     features, saved, opt);
-  grad.scratch = {};  // a returned gradient carries no working memory
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<decltype(grad.scratch)> lent(&grad.scratch);
+    detail::performer_backward_into<T>("mixattn::performer::backward", grad, q, k, v, grad_out,
+                                       features, saved, opt);
+  }
   return grad;
 }
 

@@ -324,7 +324,11 @@ Grad<T> naive_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                        const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> g;
-  detail::naive_backward<T>("mixattn::reference::naive_backward", g, q, k, v, grad_out, saved, opt);
+  {  // the working memory is this thread's: the returned gradient carries none
+    const mixattn::detail::LentScratch<detail::FlashScratch<T>> lent(&g.scratch);
+    const mixattn::detail::LentScratch<mixattn::detail::GemmSpace<T>> lent_gemm(&g.gemm);
+    detail::naive_backward<T>("mixattn::reference::naive_backward", g, q, k, v, grad_out, saved, opt);
+  }
   return g;
 }
 
@@ -375,7 +379,11 @@ Grad<T> flash_backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                        const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> g;
-  detail::flash_backward<T>("mixattn::reference::flash_backward", g, q, k, v, grad_out, saved, opt);
+  {  // the working memory is this thread's: the returned gradient carries none
+    const mixattn::detail::LentScratch<detail::FlashScratch<T>> lent(&g.scratch);
+    const mixattn::detail::LentScratch<mixattn::detail::GemmSpace<T>> lent_gemm(&g.gemm);
+    detail::flash_backward<T>("mixattn::reference::flash_backward", g, q, k, v, grad_out, saved, opt);
+  }
   return g;
 }
 

@@ -332,9 +332,11 @@ Grad<T> backward(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const C
                  const ConstMatrixRef<T>& codebook, const ConstMatrixRef<T>& grad_out,
                  const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> grad;
-  detail::vq_backward_into<T>("mixattn::vq::backward", grad, q, k, v, codebook, grad_out, saved,
-                              opt);
-  grad.scratch = {};  // a returned gradient carries no working memory
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<decltype(grad.scratch)> lent(&grad.scratch);
+    detail::vq_backward_into<T>("mixattn::vq::backward", grad, q, k, v, codebook, grad_out, saved,
+                                opt);
+  }
   return grad;
 }
 
