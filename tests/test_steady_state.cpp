@@ -710,6 +710,88 @@ TEST(SteadyState, LayerDefaultsAtTrainingLengthsAllocateNothing) {
     }
 }
 
+/// Bytes held by the matrices and vectors given (what a value-returning call hands back).
+template <class... M>
+std::int64_t held_bytes(const M&... m) {
+  return (std::int64_t(0) + ... +
+          static_cast<std::int64_t>(m.size() * sizeof(typename M::Scalar)));
+}
+
+/// Heap bytes a warm value-returning call allocates beyond `returned()` (what it hands back),
+/// allowing each allocation glibc's rounding of a mapped chunk to whole pages.
+template <class Call, class Returned>
+std::int64_t bytes_beyond_results(Call&& call, Returned&& returned) {
+#ifndef MIXATTN_TEST_SANITIZED
+  call();  // warm-up: fills this thread's working memory
+  const auto& c = mixattn::bench::heap_counters();
+  const std::int64_t bytes = c.total.load(), allocs = c.allocs.load();
+  call();
+  const std::int64_t allocated = c.total.load() - bytes, n = c.allocs.load() - allocs;
+  return allocated - returned() - n * 4160;
+#else
+  call();
+  (void)returned;
+  return 0;
+#endif
+}
+
+/// The value-returning forms borrow their working memory from this thread's cache
+/// (detail::LentScratch): once warm, a forward + backward allocates only its results, its
+/// Saved's contents and the gradients it returns, at N = 4096 where a fresh scratch would be
+/// mapped from the OS and page-faulted on every call.
+TYPED_TEST(SteadyStateTyped, ValueFormsAllocateOnlyTheirResults) {
+  using T = TypeParam;
+  namespace gma = mixattn::gma;
+  namespace ovq = mixattn::ovq;
+  namespace ref = mixattn::reference;
+  const Index n = 4096, K = 64, r = 16, dv = 16;
+  const gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, 86);
+  const Matrix<T> q = random_matrix<T>(n, r, 87), k = random_matrix<T>(n, r, 88);
+  const Matrix<T> v = random_matrix<T>(n, dv, 89), dout = random_matrix<T>(n, dv, 90);
+  for (const bool causal : {false, true}) {
+    gma::Options opt;
+    opt.causal = causal;
+    std::int64_t kept = 0;
+    const auto call = [&] {
+      gma::Saved<T> s;
+      const Matrix<T> out = gma::forward(mix, q, k, v, opt, &s);
+      const gma::Grad<T> g = gma::backward(mix, q, k, v, dout, s, opt);
+      kept = held_bytes(out, s.gamma_q, s.gamma_k, s.den, s.out, s.vt, s.z, s.start_S, s.start_z,
+                        g.q, g.k, g.v, g.mixture.mean, g.mixture.var_raw, g.mixture.prior_logit,
+                        g.state.S, g.state.z);
+    };
+    EXPECT_LE(bytes_beyond_results(call, [&] { return kept; }), 0) << "gma, causal = " << causal;
+  }
+  for (const bool through : {true, false}) {
+    ovq::Options opt;
+    opt.grad_through_dictionary = through;
+    std::int64_t kept = 0;
+    const auto call = [&] {
+      ovq::State<T> state = ovq::State<T>::empty(r, dv);
+      ovq::Saved<T> s;
+      const Matrix<T> out = ovq::forward(q, k, v, T(0.7), opt, state, &s);
+      const ovq::Grad<T> g = ovq::backward(q, k, v, T(0.7), dout, s, opt);
+      kept = held_bytes(out, state.keys, state.values, state.counts, state.pending_keys,
+                        state.pending_values, g.q, g.k, g.v, g.state.keys, g.state.values,
+                        g.state.pending_keys, g.state.pending_values) +
+             static_cast<std::int64_t>(s.bytes());
+    };
+    EXPECT_LE(bytes_beyond_results(call, [&] { return kept; }), 0) << "ovq, through = " << through;
+  }
+  for (const bool causal : {false, true}) {
+    ref::Options opt;
+    opt.causal = causal;
+    std::int64_t kept = 0;
+    const auto call = [&] {
+      ref::Saved<T> s;
+      const Matrix<T> out = ref::flash_forward<T>(q, k, v, opt, &s);
+      const ref::Grad<T> g = ref::flash_backward<T>(q, k, v, dout, s, opt);
+      kept = held_bytes(out, s.out, s.lse, s.probs, g.q, g.k, g.v);
+    };
+    EXPECT_LE(bytes_beyond_results(call, [&] { return kept; }), 0) << "flash, causal = " << causal;
+  }
+}
+
 /// Threads of this process, from /proc/self/task.
 int thread_count() {
   DIR* dir = opendir("/proc/self/task");
