@@ -27,6 +27,7 @@
 #include <mixattn/layer.hpp>
 #include <mixattn/linear.hpp>
 #include <mixattn/ovq.hpp>
+#include <mixattn/packed.hpp>
 #include <mixattn/performer.hpp>
 #include <mixattn/reference.hpp>
 #include <mixattn/vq.hpp>
@@ -36,6 +37,7 @@
 #include <dirent.h>
 #include <atomic>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace {
@@ -416,6 +418,381 @@ TEST(SteadyState, LayerStepAllocatesNothing) {
     ASSERT_EQ(g.params.size(), ref.params.size());
     for (std::size_t i = 0; i < ref.params.size(); ++i) EXPECT_EQ(g.params[i], ref.params[i]) << i;
     EXPECT_EQ(g.names, ref.names);
+  }
+}
+
+// ---- Every `_into` operator at its default options and at training lengths (T = 2048, 8192) ----
+// One warm-up step sizes every record, then one counted step. Widths are the smallest that still
+// reach Eigen's heap-allocating GEMM blocking where the operator has GEMMs that depend on them
+// (OVQ: r = d_v = 64 in float, 32 in double, the same bytes); elsewhere r = d_v = 16. Under the
+// sanitizers (no counting) only T = 2048 runs, to keep their pass short.
+
+/// The training lengths this build runs.
+std::vector<Index> training_lengths() {
+#ifdef MIXATTN_TEST_SANITIZED
+  return {2048};
+#else
+  return {2048, 8192};
+#endif
+}
+
+/// Runs step once as a warm-up, then expects a second step to allocate nothing.
+template <class Step>
+void expect_steady(Step&& step, const std::string& what) {
+  step();
+  EXPECT_EQ(allocations_of(step), 0) << what;
+}
+
+/// OVQ at ovq::Options{} (block 256, N_max 1024), both gradient modes, from a constant start;
+/// at T = 2048 the results equal the value-returning forms' bit for bit.
+TYPED_TEST(SteadyStateTyped, OvqDefaultsAllocateNothing) {
+  using T = TypeParam;
+  namespace ovq = mixattn::ovq;
+  const Index r = static_cast<Index>(256 / sizeof(T)), dv = r;
+  for (const Index n : training_lengths()) {
+    const Matrix<T> q = random_matrix<T>(n, r, 61), k = random_matrix<T>(n, r, 62);
+    const Matrix<T> v = random_matrix<T>(n, dv, 63), dout = random_matrix<T>(n, dv, 64);
+    for (const bool through : {true, false}) {
+      ovq::Options opt;
+      opt.grad_through_dictionary = through;
+      const ovq::State<T> start = ovq::State<T>::empty(r, dv);
+      const T beta = T(0.7);
+      Matrix<T> out;
+      ovq::State<T> next;
+      ovq::Saved<T> saved;
+      ovq::Grad<T> grad;
+      expect_steady(
+          [&] {
+            ovq::forward_into(out, q, k, v, beta, opt, start, next, &saved);
+            ovq::backward_into(grad, q, k, v, beta, dout, saved, opt);
+          },
+          "T = " + std::to_string(n) + ", through = " + std::to_string(through));
+      if (n != 2048) continue;
+      ovq::State<T> state = start;
+      ovq::Saved<T> ref_saved;
+      EXPECT_EQ(out, ovq::forward(q, k, v, beta, opt, state, &ref_saved));
+      const ovq::Grad<T> ref = ovq::backward(q, k, v, beta, dout, ref_saved, opt);
+      EXPECT_EQ(grad.q, ref.q);
+      EXPECT_EQ(grad.k, ref.k);
+      EXPECT_EQ(grad.v, ref.v);
+      EXPECT_EQ(grad.beta, ref.beta);
+    }
+  }
+}
+
+/// GMA at gma::Options{} (K = 64), bidirectional and causal, and a causal sequence continued
+/// through a State in two pieces (backward in reverse, the second piece's grad.state fed to the
+/// first).
+TYPED_TEST(SteadyStateTyped, GmaDefaultsAllocateNothing) {
+  using T = TypeParam;
+  namespace gma = mixattn::gma;
+  const Index K = 64, r = 16, dv = 16;
+  const gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, 65);
+  for (const Index n : training_lengths()) {
+    const Matrix<T> q = random_matrix<T>(n, r, 66), k = random_matrix<T>(n, r, 67);
+    const Matrix<T> v = random_matrix<T>(n, dv, 68), dout = random_matrix<T>(n, dv, 69);
+    const std::string at = "T = " + std::to_string(n);
+    for (const bool causal : {false, true}) {
+      gma::Options opt;
+      opt.causal = causal;
+      Matrix<T> out;
+      gma::Saved<T> saved;
+      gma::Grad<T> grad;
+      expect_steady(
+          [&] {
+            gma::forward_into(out, mix, q, k, v, opt, &saved);
+            gma::backward_into(grad, mix, q, k, v, dout, saved, opt);
+          },
+          at + ", causal = " + std::to_string(causal));
+    }
+    gma::Options opt;
+    opt.causal = true;
+    const Index h = n / 2 + 7;  // two pieces, neither a whole number of chunks
+    const Index rows[2][2] = {{0, h}, {h, n - h}};
+    gma::State<T> state = gma::State<T>::empty(K, dv);
+    Matrix<T> out[2];
+    gma::Saved<T> saved[2];
+    gma::Grad<T> grad[2];
+    expect_steady(
+        [&] {
+          state.S.setZero();
+          state.z.setZero();
+          state.tokens_seen = 0;
+          for (int p = 0; p < 2; ++p)
+            gma::forward_into(out[p], mix, q.middleRows(rows[p][0], rows[p][1]),
+                              k.middleRows(rows[p][0], rows[p][1]),
+                              v.middleRows(rows[p][0], rows[p][1]), opt, state, &saved[p]);
+          for (int p = 1; p >= 0; --p)
+            gma::backward_into(grad[p], mix, q.middleRows(rows[p][0], rows[p][1]),
+                               k.middleRows(rows[p][0], rows[p][1]),
+                               v.middleRows(rows[p][0], rows[p][1]),
+                               dout.middleRows(rows[p][0], rows[p][1]), saved[p], opt,
+                               p == 0 ? &grad[1].state : nullptr);
+        },
+        at + ", continued state");
+  }
+}
+
+/// Tiled softmax (flash) at reference::Options{}, bidirectional and causal, and the baselines'
+/// `_into` forms (linear attention, Performer, VQ attention) at their default options.
+TYPED_TEST(SteadyStateTyped, FlashAndBaselinesAtTrainingLengthsAllocateNothing) {
+  using T = TypeParam;
+  namespace ref = mixattn::reference;
+  namespace linear = mixattn::linear;
+  namespace performer = mixattn::performer;
+  namespace vq = mixattn::vq;
+  const Index r = 16, dv = 16, m = 64;
+  const performer::Features<T> features = performer::Features<T>::random(m, r, 70);
+  const Matrix<T> codebook = random_matrix<T>(m, r, 71);
+  for (const Index n : training_lengths()) {
+    const Matrix<T> q = random_matrix<T>(n, r, 72), k = random_matrix<T>(n, r, 73);
+    const Matrix<T> v = random_matrix<T>(n, dv, 74), dout = random_matrix<T>(n, dv, 75);
+    for (const bool causal : {false, true}) {
+      const std::string at = "T = " + std::to_string(n) + ", causal = " + std::to_string(causal);
+      ref::Options fo;
+      fo.causal = causal;
+      Matrix<T> out_f, out_l, out_p, out_v;
+      ref::Saved<T> saved_f;
+      ref::Grad<T> grad_f;
+      expect_steady(
+          [&] {
+            ref::flash_forward_into<T>(out_f, q, k, v, fo, &saved_f);
+            ref::flash_backward_into<T>(grad_f, q, k, v, dout, saved_f, fo);
+          },
+          "flash, " + at);
+      linear::Options lo;
+      lo.causal = causal;
+      linear::Saved<T> saved_l;
+      linear::Grad<T> grad_l;
+      expect_steady(
+          [&] {
+            linear::forward_into<T>(out_l, q, k, v, lo, &saved_l);
+            linear::backward_into<T>(grad_l, q, k, v, dout, saved_l, lo);
+          },
+          "linear, " + at);
+      performer::Options po;
+      po.causal = causal;
+      performer::Saved<T> saved_p;
+      performer::Grad<T> grad_p;
+      expect_steady(
+          [&] {
+            performer::forward_into<T>(out_p, q, k, v, features, po, &saved_p);
+            performer::backward_into<T>(grad_p, q, k, v, dout, features, saved_p, po);
+          },
+          "performer, " + at);
+      vq::Options vo;
+      vo.causal = causal;
+      vq::Saved<T> saved_v;
+      vq::Grad<T> grad_v;
+      expect_steady(
+          [&] {
+            vq::forward_into<T>(out_v, q, k, v, codebook, vo, &saved_v);
+            vq::backward_into<T>(grad_v, q, k, v, codebook, dout, saved_v, vo);
+          },
+          "vq, " + at);
+    }
+  }
+}
+
+/// Packed batches (packed.hpp) of four sequences of T/2, T/4, T/8, T/8 tokens, two heads, on one
+/// thread: GMA (bidirectional and causal), flash with grouped-query heads (four sequences of T/4
+/// tokens: its per-thread forward buffers follow each item's length), and OVQ. OVQ
+/// continues each item's State, which grows its dictionary in place (a State has no spare
+/// rows), so its steps start from full dictionaries (Growth::linear after N_max tokens) and run
+/// whole blocks, which leave the states' shapes as they found them.
+TYPED_TEST(SteadyStateTyped, PackedAtTrainingLengthsAllocateNothing) {
+  using T = TypeParam;
+  namespace gma = mixattn::gma;
+  namespace ref = mixattn::reference;
+  namespace ovq = mixattn::ovq;
+  const Index H = 2, r = 16, dv = 16;
+  const std::vector<gma::Mixture<T>> mix = {gma::Mixture<T>::random(64, r, 76),
+                                            gma::Mixture<T>::random(64, r, 77)};
+  for (const Index n : training_lengths()) {
+    const mixattn::Offsets off = {0, n / 2, n / 2 + n / 4, n - n / 8, n};
+    const Matrix<T> q = random_matrix<T>(n, H * r, 78), k = random_matrix<T>(n, H * r, 79);
+    const Matrix<T> v = random_matrix<T>(n, H * dv, 80), dout = random_matrix<T>(n, H * dv, 81);
+    for (const bool causal : {false, true}) {
+      gma::Options opt;
+      opt.causal = causal;
+      Matrix<T> out;
+      gma::PackedSaved<T> saved;
+      gma::PackedGrad<T> grad;
+      expect_steady(
+          [&] {
+            gma::forward_packed_into(out, mix, q, k, v, off, off, opt, &saved);
+            gma::backward_packed_into(grad, mix, q, k, v, dout, off, off, saved, opt);
+          },
+          "packed gma, T = " + std::to_string(n) + ", causal = " + std::to_string(causal));
+    }
+    const Matrix<T> k1 = k.leftCols(r), v1 = v.leftCols(dv);  // one key/value head
+    const mixattn::Offsets even = {0, n / 4, n / 2, n - n / 4, n};
+    for (const bool causal : {false, true}) {
+      ref::Options opt;
+      opt.causal = causal;
+      Matrix<T> out;
+      ref::PackedSaved<T> saved;
+      ref::PackedGrad<T> grad;
+      expect_steady(
+          [&] {
+            ref::flash_forward_packed_into<T>(out, H, 1, q, k1, v1, even, even, opt, &saved);
+            ref::flash_backward_packed_into<T>(grad, H, 1, q, k1, v1, dout, even, even, saved,
+                                               opt);
+          },
+          "packed flash, T = " + std::to_string(n) + ", causal = " + std::to_string(causal));
+    }
+    ovq::Options opt;
+    opt.growth = ovq::Growth::linear;
+    const std::vector<T> beta = {T(0.8), T(1.3)};
+    const Matrix<T> fk = random_matrix<T>(opt.max_centroids, r, 82),
+                    fv = random_matrix<T>(opt.max_centroids, dv, 85);
+    ovq::State<T> full = ovq::State<T>::empty(r, dv);
+    ovq::forward<T>(fk, fk, fv, T(1), opt, full);
+    ASSERT_EQ(full.keys.rows(), opt.max_centroids);
+    const std::vector<ovq::State<T>> start(static_cast<std::size_t>(4 * H), full);
+    std::vector<ovq::State<T>> states = start;
+    Matrix<T> out;
+    ovq::PackedSaved<T> saved;
+    ovq::PackedGrad<T> grad;
+    expect_steady(
+        [&] {
+          for (std::size_t i = 0; i < states.size(); ++i) states[i] = start[i];
+          ovq::forward_packed_into(out, 1, q, k1, v1, beta, off, opt, states, &saved);
+          ovq::backward_packed_into(grad, 1, q, k1, v1, beta, dout, off, saved, opt);
+        },
+        "packed ovq, T = " + std::to_string(n));
+  }
+}
+
+/// The layer's training step at each mixer's default options (OVQ: block 256, N_max 1024; GMA:
+/// its K = 16), r = d_v = 64 per head, at T = 2048 and 8192; full softmax attention, O(T^2),
+/// at T = 2048 only, its sliding-window + RoPE form at both.
+TEST(SteadyState, LayerDefaultsAtTrainingLengthsAllocateNothing) {
+  namespace layer = mixattn::layer;
+  using layer::MixerKind;
+  struct Case {
+    MixerKind mixer;
+    bool causal;
+    bool window_rope = false;
+  };
+  for (const Index n : training_lengths())
+    for (const Case c : {Case{MixerKind::gma, false}, Case{MixerKind::gma, true},
+                         Case{MixerKind::ovq, true}, Case{MixerKind::softmax, true},
+                         Case{MixerKind::linear, false}, Case{MixerKind::linear, true},
+                         Case{MixerKind::performer, false}, Case{MixerKind::performer, true},
+                         Case{MixerKind::vq, false}, Case{MixerKind::vq, true},
+                         Case{MixerKind::softmax, true, true}}) {
+      if (c.mixer == MixerKind::softmax && !c.window_rope && n > 2048) continue;
+      layer::Config cfg;
+      cfg.model_dim = 128;
+      cfg.heads = 2;
+      cfg.key_dim = 64;
+      cfg.value_dim = 64;
+      cfg.mixer = c.mixer;
+      cfg.causal = c.causal;
+      if (c.window_rope) {
+        cfg.softmax.window = 64;
+        cfg.rope = true;
+      }
+      const layer::MultiHeadAttention<float> mha(cfg);
+      const Matrix<float> x = random_matrix<float>(n, 128, 83),
+                          dy = random_matrix<float>(n, 128, 84);
+      Matrix<float> y;
+      layer::Cache<float> cache;
+      layer::Gradients<float> g;
+      expect_steady(
+          [&] {
+            mha.forward_into(y, x, cache);
+            mha.backward_into(g, x, dy, cache);
+          },
+          "T = " + std::to_string(n) + ", mixer " + layer::mixer_name(c.mixer) +
+              ", causal = " + std::to_string(c.causal) +
+              ", window + rope = " + std::to_string(c.window_rope));
+    }
+}
+
+/// Bytes held by the matrices and vectors given (what a value-returning call hands back).
+template <class... M>
+std::int64_t held_bytes(const M&... m) {
+  return (std::int64_t(0) + ... +
+          static_cast<std::int64_t>(m.size() * sizeof(typename M::Scalar)));
+}
+
+/// Heap bytes a warm value-returning call allocates beyond `returned()` (what it hands back),
+/// allowing each allocation glibc's rounding of a mapped chunk to whole pages.
+template <class Call, class Returned>
+std::int64_t bytes_beyond_results(Call&& call, Returned&& returned) {
+#ifndef MIXATTN_TEST_SANITIZED
+  call();  // warm-up: fills this thread's working memory
+  const auto& c = mixattn::bench::heap_counters();
+  const std::int64_t bytes = c.total.load(), allocs = c.allocs.load();
+  call();
+  const std::int64_t allocated = c.total.load() - bytes, n = c.allocs.load() - allocs;
+  return allocated - returned() - n * 4160;
+#else
+  call();
+  (void)returned;
+  return 0;
+#endif
+}
+
+/// The value-returning forms borrow their working memory from this thread's cache
+/// (detail::LentScratch): once warm, a forward + backward allocates only its results, its
+/// Saved's contents and the gradients it returns, at N = 4096 where a fresh scratch would be
+/// mapped from the OS and page-faulted on every call.
+TYPED_TEST(SteadyStateTyped, ValueFormsAllocateOnlyTheirResults) {
+  using T = TypeParam;
+  namespace gma = mixattn::gma;
+  namespace ovq = mixattn::ovq;
+  namespace ref = mixattn::reference;
+  const Index n = 4096, K = 64, r = 16, dv = 16;
+  const gma::Mixture<T> mix = gma::Mixture<T>::random(K, r, 86);
+  const Matrix<T> q = random_matrix<T>(n, r, 87), k = random_matrix<T>(n, r, 88);
+  const Matrix<T> v = random_matrix<T>(n, dv, 89), dout = random_matrix<T>(n, dv, 90);
+  for (const bool causal : {false, true}) {
+    gma::Options opt;
+    opt.causal = causal;
+    std::int64_t kept = 0;
+    const auto call = [&] {
+      gma::Saved<T> s;
+      const Matrix<T> out = gma::forward(mix, q, k, v, opt, &s);
+      const gma::Grad<T> g = gma::backward(mix, q, k, v, dout, s, opt);
+      kept = held_bytes(out, s.gamma_q, s.gamma_k, s.den, s.out, s.vt, s.z, s.start_S, s.start_z,
+                        g.q, g.k, g.v, g.mixture.mean, g.mixture.var_raw, g.mixture.prior_logit,
+                        g.state.S, g.state.z);
+    };
+    EXPECT_LE(bytes_beyond_results(call, [&] { return kept; }), 0) << "gma, causal = " << causal;
+  }
+  for (const bool through : {true, false}) {
+    ovq::Options opt;
+    opt.grad_through_dictionary = through;
+    std::int64_t kept = 0;
+    const auto call = [&] {
+      ovq::State<T> state = ovq::State<T>::empty(r, dv);
+      ovq::Saved<T> s;
+      const Matrix<T> out = ovq::forward(q, k, v, T(0.7), opt, state, &s);
+      const ovq::Grad<T> g = ovq::backward(q, k, v, T(0.7), dout, s, opt);
+      // + the in-place state's transient growth: the dictionary is grown to the call's
+      // capacity (N_max rows here) before it is trimmed to its live rows
+      kept = held_bytes(out, state.keys, state.values, state.counts, state.pending_keys,
+                        state.pending_values, g.q, g.k, g.v, g.state.keys, g.state.values,
+                        g.state.pending_keys, g.state.pending_values) +
+             static_cast<std::int64_t>(s.bytes()) +
+             static_cast<std::int64_t>(opt.max_centroids * (r + dv + 1) * sizeof(T));
+    };
+    EXPECT_LE(bytes_beyond_results(call, [&] { return kept; }), 0) << "ovq, through = " << through;
+  }
+  for (const bool causal : {false, true}) {
+    ref::Options opt;
+    opt.causal = causal;
+    std::int64_t kept = 0;
+    const auto call = [&] {
+      ref::Saved<T> s;
+      const Matrix<T> out = ref::flash_forward<T>(q, k, v, opt, &s);
+      const ref::Grad<T> g = ref::flash_backward<T>(q, k, v, dout, s, opt);
+      kept = held_bytes(out, s.out, s.lse, s.probs, g.q, g.k, g.v);
+    };
+    EXPECT_LE(bytes_beyond_results(call, [&] { return kept; }), 0) << "flash, causal = " << causal;
   }
 }
 

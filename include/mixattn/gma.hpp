@@ -32,6 +32,7 @@
 #include "mixattn/detail/refuse.hpp"
 #include "mixattn/detail/simd.hpp"
 #include "mixattn/detail/softmax.hpp"
+#include "mixattn/detail/value_form_scratch.hpp"
 #include "mixattn/gma_types.hpp"
 
 #include <Eigen/Core>
@@ -95,6 +96,7 @@ template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T
 Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
                   const ConstMatrixArg<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
   Matrix<T> out;
+  const detail::LentScratch<detail::GmaForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
   detail::gma_forward<Arch, T>("mixattn::gma::forward", out, mix, q, k, v, opt, saved);
   return out;
 }
@@ -132,6 +134,7 @@ Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const Const
                   const ConstMatrixArg<T>& v, const Options& opt, State<T>& state,
                   Saved<T>* saved = nullptr) {
   Matrix<T> out;
+  const detail::LentScratch<detail::GmaForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
   detail::gma_forward_mixture_continued<Arch, T>("mixattn::gma::forward", out, mix, q, k, v, opt,
                                                  state, saved);
   return out;
@@ -159,6 +162,7 @@ Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixArg<T>& q,
   detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
   detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
   Matrix<T> out;
+  const detail::LentScratch<detail::GmaForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
   detail::gma_forward_continued<Arch, T>(fn, out, prep.packed(), q, k, v, opt, state, saved,
                                          prep.mixture_fingerprint());
   return out;
@@ -198,8 +202,11 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstM
                  const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                  const Saved<T>& saved, const Options& opt, const StateGrad<T>* grad_state_out) {
   Grad<T> grad;
-  detail::gma_backward<Arch, T>("mixattn::gma::backward", grad, mix, q, k, v, grad_out, saved, opt,
-                                grad_state_out);
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<detail::GmaBackwardScratch<T>> lent(&grad.scratch);
+    detail::gma_backward<Arch, T>("mixattn::gma::backward", grad, mix, q, k, v, grad_out, saved,
+                                  opt, grad_state_out);
+  }
   return grad;
 }
 

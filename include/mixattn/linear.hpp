@@ -19,6 +19,7 @@
 #include "mixattn/detail/gemm.hpp"
 #include "mixattn/detail/gma_scan.hpp"
 #include "mixattn/detail/refuse.hpp"
+#include "mixattn/detail/value_form_scratch.hpp"
 #include "mixattn/gma.hpp"
 #include "mixattn/linear_types.hpp"
 
@@ -305,8 +306,10 @@ Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const C
                  const ConstMatrixArg<T>& grad_out, const Saved<T>& saved,
                  const Options& opt = {}) {
   Grad<T> grad;
-  detail::linear_backward_into<T>("mixattn::linear::backward", grad, q, k, v, grad_out, saved, opt);
-  grad.scratch = {};  // a returned gradient carries no working memory
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<decltype(grad.scratch)> lent(&grad.scratch);
+    detail::linear_backward_into<T>("mixattn::linear::backward", grad, q, k, v, grad_out, saved, opt);
+  }
   return grad;
 }
 

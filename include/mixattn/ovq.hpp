@@ -27,6 +27,7 @@
 #include "mixattn/detail/ovq_backward.hpp"
 #include "mixattn/detail/ovq_forward.hpp"
 #include "mixattn/detail/refuse.hpp"
+#include "mixattn/detail/value_form_scratch.hpp"
 #include "mixattn/ovq_types.hpp"
 
 #include <algorithm>
@@ -52,6 +53,7 @@ Matrix<T> forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
                   const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
                   const Options& opt, State<T>& state, Saved<T>* saved = nullptr) {
   Matrix<T> out;
+  const detail::LentScratch<detail::ForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
   detail::ovq_forward<T>("mixattn::ovq::forward", out, q, k, v, beta, opt, state, state, saved);
   return out;
 }
@@ -97,8 +99,11 @@ Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const C
                  typename mixattn::detail::identity<T>::type beta,
                  const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt) {
   Grad<T> g;
-  detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
-                          static_cast<const StateGrad<T>*>(nullptr));
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<detail::BackwardScratch<T>> lent(&g.scratch);
+    detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
+                            static_cast<const StateGrad<T>*>(nullptr));
+  }
   return g;
 }
 
@@ -117,8 +122,11 @@ Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const C
                  const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt,
                  const StateGrad<typename mixattn::detail::identity<T>::type>* grad_state_out) {
   Grad<T> g;
-  detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
-                          grad_state_out);
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<detail::BackwardScratch<T>> lent(&g.scratch);
+    detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
+                            grad_state_out);
+  }
   return g;
 }
 

@@ -20,6 +20,7 @@
 #include "mixattn/detail/checks.hpp"
 #include "mixattn/detail/fingerprint.hpp"
 #include "mixattn/detail/refuse.hpp"
+#include "mixattn/detail/value_form_scratch.hpp"
 #include "mixattn/linear.hpp"
 #include "mixattn/performer_types.hpp"
 
@@ -282,9 +283,11 @@ Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const C
                  const ConstMatrixArg<T>& grad_out, const Features<T>& features,
                  const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> grad;
-  detail::performer_backward_into<T>("mixattn::performer::backward", grad, q, k, v, grad_out,
-                                     features, saved, opt);
-  grad.scratch = {};  // a returned gradient carries no working memory
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<decltype(grad.scratch)> lent(&grad.scratch);
+    detail::performer_backward_into<T>("mixattn::performer::backward", grad, q, k, v, grad_out,
+                                       features, saved, opt);
+  }
   return grad;
 }
 

@@ -23,6 +23,7 @@
 #include "mixattn/detail/gemm.hpp"
 #include "mixattn/detail/refuse.hpp"
 #include "mixattn/detail/softmax.hpp"
+#include "mixattn/detail/value_form_scratch.hpp"
 #include "mixattn/reference_types.hpp"
 
 #include <algorithm>
@@ -283,7 +284,11 @@ Grad<T> naive_backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
                        const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> g;
-  detail::naive_backward<T>("mixattn::reference::naive_backward", g, q, k, v, grad_out, saved, opt);
+  {  // the working memory is this thread's: the returned gradient carries none
+    const mixattn::detail::LentScratch<detail::FlashScratch<T>> lent(&g.scratch);
+    const mixattn::detail::LentScratch<mixattn::detail::GemmSpace<T>> lent_gemm(&g.gemm);
+    detail::naive_backward<T>("mixattn::reference::naive_backward", g, q, k, v, grad_out, saved, opt);
+  }
   return g;
 }
 
@@ -334,7 +339,11 @@ Grad<T> flash_backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
                        const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                        const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> g;
-  detail::flash_backward<T>("mixattn::reference::flash_backward", g, q, k, v, grad_out, saved, opt);
+  {  // the working memory is this thread's: the returned gradient carries none
+    const mixattn::detail::LentScratch<detail::FlashScratch<T>> lent(&g.scratch);
+    const mixattn::detail::LentScratch<mixattn::detail::GemmSpace<T>> lent_gemm(&g.gemm);
+    detail::flash_backward<T>("mixattn::reference::flash_backward", g, q, k, v, grad_out, saved, opt);
+  }
   return g;
 }
 

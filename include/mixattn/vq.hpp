@@ -22,6 +22,7 @@
 #include "mixattn/detail/checks.hpp"
 #include "mixattn/detail/fingerprint.hpp"
 #include "mixattn/detail/refuse.hpp"
+#include "mixattn/detail/value_form_scratch.hpp"
 #include "mixattn/linear.hpp"
 #include "mixattn/performer.hpp"
 #include "mixattn/vq_types.hpp"
@@ -293,9 +294,11 @@ Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const C
                  const ConstMatrixArg<T>& codebook, const ConstMatrixArg<T>& grad_out,
                  const Saved<T>& saved, const Options& opt = {}) {
   Grad<T> grad;
-  detail::vq_backward_into<T>("mixattn::vq::backward", grad, q, k, v, codebook, grad_out, saved,
-                              opt);
-  grad.scratch = {};  // a returned gradient carries no working memory
+  {  // the working memory is this thread's: the returned gradient carries none
+    const detail::LentScratch<decltype(grad.scratch)> lent(&grad.scratch);
+    detail::vq_backward_into<T>("mixattn::vq::backward", grad, q, k, v, codebook, grad_out, saved,
+                                opt);
+  }
   return grad;
 }
 

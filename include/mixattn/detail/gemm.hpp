@@ -118,7 +118,12 @@ void product_into(MatrixRef<T> dst, const GemmOperand<T>& a, const GemmOperand<T
   const Map bm(b.data, b.row_major ? b.rows : b.cols, b.row_major ? b.cols : b.rows,
                Stride(b.stride));
   const auto run = [&](const auto& x, const auto& y) {
-    if (accumulate)
+    // alpha 1 is left out: a scalar factor on a single row makes Eigen's GEMV copy it (malloc)
+    if (alpha == T(1) && accumulate)
+      dst.noalias() += x * y;
+    else if (alpha == T(1))
+      dst.noalias() = x * y;
+    else if (accumulate)
       dst.noalias() += alpha * x * y;
     else
       dst.noalias() = alpha * x * y;

@@ -11,6 +11,7 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/gemm.hpp"
 #include "mixattn/detail/row_tiles.hpp"
 #include "mixattn/detail/softmax.hpp"
 
@@ -50,6 +51,9 @@ struct AttentionScratch {
   // forward on register tiles (tile_forward_tiled): the tile's queries transposed (r x m',
   // m' = m rounded up to whole vectors) and its logits, then weights, transposed ((N + L) x m')
   Matrix<T> qt, st;
+  // Eigen's GEMM mallocs its packing buffers above 128 KiB (a 64 x 1024 score tile at r = 64):
+  // every product of a tile runs on these instead (gemm.hpp)
+  GemmSpace<T> gemm;
   /// max_queries: the most queries of one call's block (a decoding call has one), so that a
   /// one-token call does not allocate a full tile.
   void reserve(Index dict_rows, Index block, Index key_dim, bool backward,
@@ -85,9 +89,10 @@ bool tile_weights(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k, 
   MIXATTN_ASSERT(l == p0 + m);
   Eigen::Ref<Matrix<T>> pd = sc.pd.topLeftCorner(m, n);
   Eigen::Ref<Matrix<T>> pb = sc.pb.topLeftCorner(m, l);
-  if (n > 0) pd.noalias() = qh * dict_k.transpose();
-  if (lo > 0) pb.leftCols(lo).noalias() = qh * ko.transpose();
-  pb.rightCols(l - lo).noalias() = qh * kn.transpose();
+  if (n > 0) product_into<T>(pd, plain<T>(qh), transposed<T>(dict_k), T(1), false, sc.gemm);
+  if (lo > 0)
+    product_into<T>(pb.leftCols(lo), plain<T>(qh), transposed<T>(ko), T(1), false, sc.gemm);
+  product_into<T>(pb.rightCols(l - lo), plain<T>(qh), transposed<T>(kn), T(1), false, sc.gemm);
   using W = mixattn::detail::wide_t<T>;
   const mixattn::detail::simd_arch arch{};
   T probe = 0;  // x * 0 is 0 for finite x, NaN otherwise
@@ -133,9 +138,13 @@ bool tile_forward_gemm(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dic
                        Eigen::Ref<Matrix<T>> out, bool check = false) {
   const Index m = qh.rows(), n = dict_k.rows(), lo = ko.rows(), l = lo + kn.rows();
   const bool finite = tile_weights<T>(qh, dict_k, logc, ko, kn, p0, s, sc, check);
-  out.noalias() = sc.pb.topLeftCorner(m, l).rightCols(l - lo) * vn;
-  if (lo > 0) out.noalias() += sc.pb.topLeftCorner(m, lo) * vo;
-  if (n > 0) out.noalias() += sc.pd.topLeftCorner(m, n) * dict_v;
+  product_into<T>(out, plain<T>(sc.pb.topLeftCorner(m, l).rightCols(l - lo)), plain<T>(vn), T(1),
+                  false, sc.gemm);
+  if (lo > 0)
+    product_into<T>(out, plain<T>(sc.pb.topLeftCorner(m, lo)), plain<T>(vo), T(1), true, sc.gemm);
+  if (n > 0)
+    product_into<T>(out, plain<T>(sc.pd.topLeftCorner(m, n)), plain<T>(dict_v), T(1), true,
+                    sc.gemm);
   out.array().colwise() *= sc.inv.head(m).array();
   return finite;
 }
@@ -397,10 +406,11 @@ void tile_backward(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k,
   Eigen::Ref<Matrix<T>> dpb = sc.dpb.topLeftCorner(m, l);
   Eigen::Ref<Matrix<T>> g = sc.g.topLeftCorner(m, qh.cols());
   pb = sc.inv.head(m).asDiagonal() * pb;
-  dpb.noalias() = dout * vb.transpose();
+  GemmSpace<T>& space = sc.gemm;
+  product_into<T>(dpb, plain<T>(dout), transposed<T>(vb), T(1), false, space);
   if (n > 0) {
     pd = sc.inv.head(m).asDiagonal() * pd;
-    dpd.noalias() = dout * dict_v.transpose();
+    product_into<T>(dpd, plain<T>(dout), transposed<T>(dict_v), T(1), false, space);
   }
   const mixattn::detail::simd_arch arch{};
   for (Index i = 0; i < m; ++i) {
@@ -410,16 +420,16 @@ void tile_backward(const ConstMatrixRef<T>& qh, const ConstMatrixRef<T>& dict_k,
     softmax_backward_apply(arch, pb.row(i).data(), dpb.row(i).data(), l, delta);
     softmax_backward_apply(arch, pd.row(i).data(), dpd.row(i).data(), n, delta);
   }
-  g.noalias() = dpb * kb;
-  if (n > 0) g.noalias() += dpd * dict_k;
+  product_into<T>(g, plain<T>(dpb), plain<T>(kb), T(1), false, space);
+  if (n > 0) product_into<T>(g, plain<T>(dpd), plain<T>(dict_k), T(1), true, space);
   dqh += s * g;
   for (Index i = 0; i < m; ++i)
     ds += static_cast<mixattn::detail::wide_t<T>>(qh.row(i).dot(g.row(i)));
-  dkb.noalias() += s * (dpb.transpose() * qh);
-  dvb.noalias() += pb.transpose() * dout;
+  product_into<T>(dkb, transposed<T>(dpb), plain<T>(qh), s, true, space);
+  product_into<T>(dvb, transposed<T>(pb), plain<T>(dout), T(1), true, space);
   if (dict_grad && n > 0) {
-    ddk.noalias() += s * (dpd.transpose() * qh);
-    ddv.noalias() += pd.transpose() * dout;
+    product_into<T>(ddk, transposed<T>(dpd), plain<T>(qh), s, true, space);
+    product_into<T>(ddv, transposed<T>(pd), plain<T>(dout), T(1), true, space);
   }
 }
 
