@@ -3,10 +3,13 @@
 //   gma_responsibilities          Γ of N tokens (SPEC 1.2)
 //   gma_forward_{bidir,causal}    SPEC 1.3 / 1.4 (causal with the library's default chunk)
 //   gma_fwd_bwd_{bidir,causal}    forward with Saved, then backward (SPEC 1.5)
-//   gma_train_step_into_bidir     the same step through forward_into / backward_into with
+//   gma_train_step_into_{bidir,causal}
+//                                 the same step through forward_into / backward_into with
 //                                 reused records (no allocation in steady state), under glibc's
-//                                 default malloc; ..._keep: the same after keep_freed_memory(),
-//                                 registered last because it changes the process's malloc policy
+//                                 default malloc, also at N = 131072 (per token flat in N: the
+//                                 records stream through memory); ..._keep: the same after
+//                                 keep_freed_memory(), registered last because it changes the
+//                                 process's malloc policy
 //   floor_gma_*                   the Eigen GEMMs of the same shapes (gma_floor.hpp lists them)
 // N = 256 ... 65536, K = 64 components, r = d_v = 64. The FLOPS counter is the floor's GEMM
 // work for both an operator and its floor, so the counter ratio is the time ratio.
@@ -85,11 +88,12 @@ void run_forward_backward(benchmark::State& state, bool causal) {
   mb::finish(state, n, heap);
 }
 
-void run_train_step_into(benchmark::State& state, bool keep) {
+void run_train_step_into(benchmark::State& state, bool keep, bool causal) {
   const Index n = state.range(0);
   if (keep) state.SetLabel(mb::keep_freed_memory());
   const Inputs in(n);
-  const gma::Options opt;
+  gma::Options opt;
+  opt.causal = causal;
   Matrix<float> out;
   gma::Saved<float> saved;
   gma::Grad<float> g;
@@ -99,8 +103,8 @@ void run_train_step_into(benchmark::State& state, bool keep) {
     gma::backward_into(g, in.mix, in.q, in.k, in.v, in.d_out, saved, opt);
     benchmark::DoNotOptimize(g.q.data());
   });
-  mb::set_flops(state, mb::GmaFloor::forward_flops(n, kK, kR, kDv, kChunk, false) +
-                           mb::GmaFloor::backward_flops(n, kK, kR, kDv, kChunk, false));
+  mb::set_flops(state, mb::GmaFloor::forward_flops(n, kK, kR, kDv, kChunk, causal) +
+                           mb::GmaFloor::backward_flops(n, kK, kR, kDv, kChunk, causal));
   mb::set_bytes(state, io_bytes(n, true));
   mb::finish(state, n, heap);
 }
@@ -165,12 +169,19 @@ BENCHMARK_CAPTURE(run_floor, fwd_bwd_causal, What::forward_backward, true)
     ->Apply(sweep);
 // The target row compares these two at N = 4096 (glibc defaults within 1.1x of keeping memory);
 // _keep changes the process's malloc policy, so it is registered last.
-BENCHMARK_CAPTURE(run_train_step_into, default_malloc, false)
+BENCHMARK_CAPTURE(run_train_step_into, default_malloc, false, false)
     ->Name("gma_train_step_into_bidir")
     ->Arg(4096)
     ->Arg(16384)
+    ->Arg(131072)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(run_train_step_into, keep, true)
+BENCHMARK_CAPTURE(run_train_step_into, causal_default_malloc, false, true)
+    ->Name("gma_train_step_into_causal")
+    ->Arg(4096)
+    ->Arg(16384)
+    ->Arg(131072)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(run_train_step_into, keep, true, false)
     ->Name("gma_train_step_into_bidir_keep")
     ->Arg(4096)
     ->Arg(16384)

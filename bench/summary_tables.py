@@ -11,7 +11,8 @@ N = 4096
 # The training step (forward_into + backward_into with reused records) does the work of a
 # forward+backward: the same floor and the same softmax comparisons.
 SAME_WORK = {"gma_train_step_into_bidir": "gma_fwd_bwd_bidir",
-             "gma_train_step_into_bidir_keep": "gma_fwd_bwd_bidir"}
+             "gma_train_step_into_bidir_keep": "gma_fwd_bwd_bidir",
+             "gma_train_step_into_causal": "gma_fwd_bwd_causal"}
 # Points that are not one call over N tokens of one head: no floor or softmax column.
 NOT_ONE_HEAD = ("floor_", "peak_", "torch_", "gma_heads", "gma_packed", "gma_separate", "layer_",
                 "decode_", "bh")
