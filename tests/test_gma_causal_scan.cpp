@@ -50,7 +50,8 @@ struct ScanGrads {
 
 /// SPEC 1.5 written out: with B_ij = g_i . v_j + h_i and A_ij = gamma_q,i . gamma_k,j,
 ///   dgamma_q,i = S0 g_i + h_i z0 + sum_{j <= i} B_ij gamma_k,j
-///   dgamma_k,j = G v_j + u + sum_{i >= j} B_ij gamma_q,i,   dv_j = G^T gamma_k,j + sum_{i >= j} A_ij g_i
+///   dgamma_k,j = G v_j + u + sum_{i >= j} B_ij gamma_q,i
+///   dv_j = G^T gamma_k,j + sum_{i >= j} A_ij g_i
 ///   dS0 = G + sum_i gamma_q,i g_i^T,   dz0 = u + sum_i h_i gamma_q,i
 /// (G, u: the end state's gradient). With absolute = true every factor enters by its absolute
 /// value: the sums of |terms| the rounding errors scale with.
@@ -112,14 +113,14 @@ ScanGrads scan_backward(const ScanCase<T>& c, Index chunk) {
 /// |a - ref| <= tol * scale entry by entry, reported with the worst entry.
 ::testing::AssertionResult within(const MatL& a, const MatL& ref, const MatL& scale, double tol) {
   if (a.rows() != ref.rows() || a.cols() != ref.cols())
-    return ::testing::AssertionFailure() << "shape " << a.rows() << "x" << a.cols() << " vs "
-                                         << ref.rows() << "x" << ref.cols();
+    return ::testing::AssertionFailure()
+           << "shape " << a.rows() << "x" << a.cols() << " vs " << ref.rows() << "x" << ref.cols();
   double worst = 0;
   Index wi = 0, wj = 0;
   for (Index i = 0; i < a.rows(); ++i)
     for (Index j = 0; j < a.cols(); ++j) {
-      const double e = static_cast<double>(std::abs(a(i, j) - ref(i, j)) /
-                                           std::max<LD>(scale(i, j), 1e-300L));
+      const double e =
+          static_cast<double>(std::abs(a(i, j) - ref(i, j)) / std::max<LD>(scale(i, j), 1e-300L));
       if (!(e <= worst)) {
         worst = e;
         wi = i;
@@ -127,10 +128,9 @@ ScanGrads scan_backward(const ScanCase<T>& c, Index chunk) {
       }
     }
   if (worst <= tol) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "worst entry (" << wi << ", " << wj << "): "
-                                       << static_cast<double>(a(wi, wj)) << " vs "
-                                       << static_cast<double>(ref(wi, wj)) << ", error / scale "
-                                       << worst << " > " << tol;
+  return ::testing::AssertionFailure()
+         << "worst entry (" << wi << ", " << wj << "): " << static_cast<double>(a(wi, wj)) << " vs "
+         << static_cast<double>(ref(wi, wj)) << ", error / scale " << worst << " > " << tol;
 }
 
 struct Shape {
@@ -157,9 +157,9 @@ TYPED_TEST(GmaCausalScan, TilesAndEigenTwinMatchTheDirectFormula) {
   std::uint64_t seed = 500;
   for (const Shape& s : shapes) {
     seed += 10;
-    SCOPED_TRACE(::testing::Message() << "N " << s.n << " K " << s.K << " d_v " << s.dv
-                                      << " chunk " << s.chunk << " continued " << s.continued
-                                      << " seed " << seed);
+    SCOPED_TRACE(::testing::Message()
+                 << "N " << s.n << " K " << s.K << " d_v " << s.dv << " chunk " << s.chunk
+                 << " continued " << s.continued << " seed " << seed);
     const ScanCase<T> c(s.n, s.K, s.dv, s.continued, seed);
     const ScanGrads ref = direct_backward(c, false), scale = direct_backward(c, true);
     // Both paths sum each result in T over at most d_v + K + chunk + 1 products inside a chunk

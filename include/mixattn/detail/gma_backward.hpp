@@ -129,8 +129,8 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
     grad.state.z.resize(0);
   }
   grad.state.state_fingerprint = saved.continued ? saved.fingerprint[4] : 0;
-  gma_causal_backward<T, Arch>(saved.gamma_q, saved.gamma_k, v, s.g, s.h, saved.chunk, s.dgq,
-                               s.dgk, grad.v, saved.continued ? &saved.start_S : nullptr,
+  gma_causal_backward<T, Arch>(saved.gamma_q, saved.gamma_k, v, s.g, s.h, saved.chunk, s.dgq, s.dgk,
+                               grad.v, saved.continued ? &saved.start_S : nullptr,
                                saved.continued ? &saved.start_z : nullptr, G, u, s.scan);
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);

@@ -328,8 +328,8 @@ inline void causal_backward_query_chunk(const CausalChunk<T>& ch, GmaScanScratch
 /// d_v x K), one for each of the two products that read it.
 template <class Arch, class T>
 inline void causal_backward_key_chunk(const CausalChunk<T>& ch, Matrix<wide_t<T>>& G,
-                                      Vector<wide_t<T>>& u, GmaScanScratch<T>& s, T* dk,
-                                      Index lddk, T* dv, Index lddv) {
+                                      Vector<wide_t<T>>& u, GmaScanScratch<T>& s, T* dk, Index lddk,
+                                      T* dv, Index lddv) {
   using W = wide_t<T>;
   static const T one = T(1);
   const Index c = ch.c, K = ch.K, d_v = ch.d_v, ld = ch.template ld<Arch>();
@@ -363,11 +363,10 @@ inline void causal_backward_key_chunk(const CausalChunk<T>& ch, Matrix<wide_t<T>
 /// then the key side's in suffix order, each chunk's products read while its rows are in L1.
 template <class Arch, class T>
 void gma_causal_backward_tiles(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
-                               const Matrix<T>& g, const Vector<T>& h, Index chunk,
-                               Matrix<T>& dgq, Matrix<T>& dgk, Matrix<T>& dv,
-                               const Matrix<wide_t<T>>* S0, const Vector<wide_t<T>>* z0,
-                               Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u,
-                               GmaScanScratch<T>& scratch) {
+                               const Matrix<T>& g, const Vector<T>& h, Index chunk, Matrix<T>& dgq,
+                               Matrix<T>& dgk, Matrix<T>& dv, const Matrix<wide_t<T>>* S0,
+                               const Vector<wide_t<T>>* z0, Matrix<wide_t<T>>& G,
+                               Vector<wide_t<T>>& u, GmaScanScratch<T>& scratch) {
   const Index N = gq.rows(), K = gq.cols(), d_v = v.cols();
   if (S0 != nullptr) {
     scratch.S = S0->transpose();
@@ -379,9 +378,18 @@ void gma_causal_backward_tiles(const Matrix<T>& gq, const Matrix<T>& gk, const C
   scratch.st = scratch.S.template cast<T>();
   scratch.z_t = scratch.z.template cast<T>();
   const auto chunk_at = [&](Index s) {
-    return CausalChunk<T>{gq.data() + s * K, gk.data() + s * K, v.data() + s * v.outerStride(),
-                          g.data() + s * d_v, h.data() + s, K, K, v.outerStride(), d_v,
-                          std::min(chunk, N - s), K, d_v};
+    return CausalChunk<T>{gq.data() + s * K,
+                          gk.data() + s * K,
+                          v.data() + s * v.outerStride(),
+                          g.data() + s * d_v,
+                          h.data() + s,
+                          K,
+                          K,
+                          v.outerStride(),
+                          d_v,
+                          std::min(chunk, N - s),
+                          K,
+                          d_v};
   };
   for (Index s = 0; s < N; s += chunk)
     causal_backward_query_chunk<Arch>(chunk_at(s), scratch, dgq.data() + s * K, K);
@@ -413,8 +421,7 @@ void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMa
   scratch.reset(gq.cols(), v.cols(), chunk);
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
-    gma_causal_backward_tiles<Arch, T>(gq, gk, v, g, h, chunk, dgq, dgk, dv, S0, z0, G, u,
-                                       scratch);
+    gma_causal_backward_tiles<Arch, T>(gq, gk, v, g, h, chunk, dgq, dgk, dv, S0, z0, G, u, scratch);
     return;
   }
 #endif

@@ -384,9 +384,8 @@ MIXATTN_ALWAYS_INLINE void sum_tile(const Term<T> (&t)[3], Index c0, T* out, Ind
 template <int R, class Arch, class T>
 inline void sum_rows(const Term<T> (&t)[3], Index width, T* out, Index ldo) {
   constexpr int NV = row_tile_vectors<Arch>();
-  const Index tail = over_column_tiles<NV, Arch, T>(width, [&](Index c0, auto nv) {
-    sum_tile<R, decltype(nv)::value, Arch>(t, c0, out, ldo);
-  });
+  const Index tail = over_column_tiles<NV, Arch, T>(
+      width, [&](Index c0, auto nv) { sum_tile<R, decltype(nv)::value, Arch>(t, c0, out, ldo); });
   for (Index c = tail; c < width; ++c)
     for (int i = 0; i < R; ++i) {
       T sum = 0;
