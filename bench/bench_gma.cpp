@@ -3,11 +3,13 @@
 //   gma_responsibilities          Γ of N tokens (SPEC 1.2)
 //   gma_forward_{bidir,causal}    SPEC 1.3 / 1.4 (causal with the library's default chunk)
 //   gma_fwd_bwd_{bidir,causal}    forward with Saved, then backward (SPEC 1.5)
-//   gma_train_step_into_{bidir,causal}  the same step through forward_into / backward_into
-//                                 with reused records (no allocation in steady state), under
-//                                 glibc's default malloc: gma_fwd_bwd_* over these at the same N
-//                                 is what the value-returning forms cost; ..._bidir_keep: the
-//                                 same after keep_freed_memory(), registered last because it
+//   gma_train_step_into_{bidir,causal}
+//                                 the same step through forward_into / backward_into with
+//                                 reused records (no allocation in steady state), under glibc's
+//                                 default malloc, also at N = 131072 (per token flat in N: the
+//                                 records stream through memory); gma_fwd_bwd_* over these at
+//                                 the same N is what the value-returning forms cost; ..._keep:
+//                                 the same after keep_freed_memory(), registered last because it
 //                                 changes the process's malloc policy
 //   floor_gma_*                   the Eigen GEMMs of the same shapes (gma_floor.hpp lists them)
 // N = 256 ... 65536, K = 64 components, r = d_v = 64. The FLOPS counter is the floor's GEMM
@@ -175,11 +177,14 @@ BENCHMARK_CAPTURE(run_train_step_into, default_malloc, false, false)
     ->Arg(4096)
     ->Arg(16384)
     ->Arg(65536)
+    ->Arg(131072)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(run_train_step_into, causal, false, true)
+BENCHMARK_CAPTURE(run_train_step_into, causal_default_malloc, false, true)
     ->Name("gma_train_step_into_causal")
     ->Arg(4096)
+    ->Arg(16384)
     ->Arg(65536)
+    ->Arg(131072)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(run_train_step_into, keep, true, false)
     ->Name("gma_train_step_into_bidir_keep")

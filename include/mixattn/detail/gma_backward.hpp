@@ -133,9 +133,9 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
     grad.state.z.resize(0);
   }
   grad.state.state_fingerprint = saved.continued ? saved.fingerprint.start_state : 0;
-  gma_causal_backward<T>(saved.gamma_q, saved.gamma_k, v, s.g, s.h, saved.chunk, s.dgq, s.dgk,
-                         grad.v, saved.continued ? &saved.start_S : nullptr,
-                         saved.continued ? &saved.start_z : nullptr, G, u, s.scan);
+  gma_causal_backward<T, Arch>(saved.gamma_q, saved.gamma_k, v, s.g, s.h, saved.chunk, s.dgq, s.dgk,
+                               grad.v, saved.continued ? &saved.start_S : nullptr,
+                               saved.continued ? &saved.start_z : nullptr, G, u, s.scan);
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);
     gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),

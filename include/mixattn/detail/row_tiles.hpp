@@ -72,6 +72,30 @@ inline void transpose16x16(const float* src, Index lds, float* dst, Index ldd) {
 }
 #endif
 
+#if MIXATTN_HAS_SIMD && XSIMD_WITH_AVX
+/// dst[c * ldd + i] = src[i * lds + c] for an 8 x 8 block of floats, in registers (two rounds of
+/// interleaves and one of 128-bit halves: 24 shuffles instead of 64 scalar moves), for builds
+/// with 256-bit registers, where a chunk's transposes moved element by element.
+inline void transpose8x8(const float* src, Index lds, float* dst, Index ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {  // rows i, i + 1 interleaved, per 128-bit half
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // r[i + m]: column m (and 4 + m) of rows i .. i + 3
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int m = 0; m < 4; ++m) {
+    _mm256_storeu_ps(dst + m * ldd, _mm256_permute2f128_ps(r[m], r[4 + m], 0x20));
+    _mm256_storeu_ps(dst + (4 + m) * ldd, _mm256_permute2f128_ps(r[m], r[4 + m], 0x31));
+  }
+}
+#endif
+
 /// dst = a^T (a.cols() rows of stride ld >= a.rows()), each row zero-padded from a.rows() to ld:
 /// a small block of tokens laid out one lane per token. In panels of 16 tokens, so that the
 /// panel's rows of a stay in L1 while its columns are read (a 256 x 64 float block is 64 KiB);
@@ -91,6 +115,21 @@ inline void transpose_padded(const Eigen::Ref<const Matrix<T>>& a, T* dst, Index
         for (; c0 + panel <= cols; c0 += panel)
           transpose16x16(a.data() + i0 * a.outerStride() + c0, a.outerStride(), dst + c0 * ld + i0,
                          ld);
+#endif
+#if MIXATTN_HAS_SIMD && XSIMD_WITH_AVX
+    if constexpr (std::is_same<T, float>::value) {
+      const Index rows8 = (i1 - i0) / 8 * 8;  // the panel's whole 8 x 8 blocks
+      if (rows8 > 0) {
+        Index c8 = c0;
+        for (; c8 + 8 <= cols; c8 += 8)
+          for (Index i = i0; i < i0 + rows8; i += 8)
+            transpose8x8(a.data() + i * a.outerStride() + c8, a.outerStride(), dst + c8 * ld + i,
+                         ld);
+        for (Index c = c0; c < c8; ++c)
+          for (Index i = i0 + rows8; i < i1; ++i) dst[c * ld + i] = a(i, c);
+        c0 = c8;
+      }
+    }
 #endif
     for (Index c = c0; c < cols; ++c)
       for (Index i = i0; i < i1; ++i) dst[c * ld + i] = a(i, c);
@@ -311,6 +350,65 @@ inline void state_update(const T* g, Index ldg, const T* v, Index ldv, Index n, 
       S[k * d_v + c] = x;
       s_t[k * d_v + c] = static_cast<T>(x);
     }
+}
+
+/// One product of a sum that sum_block reads: out_i += sum_{k < depth} w_ik src[k, :], with
+/// w_ik = w[i * ldw + k * ldk] (read_accumulate's strides: ldk = 1 reads w by rows, ldw = 1 by
+/// columns, both 0 a constant) and src's rows of stride lds. depth = 0: no product.
+template <class T>
+struct Term {
+  const T* w = nullptr;
+  Index ldw = 0, ldk = 1;
+  const T* src = nullptr;
+  Index lds = 0, depth = 0;
+};
+
+/// Up to three products summed in one tile, R rows by the NV registers of columns from c0, in
+/// T and in term order, then stored (not added) to out (stride ldo).
+template <int R, int NV, class Arch, class T>
+MIXATTN_ALWAYS_INLINE void sum_tile(const Term<T> (&t)[3], Index c0, T* out, Index ldo) {
+  using B = xsimd::batch<T, Arch>;
+  constexpr Index Wd = static_cast<Index>(B::size);
+  B acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = B(T(0));
+#pragma GCC unroll 3
+  for (int n = 0; n < 3; ++n)
+    read_accumulate<R, NV, Arch>(acc, t[n].w, t[n].ldw, t[n].src, t[n].lds, t[n].depth, c0,
+                                 t[n].ldk);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j].store_unaligned(out + i * ldo + c0 + j * Wd);
+}
+
+/// sum_tile for R rows over `width` columns, the columns past the last register scalar.
+template <int R, class Arch, class T>
+inline void sum_rows(const Term<T> (&t)[3], Index width, T* out, Index ldo) {
+  constexpr int NV = row_tile_vectors<Arch>();
+  const Index tail = over_column_tiles<NV, Arch, T>(
+      width, [&](Index c0, auto nv) { sum_tile<R, decltype(nv)::value, Arch>(t, c0, out, ldo); });
+  for (Index c = tail; c < width; ++c)
+    for (int i = 0; i < R; ++i) {
+      T sum = 0;
+      for (const Term<T>& e : t)
+        for (Index k = 0; k < e.depth; ++k)
+          sum = std::fma(e.w[i * e.ldw + k * e.ldk], e.src[k * e.lds + c], sum);
+      out[i * ldo + c] = sum;
+    }
+}
+
+/// A sum of up to three products for n rows, in tiles of row_tile_tokens rows: for the tile of
+/// rows [i0, i0 + rows), terms(i0, rows, t) fills t (pointers at the tile's first row) and
+/// returns the columns to compute (at most the block's), written to out (stride ldo).
+template <class Arch, class T, class Terms>
+inline void sum_block(Index n, T* out, Index ldo, Terms&& terms) {
+  constexpr int R = row_tile_tokens<Arch>();
+  for (Index i0 = 0; i0 < n; i0 += R)
+    with_rows<R>(std::min<Index>(R, n - i0), [&](auto rows) {
+      constexpr int RR = decltype(rows)::value;
+      Term<T> t[3];
+      const Index width = terms(i0, static_cast<Index>(RR), t);
+      sum_rows<RR, Arch>(t, width, out + i0 * ldo, ldo);
+    });
 }
 
 /// The write for n tokens: tiles of row_tile_tokens rows, then one tile of the rest.
