@@ -7,8 +7,8 @@
 #      for: the x86-64 baseline (-march=x86-64, SSE2) and x86-64-v3 (AVX2 + FMA), each skipped
 #      where xsimd selects the same SIMD architecture for it as for -march=native (x86-64-v3 on
 #      an AVX2 machine without AVX-512: the main pass already ran those kernels). These passes
-#      build the test files that exercise the kernels (GMA forward, backward, backward kernel, causal scan and
-#      state; OVQ backward, dictionary, exactness, streaming and reference rules; the softmax
+#      build the test files that exercise the kernels (GMA forward, backward, backward kernel,
+#      causal scan and state; OVQ backward, dictionary, exactness, streaming and reference rules; the softmax
 #      reference; the layer: every SIMD kernel against its twin and every finite-difference
 #      check) plus the header checks, and skip what does not depend on the ISA or costs the
 #      most: argument validation, thread, exception, diagnostics and stress files, the
