@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <string>
@@ -46,7 +47,7 @@ struct Case {
   Matrix<T> q, k, v, dout;
   std::vector<Index> cuts;
   fz::Expect ex;  // of the whole sequence
-  fz::Flags grad_flags;
+  fz::Flags mix_flags, grad_flags;
   bool prepared = false, into = false;
   std::uint8_t mismatch = 0;
   Index n() const { return q.rows(); }
@@ -69,9 +70,10 @@ Case<T> decode(fz::Bytes& in) {
   static constexpr double floor_menu[] = {1e-4, 1e-4, 1, 1e-30};
   c.mix.var_floor = static_cast<T>(in.pick(floor_menu));
   c.ex.check_finite = c.opt.check_finite;
-  c.mix.mean = fz::matrix<T>(in, kc, r, c.ex.flags);
-  c.mix.var_raw = fz::matrix<T>(in, kc, r, c.ex.flags);
-  c.mix.prior_logit = fz::vector<T>(in, kc, c.ex.flags);
+  c.mix.mean = fz::matrix<T>(in, kc, r, c.mix_flags);
+  c.mix.var_raw = fz::matrix<T>(in, kc, r, c.mix_flags);
+  c.mix.prior_logit = fz::vector<T>(in, kc, c.mix_flags);
+  c.ex.flags = c.mix_flags;
   c.q = fz::matrix<T>(in, n, r, c.ex.flags);
   c.k = fz::matrix<T>(in, n, r, c.ex.flags);
   c.v = fz::matrix<T>(in, n, dv, c.ex.flags);
@@ -90,6 +92,29 @@ Case<T> decode(fz::Bytes& in) {
               << " pieces=" << c.cuts.size() << " non_finite=" << c.ex.flags.non_finite
               << " extreme=" << c.ex.flags.extreme << "\n";
   return c;
+}
+
+/// The flags of rows [row0, row0 + len) of the given matrices.
+template <class T>
+fz::Flags rows_flags(std::initializer_list<const Matrix<T>*> ms, Index row0, Index len) {
+  fz::Flags f;
+  for (const Matrix<T>* m : ms)
+    for (Index i = row0; i < row0 + len; ++i)
+      for (Index j = 0; j < m->cols(); ++j) fz::classify<T>(static_cast<double>((*m)(i, j)), f);
+  return f;
+}
+
+/// What one piece's call may do: the whole sequence's check_finite and magnitudes (a state
+/// carries earlier pieces' sums, so overflow may be reported where any piece is extreme), and
+/// non-finite values where the mixture, this piece's rows or (checks off) a state that took
+/// non-finite rows before has them.
+template <class T>
+fz::Expect piece_expect(const Case<T>& c, std::initializer_list<const Matrix<T>*> ms, Index row0,
+                        Index len, bool carried) {
+  fz::Expect ex = c.ex;
+  ex.flags.non_finite =
+      c.mix_flags.non_finite || rows_flags<T>(ms, row0, len).non_finite || carried;
+  return ex;
 }
 
 /// One piece's forward through the overload the case picked.
@@ -114,7 +139,7 @@ void forward_mismatch(const Case<T>& c, const gma::Prepared<T>* prep) {
   const Index kc = c.mix.components(), dv = c.dv();
   gma::State<T> st = gma::State<T>::empty(kc, dv);
   gma::Options opt = c.opt;
-  fz::Expect ex = c.ex;
+  fz::Expect ex = piece_expect(c, {&c.q, &c.k, &c.v}, 0, c.cuts[0], false);
   switch (c.mismatch % 16) {
     case 0: st = gma::State<T>::empty(kc + 1, dv); ex.invalid = true; break;
     case 1: st = gma::State<T>::empty(kc, dv + 1); ex.invalid = true; break;
@@ -140,19 +165,22 @@ bool forward_pieces(const Case<T>& c, const gma::Prepared<T>* prep, Matrix<T>& o
   out.resize(c.n(), c.dv());
   saved.assign(c.cuts.size(), gma::Saved<T>());
   Index row0 = 0;
+  bool carried = false;  // a non-finite row the state took (checks off)
   for (std::size_t p = 0; p < c.cuts.size(); ++p) {
     const Index len = c.cuts[p];
     const gma::State<T> before = st;
+    const fz::Expect ex = piece_expect(c, {&c.q, &c.k, &c.v}, row0, len, carried);
+    carried = ex.flags.non_finite;
     Matrix<T> piece;
     const fz::Outcome o =
-        fz::run(c.ex, [&] { piece = piece_forward(c, prep, row0, len, c.opt, st, &saved[p]); });
+        fz::run(ex, [&] { piece = piece_forward(c, prep, row0, len, c.opt, st, &saved[p]); });
     if (o != fz::Outcome::returned) {
       MIXATTN_FUZZ_CHECK(same_state(st, before), "a throwing forward changed the state");
       return false;
     }
-    fz::check_result(piece, len, c.dv(), c.ex.must_be_finite(), "piece output");
+    fz::check_result(piece, len, c.dv(), ex.must_be_finite(), "piece output");
     MIXATTN_FUZZ_CHECK(st.tokens_seen == before.tokens_seen + len, "tokens_seen not advanced");
-    if (c.ex.must_be_finite())
+    if (ex.must_be_finite())
       MIXATTN_FUZZ_CHECK(st.S.allFinite() && st.z.allFinite(), "non-finite state");
     out.middleRows(row0, len) = piece;
     row0 += len;
@@ -208,12 +236,16 @@ bool backward_pieces(const Case<T>& c, const std::vector<gma::Saved<T>>& saved,
   total.mixture.prior_logit = Vector<T>::Zero(kc);
   gma::Grad<T> g;
   Index row0 = c.n();
+  bool carried = false;  // a non-finite grad_out row a later piece's grad.state took
   for (std::size_t p = c.cuts.size(); p-- > 0;) {
     const Index len = c.cuts[p];
     row0 -= len;
     const bool last = p + 1 == c.cuts.size();
     const gma::StateGrad<T> next = g.state;
-    const fz::Outcome o = fz::run(bex, [&] {
+    fz::Expect pex = bex;  // q, k, v and the mixture are finite here; grad_out by piece
+    pex.flags.non_finite = rows_flags<T>({&c.dout}, row0, len).non_finite || carried;
+    carried = pex.flags.non_finite;
+    const fz::Outcome o = fz::run(pex, [&] {
       const auto q = c.q.middleRows(row0, len), k = c.k.middleRows(row0, len);
       const auto v = c.v.middleRows(row0, len), d = c.dout.middleRows(row0, len);
       if (c.into)
@@ -252,7 +284,8 @@ void run_case(fz::Bytes& in) {
   std::unique_ptr<gma::Prepared<T>> prep;
   if (c.prepared) {
     fz::Expect pex = c.ex;
-    pex.flags.extreme = false;  // preparing forms no log-density
+    pex.flags = c.mix_flags;  // all that preparing reads
+    pex.flags.extreme = c.ex.flags.extreme;
     const fz::Outcome o =
         fz::run(pex, [&] { prep.reset(new gma::Prepared<T>(c.mix, c.opt.check_finite)); });
     if (o != fz::Outcome::returned) return;
@@ -262,7 +295,9 @@ void run_case(fz::Bytes& in) {
   std::vector<gma::Saved<T>> saved;
   gma::State<T> st;
   if (!forward_pieces(c, prep.get(), out, saved, st)) return;
-  if (!c.ex.must_be_finite()) return;  // hostile content: the refusals above were the oracle
+  // Hostile content: the refusals above were the oracle (an extreme one-call forward may
+  // report overflow).
+  if (!c.ex.must_be_finite() || c.ex.flags.extreme) return;
   gma::Saved<T> one_saved;
   const Matrix<T> one = gma::forward<T>(c.mix, c.q, c.k, c.v, c.opt, &one_saved);
   const double floor_d = static_cast<double>(c.mix.var_floor);
