@@ -63,24 +63,26 @@ def into():
 
 
 def packed():
-    # op, H, [kv flag], r, dv, [causal], [cross], threads, check, B, lengths, [empty], q, k, v,
-    # dout, corruption mode, argument
+    # op, H, [kv flag], r, d_v, [causal], [cross], threads, check_finite, B, q lengths,
+    # [k lengths], empty-sequence byte, q, k, v, grad_out, corruption mode, its argument
     for op, name in [(0, "gma"), (1, "flash"), (2, "ovq")]:
         for mode, label in [(0, "valid"), (1, "decreasing"), (2, "interior_past_end"),
                             (3, "last_past_end"), (4, "first_not_zero"), (5, "one_entry"),
                             (6, "no_entry"), (7, "end_of_index"), (9, "count_mismatch")]:
-            t = op % 2
-            b = [t, op, 1]
-            if op != 0:
-                b += [1]  # grouped heads: one key/value head
-            b += [2, 2]
-            if op != 2:
-                b += [0, 1]  # bidirectional, cross-attention
-            b += [0, 1, 2, 5, 0, 7, 3, 1, 4, 0, 6, 2, 1]
-            for i in range(4):
-                b += mat(100 + i)
-            b += [mode, 5, 2, 7, 1, 3]
-            write("fuzz_packed", f"{name}_{label}", b)
+            if op == 2 and mode == 9:
+                continue  # one offsets vector
+            for threads in (0, 2):
+                b = [op % 2, op, 1] + ([0] if op != 0 else []) + [2, 2]
+                if op != 2:
+                    b += [0, 1]  # bidirectional, cross-attention
+                b += [threads, 1, 2, 5, 0, 7] + ([3, 1, 4] if op != 2 else []) + [1]
+                for i in range(4):
+                    b += mat(100 + i)
+                b += [mode, 5 if mode != 1 else 133]
+                write("fuzz_packed", f"{name}_{label}_{'two_threads' if threads else 'one'}", b)
+        write("fuzz_packed", f"{name}_empty_sequence",
+              [1, op, 0] + ([1] if op != 0 else []) + [1, 1] + ([1] if op != 2 else []) +
+              [0, 1, 3, 4, 0, 3, 0, 1] + mat(7) * 4 + [0, 0])
 
 
 def baselines():
