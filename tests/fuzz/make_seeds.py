@@ -115,11 +115,13 @@ def layer_load():
     write("fuzz_layer_load", "float_file_for_double", [1] + config[1:] + [0] +
           list(param_file(gma)))
     ovq = [("w_q", 2, 2), ("w_k", 2, 2), ("w_v", 2, 1), ("w_o", 1, 2), ("head0.beta", 1, 1)]
-    write("fuzz_layer_load", "valid_ovq", [0, 1, 1, 0, 1, 0, 0, 0, 0, 0] + [0] +
+    write("fuzz_layer_load", "valid_ovq", [0, 1, 1, 0, 1, 0, 0, 0, 0] + [0] +
           list(param_file(ovq)))
-    for edits, label in [([1, 0, 0, 16, 2, 4], "count_huge"), ([1, 0, 0, 31, 5, 4], "rows_huge"),
-                         ([2, 0, 40, 0], "cut"), ([3, 0, 0, 5, 7], "trailing"),
-                         ([0, 0, 9, 0, 3], "byte")]:
+    # an edit: kind, u16 position, then its own bytes (field index and hostile value index,
+    # count and value, or the new byte)
+    for edits, label in [([1, 0, 0, 2, 4], "count_huge"), ([1, 0, 0, 4, 5], "rows_huge"),
+                         ([1, 0, 0, 3, 7], "name_length_65536"), ([2, 40, 0], "cut"),
+                         ([3, 0, 0, 5, 7], "trailing"), ([0, 9, 0, 3], "byte")]:
         write("fuzz_layer_load", "mutated_" + label, config + [1, 0] + edits)
     write("fuzz_layer_load", "garbage", [0] + config[1:] + [0] + list(b"MIXATTNP\x01"))
 
