@@ -118,7 +118,9 @@ void feature_case(fz::Bytes& in, int kind) {
   performer::Options popt;
   static_cast<linear::Options&>(popt) = opt;
   popt.scale = opt.scale;
-  const performer::Features<T> f = performer::Features<T>::random(in.range(1, 12), r, in.u16());
+  const Index features = in.range(1, 12);
+  const std::uint16_t seed = in.u16();
+  const performer::Features<T> f = performer::Features<T>::random(features, r, seed);
   fz::Flags cflags;
   const Matrix<T> codebook = fz::matrix<T>(in, in.range(1, 12), r, cflags);
   if (kind == 2) s.ex.flags.merge(cflags);

@@ -93,7 +93,11 @@ Bytes mutate(fz::Bytes& in, Bytes file) {
         break;
       }
       case 2: file.resize(at); break;
-      case 3: file.insert(file.end(), in.u8() % 16, in.u8()); break;
+      case 3: {
+        const std::size_t count = in.u8() % 16;
+        file.insert(file.end(), count, in.u8());
+        break;
+      }
       default: put_int(file, at, 8, in.pick(hostile)); break;
     }
   }
