@@ -161,9 +161,6 @@ bool softmax_forward(const SoftmaxCase<T>& c, const fz::Strided<T>& qs, const fz
   Matrix<T>(&out)[2] = run.out;
   ref::Saved<T>(&saved)[2] = run.saved;
   bool(&returned)[2] = run.returned;
-  Matrix<T> out[2];
-  ref::Saved<T> saved[2];
-  bool returned[2] = {false, false};
   for (int impl = 0; impl < 2; ++impl) {
     const fz::Outcome o = fz::run(ex, [&] {
       out[impl] = impl == 0
