@@ -200,11 +200,14 @@ void gma_backward_case(const Case<T>& c, const std::vector<gma::Mixture<T>>& mix
         dq.block(q0, h * r, nq, r) = g.q;
         dk.block(k0, h * r, nk, r) = g.k;
         dv_.block(k0, h * dv, nk, dv) = g.v;
+        // The first sequence whose backward returns starts the sum: an earlier one may have
+        // thrown (its outcome is recorded above), leaving nothing to add to.
         gma::MixtureGrad<T>& m = dmix[static_cast<std::size_t>(h)];
-        m.mean = b == 0 ? g.mixture.mean : Matrix<T>(m.mean + g.mixture.mean);
-        m.var_raw = b == 0 ? g.mixture.var_raw : Matrix<T>(m.var_raw + g.mixture.var_raw);
+        const bool first = m.mean.size() == 0;
+        m.mean = first ? g.mixture.mean : Matrix<T>(m.mean + g.mixture.mean);
+        m.var_raw = first ? g.mixture.var_raw : Matrix<T>(m.var_raw + g.mixture.var_raw);
         m.prior_logit =
-            b == 0 ? g.mixture.prior_logit : Vector<T>(m.prior_logit + g.mixture.prior_logit);
+            first ? g.mixture.prior_logit : Vector<T>(m.prior_logit + g.mixture.prior_logit);
       });
     }
   gma::PackedGrad<T> grad;
