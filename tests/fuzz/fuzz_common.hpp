@@ -32,6 +32,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace mixattn::fuzz {
 
@@ -303,6 +304,37 @@ void check_result(const Eigen::DenseBase<D>& out, Index rows, Index cols, bool m
                   const char* what) {
   if (out.rows() != rows || out.cols() != cols) fail("wrong result shape:", what);
   if (must_be_finite && !out.derived().allFinite()) fail("non-finite result:", what);
+}
+
+/// Cuts [0, n) into up to `max_pieces` consecutive pieces (empty ones included) from the bytes:
+/// the returned lengths sum to n.
+inline std::vector<Index> pieces(Bytes& in, Index n, int max_pieces) {
+  const int count = 1 + static_cast<int>(in.u8() % max_pieces);
+  std::vector<Index> out;
+  Index left = n;
+  for (int p = 0; p + 1 < count; ++p) {
+    const Index len = left == 0 ? 0 : static_cast<Index>(in.u8()) % (left + 1);
+    out.push_back(len);
+    left -= len;
+  }
+  out.push_back(left);
+  return out;
+}
+
+/// Runs `call` expecting std::invalid_argument whose message contains `name`; anything else
+/// (a return, another exception, a message that does not name the argument) fails.
+template <class F>
+void expect_invalid_naming(const char* name, F&& call, const char* what) {
+  try {
+    call();
+  } catch (const std::invalid_argument& e) {
+    if (verbose()) std::cerr << "refused: " << e.what() << "\n";
+    if (std::string(e.what()).find(name) == std::string::npos) fail(what, e.what());
+    return;
+  } catch (const std::exception& e) {
+    fail("wrong exception type:", e.what());
+  }
+  fail("an invalid call returned:", what);
 }
 
 }  // namespace mixattn::fuzz

@@ -408,8 +408,53 @@ void feature_case(const LinearCase<T>& c, const Op& op, typename Op::Options opt
   fz::check_result(grad.v, m, dv, must, why("grad v").c_str());
 }
 
+/// A decoded case: shapes (sometimes inconsistent), options, the mixture, q, k, v and grad_out,
+/// and what the oracle expects of them.
 template <class T>
-void run_case(fz::Bytes& in) {
+struct GmaCase {
+  Index kc = 0, r = 0, n = 0, m = 0, dv = 0, qr = 0, kr = 0, vrows = 0, chunk2 = 1;
+  gma::Options opt;
+  T var_floor = T(0);
+  double floor_d = 0;
+  bool padded = false;
+  std::uint8_t backward_mode = 0;
+  fz::Expect ex;
+  fz::Flags mixture_and_q, q_flags, grad_flags;
+  gma::Mixture<T> mix, mix_copy;
+  Matrix<T> q, k, v, dout;
+};
+
+/// MIXATTN_FUZZ_VERBOSE: the decoded case.
+template <class T>
+void print_case(const GmaCase<T>& c) {
+  const bool is_float = std::is_same<T, float>::value;
+  const Index kc = c.kc, r = c.r, n = c.n, m = c.m, dv = c.dv, qr = c.qr, kr = c.kr,
+            vrows = c.vrows;
+  const gma::Options& opt = c.opt;
+  const fz::Expect& ex = c.ex;
+  const T var_floor = c.var_floor;
+  const std::uint8_t backward_mode = c.backward_mode;
+  const gma::Mixture<T>& mix = c.mix;
+  const Matrix<T>&q = c.q, &k = c.k, &v = c.v, &dout = c.dout;
+  std::cerr << (is_float ? "float" : "double") << " K=" << kc << " r=" << r << " n=" << n
+            << " m=" << m << " dv=" << dv << " qr=" << qr << " kr=" << kr << " vrows=" << vrows
+            << " causal=" << opt.causal << " eps=" << opt.eps << " chunk=" << opt.chunk
+            << " check_finite=" << opt.check_finite << " var_floor=" << var_floor
+            << " invalid=" << ex.invalid << " non_finite=" << ex.flags.non_finite
+            << " extreme=" << ex.flags.extreme << " max_abs=" << ex.flags.max_abs
+            << " backward_mode=" << int(backward_mode % 10) << "\nmean=\n"
+            << mix.mean << "\nvar_raw=\n"
+            << mix.var_raw << "\nprior_logit=\n"
+            << mix.prior_logit.transpose() << "\nq=\n"
+            << q << "\nk=\n"
+            << k << "\nv=\n"
+            << v << "\ndout=\n"
+            << dout << "\n";
+}
+
+/// Step 1, decode.
+template <class T>
+GmaCase<T> decode_case(fz::Bytes& in) {
   const bool is_float = std::is_same<T, float>::value;
   Index kc = in.range(1, 8);
   Index r = in.range(1, 16);
@@ -495,25 +540,53 @@ void run_case(fz::Bytes& in) {
   // eps is applied in T: one that is 0 there (1e-300 in float) would let a query whose
   // responsibilities miss every key's read 0 / 0, so it is a bad option.
   if (opt.eps > 0 && static_cast<T>(opt.eps) == T(0)) ex.invalid = true;
-  if (fz::verbose())
-    std::cerr << (is_float ? "float" : "double") << " K=" << kc << " r=" << r << " n=" << n
-              << " m=" << m << " dv=" << dv << " qr=" << qr << " kr=" << kr << " vrows=" << vrows
-              << " causal=" << opt.causal << " eps=" << opt.eps << " chunk=" << opt.chunk
-              << " check_finite=" << opt.check_finite << " var_floor=" << var_floor
-              << " invalid=" << ex.invalid << " non_finite=" << ex.flags.non_finite
-              << " extreme=" << ex.flags.extreme << " max_abs=" << ex.flags.max_abs
-              << " backward_mode=" << int(backward_mode % 10) << "\nmean=\n"
-              << mix.mean << "\nvar_raw=\n"
-              << mix.var_raw << "\nprior_logit=\n"
-              << mix.prior_logit.transpose() << "\nq=\n"
-              << q << "\nk=\n"
-              << k << "\nv=\n"
-              << v << "\ndout=\n"
-              << dout << "\n";
+  GmaCase<T> c;
+  c.kc = kc;
+  c.r = r;
+  c.n = n;
+  c.m = m;
+  c.dv = dv;
+  c.qr = qr;
+  c.kr = kr;
+  c.vrows = vrows;
+  c.chunk2 = chunk2;
+  c.opt = opt;
+  c.var_floor = var_floor;
+  c.floor_d = floor_d;
+  c.padded = padded;
+  c.backward_mode = backward_mode;
+  c.ex = ex;
+  c.mixture_and_q = mixture_and_q;
+  c.q_flags = q_flags;
+  c.grad_flags = grad_flags;
+  c.mix = mix;
+  c.mix_copy = mix;
+  c.q = q;
+  c.k = k;
+  c.v = v;
+  c.dout = dout;
+  if (fz::verbose()) print_case(c);
+  return c;
+}
 
-  const gma::Mixture<T> mix_copy = mix;
-  const fz::Strided<T> qs = fz::strided(q, padded), ks = fz::strided(k, padded),
-                       vs = fz::strided(v, padded);
+/// Nothing written through the mixture or q, k, v.
+template <class T>
+bool inputs_unchanged(const GmaCase<T>& c, const fz::Strided<T>& qs, const fz::Strided<T>& ks,
+                      const fz::Strided<T>& vs) {
+  return same_mixture(c.mix, c.mix_copy) && fz::same_bits(qs.view(), c.q) &&
+         fz::same_bits(ks.view(), c.k) && fz::same_bits(vs.view(), c.v);
+}
+
+/// Step 2, the operators on the same scan (linear attention, Performer, VQ attention).
+template <class T>
+void feature_cases(fz::Bytes& in, const GmaCase<T>& c, const fz::Strided<T>& qs,
+                   const fz::Strided<T>& ks, const fz::Strided<T>& vs) {
+  const Matrix<T>&q = c.q, &k = c.k, &v = c.v, &dout = c.dout;
+  const gma::Options& opt = c.opt;
+  const fz::Flags &q_flags = c.q_flags, &grad_flags = c.grad_flags;
+  const Index r = c.r, chunk2 = c.chunk2;
+  const std::uint8_t backward_mode = c.backward_mode;
+  const bool padded = c.padded;
   // Causal GMA, linear attention, Performer and VQ attention share the causal scan: the same
   // inputs and options drive linear attention (SPEC 4), Performer (SPEC 5) and VQ attention
   // (SPEC 6) before GMA's own checks; W, the codebook and the scales are decoded last, so
@@ -542,11 +615,19 @@ void run_case(fz::Bytes& in) {
     vopt.scale = in.pick(scale_menu);
     feature_case<T>(lc, op, vopt);
   }
-  const auto inputs_unchanged = [&] {
-    return same_mixture(mix, mix_copy) && fz::same_bits(qs.view(), q) &&
-           fz::same_bits(ks.view(), k) && fz::same_bits(vs.view(), v);
-  };
+}
 
+/// Step 3, responsibilities of the queries (same validation minus k, v and the options).
+template <class T>
+void responsibilities_case(const GmaCase<T>& c, const fz::Strided<T>& qs, const fz::Strided<T>& ks,
+                           const fz::Strided<T>& vs) {
+  const gma::Mixture<T>& mix = c.mix;
+  const fz::Expect& ex = c.ex;
+  const fz::Flags& mixture_and_q = c.mixture_and_q;
+  const gma::Options& opt = c.opt;
+  const Index kc = c.kc, qr = c.qr, r = c.r, n = c.n;
+  const T var_floor = c.var_floor;
+  const auto inputs_unchanged = [&] { return ::inputs_unchanged(c, qs, ks, vs); };
   // Responsibilities of the queries (same validation minus k, v and the options).
   {
     fz::Expect rex = ex;
@@ -568,8 +649,23 @@ void run_case(fz::Bytes& in) {
         }
     }
   }
+}
 
-  gma::Saved<T> saved = marked_record<gma::Saved<T>>();
+/// Step 4, GMA's forward: the oracle, the record after a throw, the convex hull and chunk
+/// independence. Returns whether it returned; `moderate_out` receives whether the inputs were
+/// moderate.
+template <class T>
+bool forward_case(const GmaCase<T>& c, const fz::Strided<T>& qs, const fz::Strided<T>& ks,
+                  const fz::Strided<T>& vs, gma::Saved<T>& saved, bool& moderate_out) {
+  const bool is_float = std::is_same<T, float>::value;
+  const gma::Mixture<T>& mix = c.mix;
+  const fz::Expect& ex = c.ex;
+  const gma::Options& opt = c.opt;
+  const Index n = c.n, m = c.m, dv = c.dv, chunk2 = c.chunk2;
+  const double floor_d = c.floor_d;
+  const Matrix<T>& v = c.v;
+  const auto inputs_unchanged = [&] { return ::inputs_unchanged(c, qs, ks, vs); };
+  saved = marked_record<gma::Saved<T>>();
   const gma::Saved<T> saved_before = saved;
   Matrix<T> out;
   const fz::Outcome fo =
@@ -577,7 +673,7 @@ void run_case(fz::Bytes& in) {
   MIXATTN_FUZZ_CHECK(inputs_unchanged(), "forward wrote through an input");
   if (fo != fz::Outcome::returned) {
     check_saved_after_throw(fo, ex, saved, saved_before);
-    return;
+    return false;
   }
   fz::check_result(out, n, dv, ex.must_be_finite(), "forward output");
   // Output rows are convex combinations of value rows, shrunk by eps (SPEC 1.6).
@@ -597,7 +693,26 @@ void run_case(fz::Bytes& in) {
         static_cast<double>(m + 1) * static_cast<double>(std::numeric_limits<T>::denorm_min());
     MIXATTN_FUZZ_CHECK(max_abs(out2 - out) <= tol, "causal result depends on the chunk length");
   }
+  moderate_out = moderate;
+  return true;
+}
 
+/// Step 5, GMA's backward: the normal call or a mismatched record, shape or option; finite
+/// gradients where the bounds of SPEC 1.5 keep them in range.
+template <class T>
+void backward_case(const GmaCase<T>& c, const fz::Strided<T>& qs, const fz::Strided<T>& ks,
+                   const fz::Strided<T>& vs, const gma::Saved<T>& saved, bool moderate) {
+  const bool is_float = std::is_same<T, float>::value;
+  const gma::Mixture<T>& mix = c.mix;
+  const fz::Expect& ex = c.ex;
+  const gma::Options& opt = c.opt;
+  const fz::Flags& grad_flags = c.grad_flags;
+  const Index kc = c.kc, r = c.r, n = c.n, m = c.m, dv = c.dv;
+  const double floor_d = c.floor_d;
+  const std::uint8_t backward_mode = c.backward_mode;
+  const bool padded = c.padded;
+  const Matrix<T>& dout = c.dout;
+  const auto inputs_unchanged = [&] { return ::inputs_unchanged(c, qs, ks, vs); };
   // Backward: the normal call, or a wrong grad_out shape, an empty Saved, other options.
   fz::Expect bex = ex;
   bex.flags.merge(grad_flags);
@@ -632,6 +747,18 @@ void run_case(fz::Bytes& in) {
   fz::check_result(grad.mixture.mean, kc, r, finite, "grad mean");
   fz::check_result(grad.mixture.var_raw, kc, r, finite, "grad var_raw");
   fz::check_result(grad.mixture.prior_logit, kc, 1, finite, "grad prior_logit");
+}
+
+template <class T>
+void run_case(fz::Bytes& in) {
+  const GmaCase<T> c = decode_case<T>(in);
+  const fz::Strided<T> qs = fz::strided(c.q, c.padded), ks = fz::strided(c.k, c.padded),
+                       vs = fz::strided(c.v, c.padded);
+  feature_cases(in, c, qs, ks, vs);
+  responsibilities_case(c, qs, ks, vs);
+  gma::Saved<T> saved;
+  bool moderate = false;
+  if (forward_case(c, qs, ks, vs, saved, moderate)) backward_case(c, qs, ks, vs, saved, moderate);
 }
 
 }  // namespace

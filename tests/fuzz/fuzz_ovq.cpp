@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -88,8 +89,25 @@ void check_existing_only(const ovq::Saved<T>& saved) {
   }
 }
 
+/// One stream of up to four calls carrying one State: its options (decoded first) and what the
+/// accepted calls left for the streaming comparison.
 template <class T>
-void run_case(fz::Bytes& in) {
+struct Stream {
+  Index r = 1, dv = 1;
+  ovq::Options opt;
+  T beta = T(1);
+  bool padded = false, bad_options = false, beta_bad = false, beta_extreme = false;
+  int calls = 1;
+  double s = 0;
+  ovq::State<T> state;
+  std::vector<Matrix<T>> all_q, all_k, all_v, outs;
+  fz::Flags carried;          // what earlier accepted calls left in the state
+  bool stream_clean = false;  // every piece valid and moderate
+};
+
+/// Step 1, decode: options, beta and the number of calls.
+template <class T>
+Stream<T> decode_stream(fz::Bytes& in) {
   const bool is_float = std::is_same<T, float>::value;
   const Index r = in.range(1, 16), dv = in.range(1, 16);
   ovq::Options opt;
@@ -140,158 +158,244 @@ void run_case(fz::Bytes& in) {
               << " count_bias=" << opt.count_bias << " through=" << opt.grad_through_dictionary
               << " norm_eps=" << opt.norm_eps << " check_finite=" << opt.check_finite
               << " beta=" << beta << " calls=" << calls << "\n";
+  Stream<T> out;
+  out.r = r;
+  out.dv = dv;
+  out.opt = opt;
+  out.beta = beta;
+  out.padded = padded;
+  out.calls = calls;
+  out.bad_options = bad_options;
+  out.beta_bad = beta_bad;
+  out.beta_extreme = beta_extreme;
+  out.s = s;
+  out.state = ovq::State<T>::empty(r, dv);
+  out.stream_clean = !bad_options && !beta_bad && !beta_extreme;
+  return out;
+}
 
-  ovq::State<T> state = ovq::State<T>::empty(r, dv);
-  std::vector<Matrix<T>> all_q, all_k, all_v;
-  std::vector<Matrix<T>> outs;
-  fz::Flags carried;  // what earlier accepted calls left in the state
-  bool stream_clean = !bad_options && !beta_bad && !beta_extreme;  // every piece valid and moderate
-  for (int call = 0; call < calls; ++call) {
-    const Index tn = in.range(0, 40);
-    Index qr = r, kr = r, vc = dv, krows = tn;
-    const std::uint8_t corrupt = in.u8();
-    switch (corrupt % 16) {
-      case 0: qr = r + 1; break;
-      case 1: kr = r + 1; break;
-      case 2: vc = dv + 1; break;
-      case 3: krows = tn + 1; break;
-      default: break;
-    }
-    fz::Expect ex;
-    ex.check_finite = opt.check_finite;
-    ex.invalid = bad_options || qr != r || kr != r || vc != dv || krows != tn;
-    const Matrix<T> q = fz::matrix<T>(in, tn, qr, ex.flags);
-    const Matrix<T> k = fz::matrix<T>(in, krows, kr, ex.flags);
-    const Matrix<T> v = fz::matrix<T>(in, krows, vc, ex.flags);
-    fz::Flags grad_flags;
-    const Matrix<T> dout = fz::matrix<T>(in, tn, dv, grad_flags);
-    const std::uint8_t backward_mode = in.u8();
-    // Hostile tokens an unchecked call accepted live on in the state (pending rows, centroids).
-    ex.flags.merge(carried);
-    if (!std::isfinite(static_cast<double>(beta))) ex.flags.non_finite = true;
-    else if (beta_bad || beta_extreme) ex.flags.extreme = true;
+/// One call of the stream: its inputs, what the oracle expects, and the state it is handed (the
+/// stream's own, or a copy that breaks an invariant).
+template <class T>
+struct Piece {
+  Index tn = 0;
+  Matrix<T> q, k, v, dout;
+  fz::Flags grad_flags;
+  std::uint8_t backward_mode = 0;
+  fz::Expect cex;
+  ovq::State<T> broken;
+  bool use_broken = false;
+};
 
-    // Sometimes hand the call a state that breaks an invariant (on a copy: the stream goes on).
-    ovq::State<T> broken = state;
-    ovq::State<T>* st = &state;
-    fz::Expect cex = ex;
-    const std::uint8_t state_mode = in.u8();
-    if (state_mode % 16 == 0 && broken.counts.size() > 0) {
-      broken.counts[0] = T(0);
-      st = &broken;
-      cex.invalid = true;
-    } else if (state_mode % 16 == 1 && opt.block > 1) {
-      broken.tokens_seen += 1;  // no longer matches the pending rows (with block 1 it would)
-      st = &broken;
-      cex.invalid = true;
-    } else if (state_mode % 16 == 2 && broken.keys.rows() > 0) {
-      broken.keys(0, 0) = std::numeric_limits<T>::quiet_NaN();
-      st = &broken;
-      cex.flags.non_finite = true;
-    } else if (state_mode % 16 == 3) {
-      broken.values.conservativeResize(broken.values.rows() + 1, Eigen::NoChange);
-      broken.values.bottomRows(1).setZero();
-      st = &broken;
-      cex.invalid = true;
-    }
+/// Step 2, decode one call: shapes (sometimes corrupted), inputs, and a state to hand it.
+template <class T>
+Piece<T> decode_piece(fz::Bytes& in, const Stream<T>& stream, int call) {
+  const Index r = stream.r, dv = stream.dv;
+  const ovq::Options& opt = stream.opt;
+  const T beta = stream.beta;
+  const bool bad_options = stream.bad_options, beta_bad = stream.beta_bad,
+             beta_extreme = stream.beta_extreme;
+  const fz::Flags& carried = stream.carried;
+  const ovq::State<T>& state = stream.state;
+  const Index tn = in.range(0, 40);
+  Index qr = r, kr = r, vc = dv, krows = tn;
+  const std::uint8_t corrupt = in.u8();
+  switch (corrupt % 16) {
+    case 0: qr = r + 1; break;
+    case 1: kr = r + 1; break;
+    case 2: vc = dv + 1; break;
+    case 3: krows = tn + 1; break;
+    default: break;
+  }
+  fz::Expect ex;
+  ex.check_finite = opt.check_finite;
+  ex.invalid = bad_options || qr != r || kr != r || vc != dv || krows != tn;
+  const Matrix<T> q = fz::matrix<T>(in, tn, qr, ex.flags);
+  const Matrix<T> k = fz::matrix<T>(in, krows, kr, ex.flags);
+  const Matrix<T> v = fz::matrix<T>(in, krows, vc, ex.flags);
+  fz::Flags grad_flags;
+  const Matrix<T> dout = fz::matrix<T>(in, tn, dv, grad_flags);
+  const std::uint8_t backward_mode = in.u8();
+  // Hostile tokens an unchecked call accepted live on in the state (pending rows, centroids).
+  ex.flags.merge(carried);
+  if (!std::isfinite(static_cast<double>(beta))) ex.flags.non_finite = true;
+  else if (beta_bad || beta_extreme) ex.flags.extreme = true;
 
-    if (fz::verbose())
-      std::cerr << "call " << call << ": tn=" << tn << " qr=" << qr << " kr=" << kr
-                << " vc=" << vc << " krows=" << krows << " state_mode=" << int(state_mode % 16)
-                << " backward_mode=" << int(backward_mode % 10) << " invalid=" << cex.invalid
-                << " non_finite=" << cex.flags.non_finite << " extreme=" << cex.flags.extreme
-                << " max_abs=" << cex.flags.max_abs << " centroids=" << state.keys.rows()
-                << " pending=" << state.pending_keys.rows() << "\nq=\n" << q << "\nk=\n" << k
-                << "\nv=\n" << v << "\n";
-    const fz::Strided<T> qs = fz::strided(q, padded), ks = fz::strided(k, padded),
-                         vs = fz::strided(v, padded);
-    const ovq::State<T> before = *st;
-    ovq::Saved<T> saved;
-    saved.tokens = 12345;  // a recognisable Saved must survive a throwing call untouched
-    saved.recorded = true;  // marked filled: an overflow must unmark it, other throws keep it
-    const ovq::Saved<T> saved_before = saved;
-    Matrix<T> out;
-    const fz::Outcome o = fz::run(cex, [&] {
-      out = ovq::forward(qs.view(), ks.view(), vs.view(), beta, opt, *st, &saved);
-    });
-    MIXATTN_FUZZ_CHECK(fz::same_bits(qs.view(), q) && fz::same_bits(ks.view(), k) &&
-                           fz::same_bits(vs.view(), v),
-                       "forward wrote through an input");
-    if (o != fz::Outcome::returned) {
-      MIXATTN_FUZZ_CHECK(same_state(*st, before), "a throwing call changed the state");
-      // README, Errors: a throw for a bad argument or a non-finite input (q, k, v, beta or the
-      // state) leaves saved bitwise as it was; only a domain_error from finite inputs and valid
-      // arguments (a result that overflowed) may leave it, and then only marked unfilled.
-      const bool overflowed =
-          o == fz::Outcome::domain_error && !cex.invalid && !cex.flags.non_finite;
-      if (overflowed)
-        MIXATTN_FUZZ_CHECK(same_saved(saved, saved_before) || !saved.recorded,
-                           "an overflowing forward left saved marked filled");
-      else
-        MIXATTN_FUZZ_CHECK(same_saved(saved, saved_before), "a throwing call changed saved");
-      continue;
-    }
-    if (opt.assignment == ovq::Assignment::existing_only) check_existing_only(saved);
-    if (st != &state) continue;  // a corrupted copy that was accepted (non-finite, unchecked)
-    // A throwing call changes nothing; a returning one with hostile content ends the comparison.
-    if (!cex.must_be_finite() || cex.flags.extreme) stream_clean = false;
-    carried.merge(cex.flags);
-    fz::check_result(out, tn, dv, cex.must_be_finite(), "forward output");
-    check_state_invariants(state, opt, r, dv, cex.must_be_finite());
-    MIXATTN_FUZZ_CHECK(state.tokens_seen == before.tokens_seen + tn, "tokens_seen not advanced");
-    // Outputs are convex combinations of value rows, pending values and centroid values.
-    if (cex.must_be_finite() && tn > 0)
-      MIXATTN_FUZZ_CHECK(
-          max_abs(out) <= std::max({max_abs(v), max_abs(before.values),
-                                    max_abs(before.pending_values)}) * (1 + 1e-4) + 1e-30,
-          "output outside the convex hull of the values");
-    all_q.push_back(q);
-    all_k.push_back(k);
-    all_v.push_back(v);
-    outs.push_back(out);
-
-    // Backward of this call.
-    fz::Expect bex = cex;
-    bex.flags.merge(grad_flags);
-    bex.unchecked_nan_may_reject = true;
-    // Each gradient is a sum over at most tn + 1 queries of terms bounded by
-    // 2 s max|v| max|grad_out| / (|x| + norm_eps) (the normalisation's Jacobian is at most
-    // 1 / norm_eps, reached by a zero row): a tiny norm_eps can overflow the gradients of finite,
-    // moderate inputs, which the backward reports as std::domain_error.
-    const double grad_bound =
-        magnitude_product({2 * static_cast<double>(tn + 1) * std::abs(s) / opt.norm_eps,
-                           bex.flags.max_abs, bex.flags.max_abs});
-    if (!(grad_bound < (is_float ? 1e36 : 1e300))) bex.flags.extreme = true;
-    Matrix<T> g = dout;
-    ovq::Options bopt = opt;
-    T bbeta = beta;
-    switch (backward_mode % 10) {
-      case 0: g = Matrix<T>::Zero(tn + 1, dv); bex.invalid = true; break;
-      case 1: bopt.block = opt.block + 1; bex.invalid = true; break;
-      case 2: bbeta = beta + T(1) == beta ? T(0) : beta + T(1); bex.invalid = true; break;
-      default: bopt.grad_through_dictionary = (backward_mode & 16) != 0; break;
-    }
-    const fz::Strided<T> gs = fz::strided(g, padded);
-    ovq::Grad<T> grad;
-    const fz::Outcome bo = fz::run(bex, [&] {
-      grad = ovq::backward(qs.view(), ks.view(), vs.view(), bbeta, gs.view(), saved, bopt);
-    });
-    MIXATTN_FUZZ_CHECK(fz::same_bits(qs.view(), q) && fz::same_bits(ks.view(), k) &&
-                           fz::same_bits(vs.view(), v) && fz::same_bits(gs.view(), g),
-                       "backward wrote through an input");
-    if (bo != fz::Outcome::returned) continue;
-    // Gradients scale with s, |v| and 1 / (|x| + norm_eps): finite for |x| <= 1e4,
-    // |beta| <= 1e3 and norm_eps >= 1e-5; beyond, with checks on, overflow is a domain_error.
-    const bool finite = bex.must_be_finite() &&
-                        (opt.check_finite || (bex.flags.max_abs <= 1e4 &&
-                                              std::abs(static_cast<double>(beta)) <= 1e3 &&
-                                              opt.norm_eps >= 1e-5));
-    fz::check_result(grad.q, tn, r, finite, "grad q");
-    fz::check_result(grad.k, tn, r, finite, "grad k");
-    fz::check_result(grad.v, tn, dv, finite, "grad v");
-    if (finite) MIXATTN_FUZZ_CHECK(std::isfinite(static_cast<double>(grad.beta)), "grad beta");
+  // Sometimes hand the call a state that breaks an invariant (on a copy: the stream goes on).
+  ovq::State<T> broken = state;
+  const ovq::State<T>* st = &state;
+  fz::Expect cex = ex;
+  const std::uint8_t state_mode = in.u8();
+  if (state_mode % 16 == 0 && broken.counts.size() > 0) {
+    broken.counts[0] = T(0);
+    st = &broken;
+    cex.invalid = true;
+  } else if (state_mode % 16 == 1 && opt.block > 1) {
+    broken.tokens_seen += 1;  // no longer matches the pending rows (with block 1 it would)
+    st = &broken;
+    cex.invalid = true;
+  } else if (state_mode % 16 == 2 && broken.keys.rows() > 0) {
+    broken.keys(0, 0) = std::numeric_limits<T>::quiet_NaN();
+    st = &broken;
+    cex.flags.non_finite = true;
+  } else if (state_mode % 16 == 3) {
+    broken.values.conservativeResize(broken.values.rows() + 1, Eigen::NoChange);
+    broken.values.bottomRows(1).setZero();
+    st = &broken;
+    cex.invalid = true;
   }
 
+  if (fz::verbose())
+    std::cerr << "call " << call << ": tn=" << tn << " qr=" << qr << " kr=" << kr
+              << " vc=" << vc << " krows=" << krows << " state_mode=" << int(state_mode % 16)
+              << " backward_mode=" << int(backward_mode % 10) << " invalid=" << cex.invalid
+              << " non_finite=" << cex.flags.non_finite << " extreme=" << cex.flags.extreme
+              << " max_abs=" << cex.flags.max_abs << " centroids=" << state.keys.rows()
+              << " pending=" << state.pending_keys.rows() << "\nq=\n" << q << "\nk=\n" << k
+              << "\nv=\n" << v << "\n";
+  Piece<T> p;
+  p.tn = tn;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.dout = dout;
+  p.grad_flags = grad_flags;
+  p.backward_mode = backward_mode;
+  p.cex = cex;
+  p.use_broken = st != &state;
+  p.broken = std::move(broken);
+  return p;
+}
+
+/// Step 3, forward: the oracle's exception half, the state and saved after a throw, and after a
+/// return the state's invariants and the convex hull; records the call for the streaming check.
+/// Returns whether the backward should run.
+template <class T>
+bool forward_piece(Stream<T>& stream, Piece<T>& p, const fz::Strided<T>& qs,
+                   const fz::Strided<T>& ks, const fz::Strided<T>& vs, ovq::Saved<T>& saved) {
+  const Index r = stream.r, dv = stream.dv, tn = p.tn;
+  const ovq::Options& opt = stream.opt;
+  const T beta = stream.beta;
+  const Matrix<T>&q = p.q, &k = p.k, &v = p.v;
+  const fz::Expect& cex = p.cex;
+  ovq::State<T>& state = stream.state;
+  ovq::State<T>* st = p.use_broken ? &p.broken : &state;
+  const ovq::State<T> before = *st;
+  saved.tokens = 12345;  // a recognisable Saved must survive a throwing call untouched
+  saved.recorded = true;  // marked filled: an overflow must unmark it, other throws keep it
+  const ovq::Saved<T> saved_before = saved;
+  Matrix<T> out;
+  const fz::Outcome o = fz::run(cex, [&] {
+    out = ovq::forward(qs.view(), ks.view(), vs.view(), beta, opt, *st, &saved);
+  });
+  MIXATTN_FUZZ_CHECK(fz::same_bits(qs.view(), q) && fz::same_bits(ks.view(), k) &&
+                         fz::same_bits(vs.view(), v),
+                     "forward wrote through an input");
+  if (o != fz::Outcome::returned) {
+    MIXATTN_FUZZ_CHECK(same_state(*st, before), "a throwing call changed the state");
+    // README, Errors: a throw for a bad argument or a non-finite input (q, k, v, beta or the
+    // state) leaves saved bitwise as it was; only a domain_error from finite inputs and valid
+    // arguments (a result that overflowed) may leave it, and then only marked unfilled.
+    const bool overflowed =
+        o == fz::Outcome::domain_error && !cex.invalid && !cex.flags.non_finite;
+    if (overflowed)
+      MIXATTN_FUZZ_CHECK(same_saved(saved, saved_before) || !saved.recorded,
+                         "an overflowing forward left saved marked filled");
+    else
+      MIXATTN_FUZZ_CHECK(same_saved(saved, saved_before), "a throwing call changed saved");
+    return false;
+  }
+  if (opt.assignment == ovq::Assignment::existing_only) check_existing_only(saved);
+  if (st != &state) return false;  // a corrupted copy that was accepted (non-finite, unchecked)
+  // A throwing call changes nothing; a returning one with hostile content ends the comparison.
+  if (!cex.must_be_finite() || cex.flags.extreme) stream.stream_clean = false;
+  stream.carried.merge(cex.flags);
+  fz::check_result(out, tn, dv, cex.must_be_finite(), "forward output");
+  check_state_invariants(state, opt, r, dv, cex.must_be_finite());
+  MIXATTN_FUZZ_CHECK(state.tokens_seen == before.tokens_seen + tn, "tokens_seen not advanced");
+  // Outputs are convex combinations of value rows, pending values and centroid values.
+  if (cex.must_be_finite() && tn > 0)
+    MIXATTN_FUZZ_CHECK(
+        max_abs(out) <= std::max({max_abs(v), max_abs(before.values),
+                                  max_abs(before.pending_values)}) * (1 + 1e-4) + 1e-30,
+        "output outside the convex hull of the values");
+  stream.all_q.push_back(q);
+  stream.all_k.push_back(k);
+  stream.all_v.push_back(v);
+  stream.outs.push_back(out);
+  return true;
+}
+
+/// Step 4, backward of the call: the same record with a mutation (grad_out's shape, the block,
+/// beta) or another gradient mode; finite gradients where the inputs are bounded.
+template <class T>
+void backward_piece(const Stream<T>& stream, const Piece<T>& p, const fz::Strided<T>& qs,
+                    const fz::Strided<T>& ks, const fz::Strided<T>& vs,
+                    const ovq::Saved<T>& saved) {
+  const bool is_float = std::is_same<T, float>::value;
+  const Index r = stream.r, dv = stream.dv, tn = p.tn;
+  const ovq::Options& opt = stream.opt;
+  const T beta = stream.beta;
+  const double s = stream.s;
+  const bool padded = stream.padded;
+  const Matrix<T>&q = p.q, &k = p.k, &v = p.v, &dout = p.dout;
+  const fz::Expect& cex = p.cex;
+  const fz::Flags& grad_flags = p.grad_flags;
+  const std::uint8_t backward_mode = p.backward_mode;
+  // Backward of this call.
+  fz::Expect bex = cex;
+  bex.flags.merge(grad_flags);
+  bex.unchecked_nan_may_reject = true;
+  // Each gradient is a sum over at most tn + 1 queries of terms bounded by
+  // 2 s max|v| max|grad_out| / (|x| + norm_eps) (the normalisation's Jacobian is at most
+  // 1 / norm_eps, reached by a zero row): a tiny norm_eps can overflow the gradients of finite,
+  // moderate inputs, which the backward reports as std::domain_error.
+  const double grad_bound =
+      magnitude_product({2 * static_cast<double>(tn + 1) * std::abs(s) / opt.norm_eps,
+                         bex.flags.max_abs, bex.flags.max_abs});
+  if (!(grad_bound < (is_float ? 1e36 : 1e300))) bex.flags.extreme = true;
+  Matrix<T> g = dout;
+  ovq::Options bopt = opt;
+  T bbeta = beta;
+  switch (backward_mode % 10) {
+    case 0: g = Matrix<T>::Zero(tn + 1, dv); bex.invalid = true; break;
+    case 1: bopt.block = opt.block + 1; bex.invalid = true; break;
+    case 2: bbeta = beta + T(1) == beta ? T(0) : beta + T(1); bex.invalid = true; break;
+    default: bopt.grad_through_dictionary = (backward_mode & 16) != 0; break;
+  }
+  const fz::Strided<T> gs = fz::strided(g, padded);
+  ovq::Grad<T> grad;
+  const fz::Outcome bo = fz::run(bex, [&] {
+    grad = ovq::backward(qs.view(), ks.view(), vs.view(), bbeta, gs.view(), saved, bopt);
+  });
+  MIXATTN_FUZZ_CHECK(fz::same_bits(qs.view(), q) && fz::same_bits(ks.view(), k) &&
+                         fz::same_bits(vs.view(), v) && fz::same_bits(gs.view(), g),
+                     "backward wrote through an input");
+  if (bo != fz::Outcome::returned) return;
+  // Gradients scale with s, |v| and 1 / (|x| + norm_eps): finite for |x| <= 1e4,
+  // |beta| <= 1e3 and norm_eps >= 1e-5; beyond, with checks on, overflow is a domain_error.
+  const bool finite = bex.must_be_finite() &&
+                      (opt.check_finite || (bex.flags.max_abs <= 1e4 &&
+                                            std::abs(static_cast<double>(beta)) <= 1e3 &&
+                                            opt.norm_eps >= 1e-5));
+  fz::check_result(grad.q, tn, r, finite, "grad q");
+  fz::check_result(grad.k, tn, r, finite, "grad k");
+  fz::check_result(grad.v, tn, dv, finite, "grad v");
+  if (finite) MIXATTN_FUZZ_CHECK(std::isfinite(static_cast<double>(grad.beta)), "grad beta");
+}
+
+/// Step 5, streaming (SPEC 2.5): for moderate double inputs, one call over the concatenated
+/// sequence gives the streamed outputs and final state.
+template <class T>
+void check_streaming(const Stream<T>& stream) {
+  const bool is_float = std::is_same<T, float>::value;
+  const Index r = stream.r, dv = stream.dv;
+  const ovq::Options& opt = stream.opt;
+  const T beta = stream.beta;
+  const ovq::State<T>& state = stream.state;
+  const std::vector<Matrix<T>>&all_q = stream.all_q, &all_k = stream.all_k,
+                              &all_v = stream.all_v, &outs = stream.outs;
+  const bool stream_clean = stream.stream_clean;
   // Streaming (SPEC 2.5): the same tokens in one call give the same outputs and final state.
   if (!stream_clean || is_float || all_q.empty()) return;
   Index total = 0;
@@ -321,6 +425,19 @@ void run_case(fz::Bytes& in) {
                      "streamed and one-call dictionaries differ");
   MIXATTN_FUZZ_CHECK(max_abs(got - expect) <= 1e-10 * (vmax + 1e-300),
                      "streamed and one-call outputs differ");
+}
+
+template <class T>
+void run_case(fz::Bytes& in) {
+  Stream<T> stream = decode_stream<T>(in);
+  for (int call = 0; call < stream.calls; ++call) {
+    Piece<T> p = decode_piece(in, stream, call);
+    const fz::Strided<T> qs = fz::strided(p.q, stream.padded), ks = fz::strided(p.k, stream.padded),
+                         vs = fz::strided(p.v, stream.padded);
+    ovq::Saved<T> saved;
+    if (forward_piece(stream, p, qs, ks, vs, saved)) backward_piece(stream, p, qs, ks, vs, saved);
+  }
+  check_streaming(stream);
 }
 
 }  // namespace

@@ -33,11 +33,21 @@ namespace fz = mixattn::fuzz;
 
 using fz::magnitude_product;
 using fz::max_abs;
-
-/// Softmax attention, naive and flash, forward and backward; q_out receives the drawn q for
-/// rope_case (whatever happens after the draw).
+/// A decoded softmax case: shapes (valid most of the time), options and inputs.
 template <class T>
-void softmax_case(fz::Bytes& in, Matrix<T>& q_out) {
+struct SoftmaxCase {
+  Index n = 0, m = 0, r = 0, dv = 0, kr = 0, vrows = 0;
+  ref::Options opt;
+  bool padded = false;
+  std::uint8_t backward_mode = 0;
+  fz::Expect ex;
+  fz::Flags grad_flags;
+  Matrix<T> q, k, v, dout;
+};
+
+/// Step 1, decode.
+template <class T>
+SoftmaxCase<T> decode_softmax(fz::Bytes& in) {
   // Shapes: valid most of the time, one dimension broken otherwise.
   const Index n = in.range(0, 64);
   Index m = in.range(0, 64);
@@ -84,7 +94,6 @@ void softmax_case(fz::Bytes& in, Matrix<T>& q_out) {
   if (std::abs(opt.scale) > 1e6 && std::is_same<T, float>::value) ex.flags.extreme = true;
 
   const Matrix<T> q = fz::matrix<T>(in, n, r, ex.flags);
-  q_out = q;
   const Matrix<T> k = fz::matrix<T>(in, m, kr, ex.flags);
   const Matrix<T> v = fz::matrix<T>(in, vrows, dv, ex.flags);
   fz::Flags grad_flags;
@@ -110,12 +119,48 @@ void softmax_case(fz::Bytes& in, Matrix<T>& q_out) {
               << k << "\nv=\n"
               << v << "\ndout=\n"
               << dout << "\n";
+  SoftmaxCase<T> c;
+  c.n = n;
+  c.m = m;
+  c.r = r;
+  c.dv = dv;
+  c.kr = kr;
+  c.vrows = vrows;
+  c.opt = opt;
+  c.padded = padded;
+  c.backward_mode = backward_mode;
+  c.ex = ex;
+  c.grad_flags = grad_flags;
+  c.q = q;
+  c.k = k;
+  c.v = v;
+  c.dout = dout;
+  return c;
+}
 
-  const fz::Strided<T> qs = fz::strided(q, padded), ks = fz::strided(k, padded),
-                       vs = fz::strided(v, padded);
+/// What the two forms (naive, flash) gave.
+template <class T>
+struct SoftmaxRun {
   Matrix<T> out[2];
   ref::Saved<T> saved[2];
   bool returned[2] = {false, false};
+  bool moderate = false;
+  Matrix<T> grads[2][3];
+  bool back_returned[2] = {false, false};
+};
+
+/// Step 2, forward, both forms, and their agreement where the logits are moderate. Returns
+/// whether either returned.
+template <class T>
+bool softmax_forward(const SoftmaxCase<T>& c, const fz::Strided<T>& qs, const fz::Strided<T>& ks,
+                     const fz::Strided<T>& vs, SoftmaxRun<T>& run) {
+  const Index n = c.n, m = c.m, r = c.r, dv = c.dv;
+  const ref::Options& opt = c.opt;
+  const fz::Expect& ex = c.ex;
+  const Matrix<T>&q = c.q, &k = c.k, &v = c.v;
+  Matrix<T>(&out)[2] = run.out;
+  ref::Saved<T>(&saved)[2] = run.saved;
+  bool(&returned)[2] = run.returned;
   for (int impl = 0; impl < 2; ++impl) {
     const fz::Outcome o = fz::run(ex, [&] {
       out[impl] = impl == 0
@@ -129,7 +174,7 @@ void softmax_case(fz::Bytes& in, Matrix<T>& q_out) {
     returned[impl] = true;
     fz::check_result(out[impl], n, dv, ex.must_be_finite(), "forward output");
   }
-  if (!returned[0] && !returned[1]) return;
+  if (!returned[0] && !returned[1]) return false;
 
   // Moderate logits: the two forms compute the same function up to rounding.
   const double scale = opt.scale != 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(r));
@@ -144,15 +189,32 @@ void softmax_case(fz::Bytes& in, Matrix<T>& q_out) {
       static_cast<double>(m + 1) * static_cast<double>(std::numeric_limits<T>::denorm_min());
   if (moderate && returned[0] && returned[1])
     MIXATTN_FUZZ_CHECK(max_abs(out[0] - out[1]) <= tol, "naive and flash forward disagree");
+  run.moderate = moderate;
+  return true;
+}
 
+/// Step 3, backward of each form that returned: the normal call, a wrong grad_out shape, an
+/// empty Saved or the other form's.
+template <class T>
+void softmax_backward(const SoftmaxCase<T>& c, const fz::Strided<T>& qs, const fz::Strided<T>& ks,
+                      const fz::Strided<T>& vs, SoftmaxRun<T>& run) {
+  const Index n = c.n, m = c.m, r = c.r, dv = c.dv;
+  const ref::Options& opt = c.opt;
+  const fz::Expect& ex = c.ex;
+  const fz::Flags& grad_flags = c.grad_flags;
+  const Matrix<T>&q = c.q, &k = c.k, &v = c.v, &dout = c.dout;
+  const std::uint8_t backward_mode = c.backward_mode;
+  const bool padded = c.padded;
+  const ref::Saved<T>(&saved)[2] = run.saved;
+  const bool(&returned)[2] = run.returned;
+  Matrix<T>(&grads)[2][3] = run.grads;
+  bool(&back_returned)[2] = run.back_returned;
   // Backward: grad_out of the right shape, or a wrong one, or a Saved from nowhere / the other
   // form.
   fz::Expect bex = ex;
   bex.flags.merge(grad_flags);
   Matrix<T> g = dout;
   const ref::Saved<T> empty;
-  Matrix<T> grads[2][3];
-  bool back_returned[2] = {false, false};
   for (int impl = 0; impl < 2; ++impl) {
     if (!returned[impl]) continue;
     fz::Expect this_ex = bex;
@@ -196,6 +258,18 @@ void softmax_case(fz::Bytes& in, Matrix<T>& q_out) {
     grads[impl][1] = grad.k;
     grads[impl][2] = grad.v;
   }
+}
+
+/// Step 4, the two backwards' agreement, within bounds of each gradient's size.
+template <class T>
+void softmax_compare_grads(const SoftmaxCase<T>& c, const SoftmaxRun<T>& run) {
+  const Index n = c.n, m = c.m, r = c.r, dv = c.dv;
+  const bool moderate = run.moderate;
+  const fz::Flags& grad_flags = c.grad_flags;
+  const Matrix<T>&q = c.q, &k = c.k, &v = c.v, &dout = c.dout;
+  const double scale = c.opt.scale != 0 ? c.opt.scale : 1.0 / std::sqrt(static_cast<double>(r));
+  const Matrix<T>(&grads)[2][3] = run.grads;
+  const bool(&back_returned)[2] = run.back_returned;
   // Both forms associate the scale the same way (S = (scale Q) K^T, dK = dS^T (scale Q),
   // dQ = scale (dS K)), so that with extreme scales and subnormal inputs neither underflows an
   // intermediate product the other keeps (found by this check: q ~ 1e-323, scale = 1e30).
@@ -223,6 +297,20 @@ void softmax_case(fz::Bytes& in, Matrix<T>& q_out) {
                          "naive and flash backward disagree");
     }
   }
+}
+
+/// Softmax attention, naive and flash, forward and backward; q_out receives the drawn q for
+/// rope_case (whatever happens after the draw).
+template <class T>
+void softmax_case(fz::Bytes& in, Matrix<T>& q_out) {
+  const SoftmaxCase<T> c = decode_softmax<T>(in);
+  q_out = c.q;
+  const fz::Strided<T> qs = fz::strided(c.q, c.padded), ks = fz::strided(c.k, c.padded),
+                       vs = fz::strided(c.v, c.padded);
+  SoftmaxRun<T> run;
+  if (!softmax_forward(c, qs, ks, vs, run)) return;
+  softmax_backward(c, qs, ks, vs, run);
+  softmax_compare_grads(c, run);
 }
 
 // ---- RoPE (SPEC §8) on the drawn q ----
@@ -261,36 +349,9 @@ bool close_pair(long double want, T got, long double x0, long double x1, double 
   return static_cast<double>(std::fabs(want - static_cast<long double>(got))) <= tol;
 }
 
-/// RoPE on the drawn q, decoded from bytes after everything softmax_case reads, so that the seed
-/// corpus decodes as it did before (an input that ends earlier reads 0 here: no RoPE). x is q
-/// itself (odd r must be refused), q less one column (parity flipped, possibly none at all), or q
-/// tiled 2 to 8 times (widths up to 128, where a tiny base makes theta_i = base^(-2i/r) huge).
-/// start: 0, small, negative, near 2^31, 2^53, 2^62, or the ends of Index (where start + N - 1 no
-/// longer exists); base: the default, ordinary, tiny (down to denorm_min), huge, and invalid
-/// (0, negative, NaN, Inf). Every form (value, _into fresh, _into onto its own input, in place
-/// on a row block of a wider buffer) of apply and backward is held to fz::run's oracle and to
-/// the value form's bits; valid finite results to the twin; backward(apply(x)) to x.
-template <class T>
-void rope_case(fz::Bytes& in, const Matrix<T>& q) {
-  const std::uint8_t mode = in.u8();
-  if (mode % 4 == 0) return;
-  Matrix<T> x;
-  switch ((mode >> 2) % 4) {
-    case 0:
-      x = q;
-      break;
-    case 1:
-      x = q.leftCols(std::max<Index>(q.cols() - 1, 0));
-      break;
-    default: {
-      const Index reps = 2 + (mode >> 4) % 7;
-      x.resize(q.rows(), q.cols() * reps);
-      // (an empty x has no storage for Eigen to offset into)
-      for (Index t = 0; t < reps && x.size() > 0; ++t) x.middleCols(t * q.cols(), q.cols()) = q;
-      break;
-    }
-  }
-  const std::uint8_t start_kind = in.u8(), small = in.u8();
+/// Step 1 of rope_case, the start position: 0, small, negative, near 2^31, 2^53, 2^62, or the
+/// ends of Index.
+inline Index draw_start(std::uint8_t start_kind, std::uint8_t small) {
   constexpr Index top = std::numeric_limits<Index>::max(),
                   bottom = std::numeric_limits<Index>::min();
   Index start = 0;
@@ -329,6 +390,44 @@ void rope_case(fz::Bytes& in, const Matrix<T>& q) {
       start = small % 16;
       break;
   }
+  return start;
+}
+
+/// A decoded RoPE case.
+template <class T>
+struct RopeCase {
+  Matrix<T> x;
+  Index start = 0, n = 0, r = 0;
+  mixattn::rope::Options opt;
+  bool padded = false;
+  fz::Expect ex;
+};
+
+/// Step 2 of rope_case, decode: x from q, the start, the options and the expectations. Returns
+/// false when the bytes ask for no RoPE.
+template <class T>
+bool decode_rope(fz::Bytes& in, const Matrix<T>& q, RopeCase<T>& c) {
+  const std::uint8_t mode = in.u8();
+  if (mode % 4 == 0) return false;
+  Matrix<T> x;
+  switch ((mode >> 2) % 4) {
+    case 0:
+      x = q;
+      break;
+    case 1:
+      x = q.leftCols(std::max<Index>(q.cols() - 1, 0));
+      break;
+    default: {
+      const Index reps = 2 + (mode >> 4) % 7;
+      x.resize(q.rows(), q.cols() * reps);
+      // (an empty x has no storage for Eigen to offset into)
+      for (Index t = 0; t < reps && x.size() > 0; ++t) x.middleCols(t * q.cols(), q.cols()) = q;
+      break;
+    }
+  }
+  const std::uint8_t start_kind = in.u8(), small = in.u8();
+  constexpr Index top = std::numeric_limits<Index>::max();
+  const Index start = draw_start(start_kind, small);
   static constexpr double bases[] = {10000,
                                      10000,
                                      2,
@@ -381,63 +480,84 @@ void rope_case(fz::Bytes& in, const Matrix<T>& q) {
               << " invalid=" << ex.invalid << " non_finite=" << ex.flags.non_finite
               << " may_overflow=" << ex.flags.extreme << "\nx=\n"
               << x << "\n";
+  c.x = x;
+  c.start = start;
+  c.n = n;
+  c.r = r;
+  c.opt = opt;
+  c.padded = padded;
+  c.ex = ex;
+  return true;
+}
 
+/// Step 3, all forms of one direction (sign +1: apply, -1: backward) on x; the value form's
+/// result in `out`.
+template <class T>
+fz::Outcome rope_forms(const RopeCase<T>& c, double sign, Matrix<T>& out) {
   namespace rope = mixattn::rope;
+  const Matrix<T>& x = c.x;
+  const Index start = c.start, n = c.n, r = c.r;
+  const mixattn::rope::Options& opt = c.opt;
+  const bool padded = c.padded;
+  const fz::Expect& ex = c.ex;
   const fz::Strided<T> xs = fz::strided(x, padded);
-  // All forms of one direction (sign +1: apply, -1: backward) on x; the value form's result.
-  const auto forms = [&](double sign, Matrix<T>& out) {
-    const bool fwd = sign > 0;
-    const fz::Outcome o = fz::run(ex, [&] {
-      out = fwd ? rope::apply<T>(xs.view(), start, opt) : rope::backward<T>(xs.view(), start, opt);
-    });
-    MIXATTN_FUZZ_CHECK(fz::same_bits(xs.view(), x), "rope wrote through its input");
-    if (o == fz::Outcome::returned) fz::check_result(out, n, r, ex.must_be_finite(), "rope output");
-    Matrix<T> into;
-    const fz::Outcome o_into = fz::run(ex, [&] {
-      if (fwd)
-        rope::apply_into<T>(into, xs.view(), start, opt);
-      else
-        rope::backward_into<T>(into, xs.view(), start, opt);
-    });
-    MIXATTN_FUZZ_CHECK(o_into == o, "rope _into and value forms disagree on the outcome");
-    if (o == fz::Outcome::returned)
-      MIXATTN_FUZZ_CHECK(fz::same_bits(into, out), "rope _into and value forms disagree");
-    Matrix<T> self = x;  // _into onto its own input
-    const fz::Outcome o_self = fz::run(ex, [&] {
-      if (fwd)
-        rope::apply_into<T>(self, self, start, opt);
-      else
-        rope::backward_into<T>(self, self, start, opt);
-    });
-    MIXATTN_FUZZ_CHECK(o_self == o, "rope _into onto its input disagrees on the outcome");
-    if (o == fz::Outcome::returned)
-      MIXATTN_FUZZ_CHECK(fz::same_bits(self, out), "rope _into onto its input disagrees");
-    fz::Strided<T> block = fz::strided(x, padded);  // in place on a row block of a wider buffer
-    const Matrix<T> buffer_before = block.buffer;
-    const fz::Outcome o_place = fz::run(ex, [&] {
-      auto view = block.buffer.block(0, block.offset, n, r);
-      if (fwd)
-        rope::apply_in_place<T>(view, start, opt);
-      else
-        rope::backward_in_place<T>(view, start, opt);
-    });
-    MIXATTN_FUZZ_CHECK(o_place == o, "rope in place disagrees on the outcome");
-    if (o_place == fz::Outcome::invalid_argument)  // validation happens before any write
-      MIXATTN_FUZZ_CHECK(fz::same_bits(block.buffer, buffer_before), "refused rope wrote");
-    for (Index row = 0; row < n; ++row)
-      for (Index j = 0; j < block.buffer.cols(); ++j)
-        if (j < block.offset || j >= block.offset + r)
-          MIXATTN_FUZZ_CHECK(
-              fz::same_bits(block.buffer.block(row, j, 1, 1), buffer_before.block(row, j, 1, 1)),
-              "rope in place wrote outside its block");
-    if (o == fz::Outcome::returned)
-      MIXATTN_FUZZ_CHECK(fz::same_bits(block.view(), out), "rope in place disagrees");
-    return o;
-  };
-  Matrix<T> y, g;
-  const fz::Outcome oy = forms(1.0, y), og = forms(-1.0, g);
-  if (ex.flags.non_finite || oy != fz::Outcome::returned || og != fz::Outcome::returned) return;
-  if (!y.allFinite() || !g.allFinite()) return;  // an overflow, checks off: nothing to compare
+  const bool fwd = sign > 0;
+  const fz::Outcome o = fz::run(ex, [&] {
+    out = fwd ? rope::apply<T>(xs.view(), start, opt) : rope::backward<T>(xs.view(), start, opt);
+  });
+  MIXATTN_FUZZ_CHECK(fz::same_bits(xs.view(), x), "rope wrote through its input");
+  if (o == fz::Outcome::returned) fz::check_result(out, n, r, ex.must_be_finite(), "rope output");
+  Matrix<T> into;
+  const fz::Outcome o_into = fz::run(ex, [&] {
+    if (fwd)
+      rope::apply_into<T>(into, xs.view(), start, opt);
+    else
+      rope::backward_into<T>(into, xs.view(), start, opt);
+  });
+  MIXATTN_FUZZ_CHECK(o_into == o, "rope _into and value forms disagree on the outcome");
+  if (o == fz::Outcome::returned)
+    MIXATTN_FUZZ_CHECK(fz::same_bits(into, out), "rope _into and value forms disagree");
+  Matrix<T> self = x;  // _into onto its own input
+  const fz::Outcome o_self = fz::run(ex, [&] {
+    if (fwd)
+      rope::apply_into<T>(self, self, start, opt);
+    else
+      rope::backward_into<T>(self, self, start, opt);
+  });
+  MIXATTN_FUZZ_CHECK(o_self == o, "rope _into onto its input disagrees on the outcome");
+  if (o == fz::Outcome::returned)
+    MIXATTN_FUZZ_CHECK(fz::same_bits(self, out), "rope _into onto its input disagrees");
+  fz::Strided<T> block = fz::strided(x, padded);  // in place on a row block of a wider buffer
+  const Matrix<T> buffer_before = block.buffer;
+  const fz::Outcome o_place = fz::run(ex, [&] {
+    auto view = block.buffer.block(0, block.offset, n, r);
+    if (fwd)
+      rope::apply_in_place<T>(view, start, opt);
+    else
+      rope::backward_in_place<T>(view, start, opt);
+  });
+  MIXATTN_FUZZ_CHECK(o_place == o, "rope in place disagrees on the outcome");
+  if (o_place == fz::Outcome::invalid_argument)  // validation happens before any write
+    MIXATTN_FUZZ_CHECK(fz::same_bits(block.buffer, buffer_before), "refused rope wrote");
+  for (Index row = 0; row < n; ++row)
+    for (Index j = 0; j < block.buffer.cols(); ++j)
+      if (j < block.offset || j >= block.offset + r)
+        MIXATTN_FUZZ_CHECK(
+            fz::same_bits(block.buffer.block(row, j, 1, 1), buffer_before.block(row, j, 1, 1)),
+            "rope in place wrote outside its block");
+  if (o == fz::Outcome::returned)
+    MIXATTN_FUZZ_CHECK(fz::same_bits(block.view(), out), "rope in place disagrees");
+  return o;
+}
+
+/// Step 4, the forms against the long double twin, and backward(apply(x)) against x.
+template <class T>
+void rope_bounds(const RopeCase<T>& c, const Matrix<T>& y, const Matrix<T>& g) {
+  namespace rope = mixattn::rope;
+  const Matrix<T>& x = c.x;
+  const Index start = c.start, n = c.n, r = c.r;
+  const mixattn::rope::Options& opt = c.opt;
+  const fz::Expect& ex = c.ex;
   for (Index row = 0; row < n; ++row) {
     const double p = position(start, row);
     for (Index i = 0; 2 * i + 1 < r; ++i) {
@@ -467,6 +587,26 @@ void rope_case(fz::Bytes& in, const Matrix<T>& q) {
           close_pair<T>(x0, z(row, j), x0, x1, 7) && close_pair<T>(x1, z(row, j + 1), x0, x1, 7),
           "rope::backward(apply(x)) is not x");
     }
+}
+
+/// RoPE on the drawn q, decoded from bytes after everything softmax_case reads, so that the seed
+/// corpus decodes as it did before (an input that ends earlier reads 0 here: no RoPE). x is q
+/// itself (odd r must be refused), q less one column (parity flipped, possibly none at all), or q
+/// tiled 2 to 8 times (widths up to 128, where a tiny base makes theta_i = base^(-2i/r) huge).
+/// start: 0, small, negative, near 2^31, 2^53, 2^62, or the ends of Index (where start + N - 1 no
+/// longer exists); base: the default, ordinary, tiny (down to denorm_min), huge, and invalid
+/// (0, negative, NaN, Inf). Every form (value, _into fresh, _into onto its own input, in place
+/// on a row block of a wider buffer) of apply and backward is held to fz::run's oracle and to
+/// the value form's bits; valid finite results to the twin; backward(apply(x)) to x.
+template <class T>
+void rope_case(fz::Bytes& in, const Matrix<T>& q) {
+  RopeCase<T> c;
+  if (!decode_rope(in, q, c)) return;
+  Matrix<T> y, g;
+  const fz::Outcome oy = rope_forms(c, 1.0, y), og = rope_forms(c, -1.0, g);
+  if (c.ex.flags.non_finite || oy != fz::Outcome::returned || og != fz::Outcome::returned) return;
+  if (!y.allFinite() || !g.allFinite()) return;  // an overflow, checks off: nothing to compare
+  rope_bounds(c, y, g);
 }
 
 template <class T>

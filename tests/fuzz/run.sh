@@ -1,18 +1,39 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang (ASan + UBSan) and fuzzes each for a while.
 #
-#   tests/fuzz/run.sh [seconds]        default 60 s per target
+#   tests/fuzz/run.sh [seconds]                 every target, up to `seconds` each (default 60)
+#   tests/fuzz/run.sh --total SECONDS           every target, SECONDS of wall time in all: each
+#                                               gets SECONDS / ceil(targets / jobs) (the test
+#                                               command's form, tests/run.sh)
+#   tests/fuzz/run.sh --target fuzz_packed --seconds 3600 --runs -1
+#                                               one target (--target repeats), for longer
 #
+# Options: --target NAME (a tests/fuzz/NAME.cpp; repeatable; only those are built), --seconds S
+# (per target), --total S (wall time for all, see above), --runs N (executions per target,
+# default 20000, -1 unbounded; MIXATTN_FUZZ_RUNS), --help.
 # Each target starts from its checked-in seed corpus (tests/fuzz/corpus/<target>/, never
 # modified) plus whatever earlier runs added to the working corpus in $build/corpus/<target>/.
 # A failure leaves crash-* / oom-* / timeout-* files in $build/artifacts/ and makes the script
 # exit non-zero; replay one with `$build/tests/fuzz/<target> <file>` (MIXATTN_FUZZ_VERBOSE=1
 # prints the decoded case). Environment: CXX (default clang++), MIXATTN_FUZZ_DIR (default
-# build/fuzz), MIXATTN_JOBS.
+# build/fuzz), MIXATTN_JOBS, MIXATTN_FUZZ_SEED, MIXATTN_FUZZ_RUNS.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
-seconds=${1:-60}
+seconds=60
+total=""
+only=()
+while (($#)); do
+  case $1 in
+    --target) only+=("$2"); shift 2 ;;
+    --seconds) seconds=$2; shift 2 ;;
+    --total) total=$2; shift 2 ;;
+    --runs) export MIXATTN_FUZZ_RUNS=$2; shift 2 ;;
+    -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+    [0-9]*) seconds=$1; shift ;;
+    *) echo "tests/fuzz/run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
 build=${MIXATTN_FUZZ_DIR:-build/fuzz}
 jobs=${MIXATTN_JOBS:-$(nproc)}
 
@@ -29,13 +50,31 @@ for src in tests/fuzz/fuzz_*.cpp; do
   t=$(basename "$src" .cpp)
   if grep -qw -- "$t" <<<"$help"; then targets+=("$t"); fi
 done
+if ((${#only[@]} > 0)); then
+  for t in "${only[@]}"; do
+    if ! printf '%s\n' "${targets[@]}" | grep -qx -- "$t"; then
+      echo "tests/fuzz/run.sh: no fuzz target $t (targets: ${targets[*]})" >&2
+      exit 2
+    fi
+  done
+  targets=("${only[@]}")
+fi
 if ((${#targets[@]} == 0)); then
   echo "no fuzz targets (operator headers missing?)" >&2
   exit 1
 fi
-# All of them in one build: the targets are one source file each, and naming them with --target
-# would build them one after another (CMake's top-level Makefile is not parallel across goals).
-cmake --build "$build" -j "$jobs"
+if [[ -n $total ]]; then  # the targets run $jobs at a time: ceil(targets / jobs) rounds
+  rounds=$(((${#targets[@]} + jobs - 1) / jobs))
+  seconds=$((total / rounds > 1 ? total / rounds : 1))
+fi
+if ((${#only[@]} > 0)); then
+  for t in "${targets[@]}"; do cmake --build "$build" --target "$t" -j "$jobs"; done
+else
+  # All of them in one build: the targets are one source file each, and naming them with
+  # --target would build them one after another (the top-level Makefile is not parallel across
+  # goals).
+  cmake --build "$build" -j "$jobs"
+fi
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
@@ -51,8 +90,12 @@ fuzz_one() {  # fuzz_one <target>: fuzzes into $build/<target>.log, returns libF
   # different corpora and drift apart. A failing input is therefore printed (hex) with the
   # failure, so that a CI log alone is enough to replay it. Vary the seed and lift the bound for
   # longer campaigns.
+  local extra=()
+  # The parameter file parser may allocate what the model needs (a few KiB here) and a name of
+  # up to 64 KiB, never what a hostile size field asks for.
+  if [[ $t == fuzz_layer_load ]]; then extra=(-malloc_limit_mb=64); fi
   "$build/tests/fuzz/$t" -seed="${MIXATTN_FUZZ_SEED:-1}" -runs="${MIXATTN_FUZZ_RUNS:-20000}" \
-    -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+    -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 "${extra[@]}" \
     -print_final_stats=1 -artifact_prefix="$build/artifacts/$t-" \
     "$work" "tests/fuzz/corpus/$t" >"$build/$t.log" 2>&1
 }
