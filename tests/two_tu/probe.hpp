@@ -45,7 +45,8 @@ std::uintptr_t address_of(F* f) {
 }
 
 // The entry points by exact signature (some names are overloaded).
-using In = const mixattn::ConstMatrixRef<float>&;
+// In: the entry points' matrix parameter (a ConstMatrixRef<float> refusing wrong kinds).
+using In = const mixattn::ConstMatrixArg<float>&;
 using Out = mixattn::Matrix<float>;
 using GmaForward = Out(const mixattn::gma::Mixture<float>&, In, In, In,
                        const mixattn::gma::Options&, mixattn::gma::Saved<float>*);
