@@ -46,7 +46,7 @@ template <class S>
 bool same_scan_record(const S& a, const S& b) {
   return fz::same_bits(a.den, b.den) && fz::same_bits(a.out, b.out) && a.causal == b.causal &&
          std::memcmp(&a.eps, &b.eps, sizeof(double)) == 0 && a.chunk == b.chunk &&
-         std::memcmp(a.fingerprint, b.fingerprint, sizeof(a.fingerprint)) == 0 &&
+         std::memcmp(&a.fingerprint, &b.fingerprint, sizeof(a.fingerprint)) == 0 &&
          a.valid == b.valid;
 }
 
