@@ -8,19 +8,7 @@
 // The expected file bytes come from this file's own encoder of the documented format, not from
 // save_parameters.
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
-    __has_feature(memory_sanitizer)
-#define MIXATTN_TEST_SANITIZED 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define MIXATTN_TEST_SANITIZED 1
-#endif
-
-#ifndef MIXATTN_TEST_SANITIZED
-#include "../bench/counting_allocator.hpp"
-#endif
+#include "counting_heap.hpp"
 
 #include <mixattn/layer.hpp>
 

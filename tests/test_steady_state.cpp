@@ -7,19 +7,7 @@
 // Under the sanitizers the allocator cannot be replaced (their runtimes own malloc): the counting
 // checks are skipped there, the `_into` results are still compared with the value-returning forms.
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
-    __has_feature(memory_sanitizer)
-#define MIXATTN_TEST_SANITIZED 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define MIXATTN_TEST_SANITIZED 1
-#endif
-
-#ifndef MIXATTN_TEST_SANITIZED
-#include "../bench/counting_allocator.hpp"
-#endif
+#include "counting_heap.hpp"
 
 #include "test_util.hpp"
 
@@ -45,6 +33,14 @@ namespace {
 using mixattn::Index;
 using mixattn::Matrix;
 using mixattn::testing::random_matrix;
+
+/// The _into step's input gradients against the value-returning forms', bit for bit.
+template <class G>
+void expect_same_qkv(const G& got, const G& want) {
+  EXPECT_EQ(got.q, want.q);
+  EXPECT_EQ(got.k, want.k);
+  EXPECT_EQ(got.v, want.v);
+}
 
 /// Heap allocations made by fn() (0 and a skip note under the sanitizers).
 template <class Fn>
@@ -101,9 +97,7 @@ TYPED_TEST(SteadyStateTyped, GmaStepAllocatesNothing) {
     const Matrix<T> ref = gma::forward(mix, q, k, v, opt, &ref_saved);
     const gma::Grad<T> ref_grad = gma::backward(mix, q, k, v, dout, ref_saved, opt);
     EXPECT_EQ(out, ref);
-    EXPECT_EQ(grad.q, ref_grad.q);
-    EXPECT_EQ(grad.k, ref_grad.k);
-    EXPECT_EQ(grad.v, ref_grad.v);
+    expect_same_qkv(grad, ref_grad);
     EXPECT_EQ(grad.mixture.mean, ref_grad.mixture.mean);
     EXPECT_EQ(grad.mixture.var_raw, ref_grad.mixture.var_raw);
     EXPECT_EQ(grad.mixture.prior_logit, ref_grad.mixture.prior_logit);
@@ -266,21 +260,15 @@ TYPED_TEST(SteadyStateTyped, BaselineStepsAllocateNothing) {
     linear::Saved<T> rl;
     EXPECT_EQ(out_l, linear::forward<T>(q, k, v, lo, &rl));
     const linear::Grad<T> gl = linear::backward<T>(q, k, v, dout, rl, lo);
-    EXPECT_EQ(grad_l.q, gl.q);
-    EXPECT_EQ(grad_l.k, gl.k);
-    EXPECT_EQ(grad_l.v, gl.v);
+    expect_same_qkv(grad_l, gl);
     performer::Saved<T> rp;
     EXPECT_EQ(out_p, performer::forward<T>(q, k, v, features, po, &rp));
     const performer::Grad<T> gp = performer::backward<T>(q, k, v, dout, features, rp, po);
-    EXPECT_EQ(grad_p.q, gp.q);
-    EXPECT_EQ(grad_p.k, gp.k);
-    EXPECT_EQ(grad_p.v, gp.v);
+    expect_same_qkv(grad_p, gp);
     vq::Saved<T> rv;
     EXPECT_EQ(out_v, vq::forward<T>(q, k, v, codebook, vo, &rv));
     const vq::Grad<T> gv = vq::backward<T>(q, k, v, codebook, dout, rv, vo);
-    EXPECT_EQ(grad_v.q, gv.q);
-    EXPECT_EQ(grad_v.k, gv.k);
-    EXPECT_EQ(grad_v.v, gv.v);
+    expect_same_qkv(grad_v, gv);
     EXPECT_EQ(grad_v.codebook, gv.codebook);
   }
 }
@@ -315,9 +303,7 @@ TYPED_TEST(SteadyStateTyped, OvqStepAllocatesNothing) {
   EXPECT_EQ(next.pending_values, state.pending_values);
   EXPECT_EQ(next.tokens_seen, state.tokens_seen);
   const ovq::Grad<T> ref_grad = ovq::backward(q, k, v, beta, dout, ref_saved, opt);
-  EXPECT_EQ(grad.q, ref_grad.q);
-  EXPECT_EQ(grad.k, ref_grad.k);
-  EXPECT_EQ(grad.v, ref_grad.v);
+  expect_same_qkv(grad, ref_grad);
   EXPECT_EQ(grad.beta, ref_grad.beta);
 }
 
@@ -472,9 +458,7 @@ TYPED_TEST(SteadyStateTyped, OvqDefaultsAllocateNothing) {
       ovq::Saved<T> ref_saved;
       EXPECT_EQ(out, ovq::forward(q, k, v, beta, opt, state, &ref_saved));
       const ovq::Grad<T> ref = ovq::backward(q, k, v, beta, dout, ref_saved, opt);
-      EXPECT_EQ(grad.q, ref.q);
-      EXPECT_EQ(grad.k, ref.k);
-      EXPECT_EQ(grad.v, ref.v);
+      expect_same_qkv(grad, ref);
       EXPECT_EQ(grad.beta, ref.beta);
     }
   }
