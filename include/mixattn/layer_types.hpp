@@ -23,8 +23,9 @@ namespace layer {
 /// The mixer's name as written in MixerKind ("gma", "ovq", "softmax", "linear", "performer",
 /// "vq"), for messages.
 inline const char* mixer_name(MixerKind kind) {
-  const ::mixattn::detail::MixerEntry<float>* e = ::mixattn::detail::find_mixer<float>(kind);
-  return e ? e->name : "unknown";
+  for (const ::mixattn::detail::MixerName& e : ::mixattn::detail::mixer_names)
+    if (e.kind == kind) return e.name;
+  return "unknown";
 }
 
 /// What forward keeps for backward: the projections, the concatenated head outputs and each

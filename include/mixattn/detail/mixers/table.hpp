@@ -12,6 +12,7 @@
 #include "mixattn/detail/mixers/softmax.hpp"
 #include "mixattn/detail/mixers/vq.hpp"
 
+#include <array>
 #include <memory>
 
 MIXATTN_BEGIN_NAMESPACE
@@ -33,15 +34,43 @@ MixerEntry<T> mixer_entry(layer::MixerKind kind) {
           }};
 }
 
-template <class T>
-inline const MixerEntry<T> mixer_table[] = {
-    mixer_entry<GmaMixer, T>(layer::MixerKind::gma),
-    mixer_entry<OvqMixer, T>(layer::MixerKind::ovq),
-    mixer_entry<SoftmaxMixer, T>(layer::MixerKind::softmax),
-    mixer_entry<LinearMixer, T>(layer::MixerKind::linear),
-    mixer_entry<PerformerMixer, T>(layer::MixerKind::performer),
-    mixer_entry<VqMixer, T>(layer::MixerKind::vq),
+/// A table line: the MixerKind and the mixer type that runs it.
+template <layer::MixerKind K, template <class> class M>
+struct MixerRow {
+  static constexpr layer::MixerKind kind = K;
+  template <class T>
+  using type = M<T>;
 };
+template <class... Row>
+struct MixerRows {};
+
+// The table.
+using mixer_rows =
+    MixerRows<MixerRow<layer::MixerKind::gma, GmaMixer>, MixerRow<layer::MixerKind::ovq, OvqMixer>,
+              MixerRow<layer::MixerKind::softmax, SoftmaxMixer>,
+              MixerRow<layer::MixerKind::linear, LinearMixer>,
+              MixerRow<layer::MixerKind::performer, PerformerMixer>,
+              MixerRow<layer::MixerKind::vq, VqMixer>>;
+
+template <class T, class... Row>
+std::array<MixerEntry<T>, sizeof...(Row)> mixer_entries(MixerRows<Row...>) {
+  return {{mixer_entry<Row::template type, T>(Row::kind)...}};
+}
+template <class T>
+inline const auto mixer_table = mixer_entries<T>(mixer_rows{});
+
+/// A mixer's kind and name, read from its type's declaration alone: a name looked up from
+/// non-template code must not instantiate the mixers' members (every file that includes the
+/// layer would compile them all).
+struct MixerName {
+  layer::MixerKind kind;
+  const char* name;
+};
+template <class... Row>
+constexpr std::array<MixerName, sizeof...(Row)> mixer_name_entries(MixerRows<Row...>) {
+  return {{MixerName{Row::kind, Row::template type<float>::name}...}};
+}
+inline constexpr auto mixer_names = mixer_name_entries(mixer_rows{});
 
 /// The table's entry for `kind`; nullptr for a value outside the enumeration.
 template <class T>
