@@ -95,15 +95,15 @@ if [[ ${MIXATTN_SKIP_SANITIZERS:-0} != 1 ]]; then
   bash tests/sanitize.sh
 fi
 if [[ ${MIXATTN_SKIP_FUZZ:-0} != 1 ]]; then
-  # The fuzzers keep CMake's default generator: a seeded run explores inputs that depend on the
-  # binary, and this is the build whose seeded runs have been checked.
-  # One wall-time budget shared by every target (MIXATTN_FUZZ_TOTAL_SECONDS, default 120: what
-  # three targets took at 60 s two at a time), unless MIXATTN_FUZZ_SECONDS asks for a time per
+  # The targets were built beside the suite in the sanitizer pass's ASan + UBSan tree
+  # (tests/asan_tree.sh). One wall-time budget shared by every target
+  # (MIXATTN_FUZZ_TOTAL_SECONDS, default 120), unless MIXATTN_FUZZ_SECONDS asks for a time per
   # target.
+  fuzz_dir=${MIXATTN_SANITIZE_DIR:-build}/asan
   if [[ -n ${MIXATTN_FUZZ_SECONDS:-} ]]; then
-    env -u CMAKE_GENERATOR bash tests/fuzz/run.sh --seconds "$MIXATTN_FUZZ_SECONDS"
+    MIXATTN_FUZZ_DIR=$fuzz_dir bash tests/fuzz/run.sh --seconds "$MIXATTN_FUZZ_SECONDS"
   else
-    env -u CMAKE_GENERATOR bash tests/fuzz/run.sh --total "${MIXATTN_FUZZ_TOTAL_SECONDS:-120}"
+    MIXATTN_FUZZ_DIR=$fuzz_dir bash tests/fuzz/run.sh --total "${MIXATTN_FUZZ_TOTAL_SECONDS:-120}"
   fi
 fi
 echo "== all tests passed in $((SECONDS - start)) s"

@@ -29,6 +29,8 @@ base=${MIXATTN_SANITIZE_DIR:-build}
 # Ninja for new build trees, as in tests/run.sh (which sets it when it calls this script).
 if [[ -z ${CMAKE_GENERATOR:-} ]] && command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
 
+. tests/asan_tree.sh
+
 configure() {  # configure <dir> <flags> [cmake options...]
   local dir=$1 flags=$2
   shift 2
@@ -44,17 +46,9 @@ status=0
 start=$SECONDS
 if [[ $what == all || $what == asan ]]; then
   dir=$base/asan
-  # -O0: clang compiles the suite in about half the time of -O1 under ASan (test_gma_backward:
-  # 31 s against 64 s of CPU), and the tests then run about 4x slower (seconds each), which is the
-  # cheaper side for this build-dominated pass; nothing is optimised away before it is checked.
-  # The exception is tests/instances.cpp, the operators' workers compiled once for every test
-  # file, at -O1: one file to compile, and the tests that do the most arithmetic (central
-  # differences of the flash reference over several tiles, grouped-query packed calls) ran for
-  # minutes at -O0.
-  flags="-O0 -g1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
   echo "== ASan+UBSan: configuring $dir with $cxx"
-  configure "$dir" "$flags" -DMIXATTN_TEST_INSTANCE_OPTIONS=-O1
-  echo "== ASan+UBSan: building (-j$jobs)"
+  mixattn_configure_asan "$dir"
+  echo "== ASan+UBSan: building the suite and the fuzz targets (-j$jobs)"
   cmake --build "$dir" -j "$jobs"
   echo "== ASan+UBSan: running ctest"
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1

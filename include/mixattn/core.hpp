@@ -118,10 +118,17 @@
 // `extern template`), and build one more TU, with the same compiler flags, that defines
 // MIXATTN_INSTANTIATE_TEMPLATES and includes <mixattn/mixattn.hpp>: it holds their definitions.
 // Results are the same bits either way; only where the code is compiled changes.
+// A unit that also defines MIXATTN_INSTANTIATE_SCALAR as float or double holds the workers of
+// that type only, so that two units compiled side by side share the work.
 #if defined(MIXATTN_INSTANTIATE_TEMPLATES)
 #define MIXATTN_TEMPLATE_INSTANCE template
 #elif defined(MIXATTN_EXTERN_TEMPLATES)
 #define MIXATTN_TEMPLATE_INSTANCE extern template
+#endif
+#if defined(MIXATTN_INSTANTIATE_TEMPLATES) && defined(MIXATTN_INSTANTIATE_SCALAR)
+#define MIXATTN_FOR_EACH_SCALAR(M) M(MIXATTN_INSTANTIATE_SCALAR)
+#else
+#define MIXATTN_FOR_EACH_SCALAR(M) M(float) M(double)
 #endif
 
 MIXATTN_BEGIN_NAMESPACE

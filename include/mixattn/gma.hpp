@@ -242,8 +242,7 @@ namespace detail {
       const char*, gma::Grad<T>&, const gma::Mixture<T>&, const ConstMatrixRef<T>&,             \
       const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,             \
       const gma::Saved<T>&, const gma::Options&, const gma::StateGrad<T>*);
-MIXATTN_GMA_INSTANCES(float)
-MIXATTN_GMA_INSTANCES(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_GMA_INSTANCES)
 #undef MIXATTN_GMA_INSTANCES
 }  // namespace detail
 #endif

@@ -364,8 +364,8 @@ class MultiHeadAttention {
 // Every member of the layer, at the default instruction set (core.hpp: compiling the operators
 // once). The members are defined in the class, so without this each file that uses the layer
 // compiles all of them again, most of such a file's compile time with g++ -O2.
-MIXATTN_TEMPLATE_INSTANCE class MultiHeadAttention<float>;
-MIXATTN_TEMPLATE_INSTANCE class MultiHeadAttention<double>;
+#define MIXATTN_LAYER_INSTANCES(T) MIXATTN_TEMPLATE_INSTANCE class MultiHeadAttention<T>;
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_LAYER_INSTANCES)
 #endif
 
 }  // namespace layer

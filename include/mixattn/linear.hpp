@@ -325,8 +325,7 @@ namespace linear {
   MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                 \
       const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, \
       const ConstMatrixArg<T>&, const Saved<T>&, const Options&);
-MIXATTN_LINEAR_INSTANCES(float)
-MIXATTN_LINEAR_INSTANCES(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_LINEAR_INSTANCES)
 #undef MIXATTN_LINEAR_INSTANCES
 }  // namespace linear
 // The workers behind every form (the _into forms and the layer call them directly).
@@ -339,8 +338,7 @@ namespace detail {
       const char*, linear::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,          \
       const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const linear::Saved<T>&,                \
       const linear::Options&);
-MIXATTN_LINEAR_WORKERS(float)
-MIXATTN_LINEAR_WORKERS(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_LINEAR_WORKERS)
 #undef MIXATTN_LINEAR_WORKERS
 }  // namespace detail
 #endif

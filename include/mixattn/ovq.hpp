@@ -166,8 +166,7 @@ namespace detail {
       const char*, ovq::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,         \
       const ConstMatrixRef<T>&, T, const ConstMatrixRef<T>&, const ovq::Saved<T>&,            \
       const ovq::Options&, const ovq::StateGrad<T>*);
-MIXATTN_OVQ_INSTANCES(float)
-MIXATTN_OVQ_INSTANCES(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_OVQ_INSTANCES)
 #undef MIXATTN_OVQ_INSTANCES
 }  // namespace detail
 #endif

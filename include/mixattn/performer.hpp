@@ -303,8 +303,7 @@ namespace performer {
   MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                 \
       const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, \
       const ConstMatrixArg<T>&, const Features<T>&, const Saved<T>&, const Options&);
-MIXATTN_PERFORMER_INSTANCES(float)
-MIXATTN_PERFORMER_INSTANCES(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_PERFORMER_INSTANCES)
 #undef MIXATTN_PERFORMER_INSTANCES
 }  // namespace performer
 // The workers behind every form (the _into forms and the layer call them directly).
@@ -318,8 +317,7 @@ namespace detail {
       const char*, performer::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,       \
       const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const performer::Features<T>&,          \
       const performer::Saved<T>&, const performer::Options&);
-MIXATTN_PERFORMER_WORKERS(float)
-MIXATTN_PERFORMER_WORKERS(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_PERFORMER_WORKERS)
 #undef MIXATTN_PERFORMER_WORKERS
 }  // namespace detail
 #endif

@@ -517,8 +517,7 @@ namespace detail {
       const char*, reference::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
       const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const reference::Saved<T>&,       \
       const reference::Options&);
-MIXATTN_REFERENCE_INSTANCES(float)
-MIXATTN_REFERENCE_INSTANCES(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_REFERENCE_INSTANCES)
 #undef MIXATTN_REFERENCE_INSTANCES
 }  // namespace detail
 #endif

@@ -205,8 +205,7 @@ namespace detail {
 #define MIXATTN_ROPE_INSTANCES(T)                \
   MIXATTN_TEMPLATE_INSTANCE void rope_rotate<T>( \
       const char*, const ConstMatrixRef<T>&, MatrixRef<T>, Index, const rope::Options&, double);
-MIXATTN_ROPE_INSTANCES(float)
-MIXATTN_ROPE_INSTANCES(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_ROPE_INSTANCES)
 #undef MIXATTN_ROPE_INSTANCES
 }  // namespace detail
 #endif

@@ -314,8 +314,7 @@ namespace vq {
   MIXATTN_TEMPLATE_INSTANCE Grad<T> backward<T, 0>(                                 \
       const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, \
       const ConstMatrixArg<T>&, const ConstMatrixArg<T>&, const Saved<T>&, const Options&);
-MIXATTN_VQ_INSTANCES(float)
-MIXATTN_VQ_INSTANCES(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_VQ_INSTANCES)
 #undef MIXATTN_VQ_INSTANCES
 }  // namespace vq
 // The workers behind every form (the _into forms and the layer call them directly).
@@ -328,8 +327,7 @@ namespace detail {
       const char*, vq::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,              \
       const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,              \
       const vq::Saved<T>&, const vq::Options&);
-MIXATTN_VQ_WORKERS(float)
-MIXATTN_VQ_WORKERS(double)
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_VQ_WORKERS)
 #undef MIXATTN_VQ_WORKERS
 }  // namespace detail
 #endif

@@ -39,11 +39,13 @@ build=${MIXATTN_FUZZ_DIR:-build/fuzz}
 jobs=${MIXATTN_JOBS:-$(nproc)}
 
 mkdir -p "$build"
+if [[ -z ${CMAKE_GENERATOR:-} ]] && command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; fi
 
-# No build type: no NDEBUG, so Eigen's own bounds assertions stay on next to MIXATTN_ASSERT.
-cmake -S . -B "$build" -DCMAKE_CXX_COMPILER="${CXX:-clang++}" -DCMAKE_BUILD_TYPE= \
-  -DMIXATTN_BUILD_FUZZERS=ON -DMIXATTN_BUILD_TESTS=OFF -DMIXATTN_BUILD_BENCHMARKS=OFF \
-  -DMIXATTN_BUILD_EXAMPLES=OFF -DMIXATTN_INSTALL=OFF >/dev/null
+# The ASan + UBSan tree of tests/sanitize.sh (tests/asan_tree.sh): no NDEBUG, so Eigen's own
+# bounds assertions stay on next to MIXATTN_ASSERT; the test command points MIXATTN_FUZZ_DIR at
+# the tree its sanitizer pass built, so nothing is compiled again here.
+. tests/asan_tree.sh
+mixattn_configure_asan "$build"
 # Targets whose operator header exists (tests/fuzz/CMakeLists.txt skips the others).
 help=$(cmake --build "$build" --target help)
 targets=()
@@ -81,14 +83,8 @@ if [[ -n $total ]]; then  # the targets run $jobs at a time: ceil(targets / jobs
   rounds=$(((${#targets[@]} + jobs - 1) / jobs))
   seconds=$((total / rounds > 1 ? total / rounds : 1))
 fi
-if ((${#only[@]} > 0)); then
-  for t in "${targets[@]}"; do cmake --build "$build" --target "$t" -j "$jobs"; done
-else
-  # All of them in one build: the targets are one source file each, and naming them with
-  # --target would build them one after another (the top-level Makefile is not parallel across
-  # goals).
-  cmake --build "$build" -j "$jobs"
-fi
+# Only the targets (and the workers they link), side by side in one Ninja build.
+cmake --build "$build" -j "$jobs" --target "${targets[@]}"
 
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
