@@ -7,13 +7,20 @@
 #                                               command's form, tests/run.sh)
 #   tests/fuzz/run.sh --target fuzz_packed --seconds 3600 --runs -1
 #                                               one target (--target repeats), for longer
+#   tests/fuzz/run.sh --campaign                the long campaign, outside CI: every target
+#                                               (none held back) to 1 000 000 executions or an
+#                                               hour, whichever comes first, from a random seed;
+#                                               then each working corpus is minimised into the
+#                                               checked-in seeds (libFuzzer -merge=1: only inputs
+#                                               that add coverage), to review and commit
 #
 # Options: --target NAME (a tests/fuzz/NAME.cpp; repeatable; only those are built), --seconds S
 # (per target), --total S (wall time for all, see above), --runs N (executions per target,
-# default 20000, -1 unbounded; MIXATTN_FUZZ_RUNS), --help. MIXATTN_FUZZ_ALL=1 includes the
+# default 20000, -1 unbounded; MIXATTN_FUZZ_RUNS), --campaign (see above; --seconds and --runs
+# still apply after it), --help. MIXATTN_FUZZ_ALL=1 includes the
 # targets held back from the default run (below).
-# Each target starts from its checked-in seed corpus (tests/fuzz/corpus/<target>/, never
-# modified) plus whatever earlier runs added to the working corpus in $build/corpus/<target>/.
+# Each target starts from its checked-in seed corpus (tests/fuzz/corpus/<target>/, changed only
+# by --campaign) plus whatever earlier runs added to the working corpus in $build/corpus/<target>/.
 # A failure leaves crash-* / oom-* / timeout-* files in $build/artifacts/ and makes the script
 # exit non-zero; replay one with `$build/tests/fuzz/<target> <file>` (MIXATTN_FUZZ_VERBOSE=1
 # prints the decoded case). Environment: CXX (default clang++), MIXATTN_FUZZ_DIR (default
@@ -23,6 +30,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 seconds=60
 total=""
+campaign=0
 only=()
 while (($#)); do
   case $1 in
@@ -30,6 +38,11 @@ while (($#)); do
     --seconds) seconds=$2; shift 2 ;;
     --total) total=$2; shift 2 ;;
     --runs) export MIXATTN_FUZZ_RUNS=$2; shift 2 ;;
+    --campaign)
+      campaign=1 seconds=3600
+      export MIXATTN_FUZZ_RUNS=1000000 MIXATTN_FUZZ_ALL=1
+      export MIXATTN_FUZZ_SEED=${MIXATTN_FUZZ_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
+      shift ;;
     -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
     [0-9]*) seconds=$1; shift ;;
     *) echo "tests/fuzz/run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -119,6 +132,8 @@ done
 wait
 status=0
 summary=()
+extra_merge=(-rss_limit_mb=2048 -timeout=10)
+if ((campaign)); then echo "== campaign seed: $MIXATTN_FUZZ_SEED"; fi
 for t in "${targets[@]}"; do
   log="$build/$t.log"
   rc=$(cat "$build/$t.rc" 2>/dev/null || echo 1)
@@ -134,7 +149,16 @@ for t in "${targets[@]}"; do
       echo
     done
   else
-    summary+=("$t: $execs executions, no failure")
+    # libFuzzer's last status line: "#<runs> DONE cov: <edges> ft: <features> corp: <n>/<size>".
+    cov=$(grep -oE 'cov: [0-9]+ ft: [0-9]+ corp: [0-9]+' "$log" | tail -n 1 || true)
+    line="$t: $execs executions, no failure${cov:+ ($cov)}"
+    if ((campaign)); then
+      before=$(find "tests/fuzz/corpus/$t" -type f | wc -l)
+      "$build/tests/fuzz/$t" -merge=1 "${extra_merge[@]}" "tests/fuzz/corpus/$t" "$build/corpus/$t" \
+        >"$build/$t.merge.log" 2>&1 || { status=1; line+="; the merge failed (see $build/$t.merge.log)"; }
+      line+="; $(($(find "tests/fuzz/corpus/$t" -type f | wc -l) - before)) inputs added to the seeds"
+    fi
+    summary+=("$line")
   fi
 done
 printf '%s\n' "${summary[@]}"
