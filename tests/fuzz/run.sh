@@ -12,7 +12,7 @@
 #                                               hour, whichever comes first, from a random seed;
 #                                               then each working corpus is minimised into the
 #                                               checked-in seeds (libFuzzer -merge=1: only inputs
-#                                               that add coverage), to review and commit
+#                                               that reach new edges), to review and commit
 #
 # Options: --target NAME (a tests/fuzz/NAME.cpp; repeatable; only those are built), --seconds S
 # (per target), --total S (wall time for all, see above), --runs N (executions per target,
@@ -132,7 +132,8 @@ done
 wait
 status=0
 summary=()
-extra_merge=(-rss_limit_mb=2048 -timeout=10)
+# Into the seeds go only inputs that reach new edges (hit counts aside): the seeds stay few.
+extra_merge=(-use_counters=0 -rss_limit_mb=2048 -timeout=10)
 if ((campaign)); then echo "== campaign seed: $MIXATTN_FUZZ_SEED"; fi
 for t in "${targets[@]}"; do
   log="$build/$t.log"
