@@ -56,7 +56,7 @@ def flag(fn, name, x):
     """x as a bool: True, False (Python or NumPy), or the integers 0 and 1."""
     if x is True or x is False:
         return x
-    if type(x).__name__ == "bool_":  # numpy.bool_
+    if type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"):  # numpy.bool_
         return bool(x)
     if not isinstance(x, float):
         try:
