@@ -63,7 +63,7 @@ setup(
         CppExtension(
             name="mixattn._C",
             sources=[os.path.join("csrc", f) for f in
-                     ("bindings.cpp", "caches.cpp", "gma_kernels.cpp", "ovq_kernels.cpp",
+                     ("ops.cpp", "bindings.cpp", "caches.cpp", "gma_kernels.cpp", "ovq_kernels.cpp",
                       "flash_kernels.cpp")],
             include_dirs=[library_include, "/usr/include/eigen3"],
             extra_compile_args={"cxx": cxx_flags},
