@@ -30,23 +30,40 @@ def _streams(q, cu_seqlens):
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
+_FUNCTIONS = {"gma": "mixattn.gma_attention", "ovq": "mixattn.ovq_attention",
+              "flash": "mixattn.flash_attention"}
+
+
+def _same_device(op, q, tensors):
+    """The kernels are CPU-only: a fake (meta) call mixing devices is refused as the kernel would
+    refuse it, naming the argument, instead of returning meta outputs."""
+    devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devices.values())) > 1:
+        name, device = next((n, d) for n, d in devices.items() if d.type != "cpu")
+        raise ValueError(f"{_FUNCTIONS[op.split('_')[0]]}: {name} must be a dense CPU tensor, "
+                         f"got a {device} tensor")
+
+
 # --- fake implementations ------------------------------------------------------------------------
 
 @torch.library.register_fake("mixattn::gma_forward")
 def _gma_forward_fake(q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor,
                       check_finite, save, cu_seqlens=None):
+    _same_device("gma_forward", q, dict(locals()))
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3]), _handle(q)
 
 
 @torch.library.register_fake("mixattn::gma_backward")
 def _gma_backward_fake(q, k, v, mean, var_raw, prior_logit, grad_out, saved, causal, eps,
                        var_floor, check_finite, cu_seqlens=None):
+    _same_device("gma_backward", q, dict(locals()))
     return _like(q, k, v, mean, var_raw, prior_logit)
 
 
 @torch.library.register_fake("mixattn::gma_forward_state")
 def _gma_forward_state_fake(q, k, v, mean, var_raw, prior_logit, S0, z0, eps, var_floor,
                             check_finite, save, cu_seqlens=None, prepared=None):
+    _same_device("gma_forward_state", q, dict(locals()))
     out = q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     return out, *_like(S0, z0), _handle(q)
 
@@ -54,12 +71,14 @@ def _gma_forward_state_fake(q, k, v, mean, var_raw, prior_logit, S0, z0, eps, va
 @torch.library.register_fake("mixattn::gma_backward_state")
 def _gma_backward_state_fake(q, k, v, mean, var_raw, prior_logit, S0, z0, grad_out, grad_S,
                              grad_z, saved, eps, var_floor, check_finite, cu_seqlens=None):
+    _same_device("gma_backward_state", q, dict(locals()))
     return _like(q, k, v, mean, var_raw, prior_logit, S0, z0)
 
 
 @torch.library.register_fake("mixattn::gma_forward_cached")
 def _gma_forward_cached_fake(q, k, v, mean, var_raw, prior_logit, cache, eps, var_floor,
                              check_finite, save, cu_seqlens=None):
+    _same_device("gma_forward_cached", q, dict(locals()))
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3]), _handle(q)
 
 
@@ -67,6 +86,7 @@ def _gma_forward_cached_fake(q, k, v, mean, var_raw, prior_logit, cache, eps, va
 def _ovq_forward_fake(q, k, v, beta, block, max_centroids, growth, growth_alpha, seeding,
                       assignment, count_bias, grad_through_dictionary, norm_eps, check_finite,
                       save, initial_state=None, cu_seqlens=None):
+    _same_device("ovq_forward", q, dict(locals()))
     out = q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     return out, _handle(q), _handle(q)
 
@@ -75,6 +95,7 @@ def _ovq_forward_fake(q, k, v, beta, block, max_centroids, growth, growth_alpha,
 def _ovq_backward_fake(q, k, v, beta, grad_out, saved, block, max_centroids, growth,
                        growth_alpha, seeding, assignment, count_bias, grad_through_dictionary,
                        norm_eps, check_finite, initial_state=None, cu_seqlens=None):
+    _same_device("ovq_backward", q, dict(locals()))
     return _like(q, k, v, beta)
 
 
@@ -82,16 +103,19 @@ def _ovq_backward_fake(q, k, v, beta, grad_out, saved, block, max_centroids, gro
 def _ovq_forward_cached_fake(q, k, v, beta, block, max_centroids, growth, growth_alpha, seeding,
                              assignment, count_bias, grad_through_dictionary, norm_eps,
                              check_finite, cache, save, cu_seqlens=None):
+    _same_device("ovq_forward_cached", q, dict(locals()))
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3]), _handle(q)
 
 
 @torch.library.register_fake("mixattn::flash_forward")
 def _flash_forward_fake(q, k, v, causal, scale, check_finite, save, cu_seqlens=None):
+    _same_device("flash_forward", q, dict(locals()))
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3]), _handle(q)
 
 
 @torch.library.register_fake("mixattn::flash_backward")
 def _flash_backward_fake(q, k, v, grad_out, saved, causal, scale, check_finite, cu_seqlens=None):
+    _same_device("flash_backward", q, dict(locals()))
     return _like(q, k, v)
 
 
@@ -235,3 +259,27 @@ _LIBRARY.impl("gma_forward_cached",
 _LIBRARY.impl("ovq_forward_cached",
               _mutating_autograd(ops.ovq_forward_cached.default, _ovq_setup,
                                  _ovq_cached_backward), "Autograd", with_keyset=True)
+
+
+# Sparse inputs reach no kernel: the dispatcher's own error names the operator, not the
+# argument, so a kernel for the sparse layouts refuses by name.
+
+def _refuse_sparse(name):
+    op = getattr(ops, name).default
+    names = [a.name for a in op._schema.arguments]
+
+    def kernel(*args, **kwargs):
+        for arg, value in [*zip(names, args), *kwargs.items()]:
+            if isinstance(value, torch.Tensor) and value.layout is not torch.strided:
+                raise ValueError(f"{_FUNCTIONS[name.split('_')[0]]}: {arg} must be a dense CPU "
+                                 f"tensor, got a {value.device} {value.layout} tensor")
+        raise ValueError(f"{_FUNCTIONS[name.split('_')[0]]}: every tensor must be a dense CPU "
+                         "tensor")
+    return kernel
+
+
+for _name in ("gma_forward", "gma_backward", "gma_forward_state", "gma_backward_state",
+              "gma_forward_cached", "ovq_forward", "ovq_backward", "ovq_forward_cached",
+              "flash_forward", "flash_backward"):
+    for _key in ("SparseCPU", "SparseCsrCPU"):
+        _LIBRARY.impl(_name, _refuse_sparse(_name), _key)
