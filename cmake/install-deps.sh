@@ -2,18 +2,16 @@
 # Installs the Debian 12 packages mixattn's build, tests and benchmarks need (as root).
 # Usage: cmake/install-deps.sh [test|bench]   — "bench" adds plotting (python3-matplotlib) and
 # OpenBLAS for PyTorch's eager baselines (libopenblas0-pthread).
-# Both include what the PyTorch extension (python/) needs: PyTorch with its headers, pybind11,
-# Python headers, venv, and what pip uses to build it offline with --no-build-isolation
-# (setuptools, wheel; pip itself comes with python3-venv), pytest and hypothesis (the property-based
-# tests), and ninja for a parallel build,
+# Both include what the PyTorch extension (python/) needs beside what python/venv.sh takes from
+# pip (torch 2.13.0, pytest, hypothesis, numpy, setuptools): Python's headers, venv (with pip),
+# and ninja for a parallel build,
 # and bible-kjv, whose text (4.4 MB of English prose) the character-level language-modelling
 # example, examples/char_lm.cpp, trains on.
 set -euo pipefail
 what=${1:-test}
 pkgs=(build-essential cmake libeigen3-dev libxsimd-dev googletest libgtest-dev libbenchmark-dev bible-kjv
       clang libclang-rt-14-dev python3
-      python3-torch libtorch-dev pybind11-dev python3-dev python3-venv python3-setuptools
-      python3-wheel python3-pytest python3-hypothesis ninja-build)
+      python3-dev python3-venv ninja-build)
 if [[ $what == bench ]]; then
   pkgs+=(python3-matplotlib libopenblas0-pthread)
 fi

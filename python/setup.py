@@ -1,7 +1,7 @@
 """Builds mixattn's PyTorch CPU extension against the installed PyTorch.
 
-    python -m venv --system-site-packages DIR        # so Debian's python3-torch is visible
-    DIR/bin/python -m pip install --no-build-isolation ./python
+    /usr/bin/python3 -m venv DIR && DIR/bin/python -m pip install torch==2.13.0
+    DIR/bin/python -m pip install --no-build-isolation ./python      (python/venv.sh does both)
 
 The C++ library is header-only and lives next to this folder (../include); it is compiled into
 the extension, not installed. Compiler flags: -O3, OpenMP (PyTorch's intra-op pool runs the
@@ -63,7 +63,7 @@ setup(
         CppExtension(
             name="mixattn._C",
             sources=[os.path.join("csrc", f) for f in
-                     ("bindings.cpp", "caches.cpp", "gma_kernels.cpp", "ovq_kernels.cpp",
+                     ("ops.cpp", "bindings.cpp", "caches.cpp", "gma_kernels.cpp", "ovq_kernels.cpp",
                       "flash_kernels.cpp")],
             include_dirs=[library_include, "/usr/include/eigen3"],
             extra_compile_args={"cxx": cxx_flags},
@@ -72,5 +72,4 @@ setup(
     ],
     cmdclass={"build_ext": BuildExtension},
     options={"build": {"build_base": build_base}},
-    python_requires=">=3.8",
 )

@@ -92,7 +92,7 @@ if [[ $what == python || ($what == all && ${MIXATTN_SKIP_PYTHON:-0} != 1) ]]; th
   # PyTorch's threads throw and catch internally) ahead of python3, which links neither. Leak
   # checking is off: the interpreter and PyTorch keep their allocations until exit by design.
   # --capture=sys leaves file descriptor 2 alone, so that a report reaches the log.
-  if /usr/bin/python3 -c "import torch" 2>/dev/null; then
+  if /usr/bin/python3 -c "import ensurepip, venv" 2>/dev/null; then  # torch comes from pip
     t0=$SECONDS
     venv=$base/asan-python
     echo "== ASan+UBSan, PyTorch extension: building into $venv"
@@ -104,7 +104,7 @@ if [[ $what == python || ($what == all && ${MIXATTN_SKIP_PYTHON:-0} != 1) ]]; th
       "$venv/bin/python" -m pytest -q -p no:cacheprovider --capture=sys python/tests || status=1
     echo "== ASan+UBSan, PyTorch extension: $((SECONDS - t0)) s"
   else
-    echo "== ASan+UBSan, PyTorch extension: SKIPPED (no PyTorch for /usr/bin/python3)"
+    echo "== ASan+UBSan, PyTorch extension: SKIPPED (/usr/bin/python3 has no venv)"
   fi
 fi
 echo "== sanitizers: $([[ $status == 0 ]] && echo clean || echo FAILED) in $((SECONDS - start)) s"

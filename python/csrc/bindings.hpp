@@ -1,39 +1,37 @@
-// python/csrc/bindings.hpp — what the binding translation units share (bindings.cpp: the
-// operators and the module; caches.cpp: the decoding caches): the checks that turn Python
-// arguments into the kernels' shapes and options, the boxes handed to Python, dtype dispatch.
+// python/csrc/bindings.hpp — what the binding translation units share (ops.cpp: the registered
+// operators; caches.cpp: the decoding caches; bindings.cpp: the Python module): the checks that
+// turn the operators' arguments into the kernels' shapes and options, the handles that carry
+// the kernels' objects through tensors, dtype dispatch.
 //
-// Errors: bad shapes, dtypes, devices or options raise ValueError naming the Python function
-// and the argument (std::invalid_argument); the library's own checks (non-finite inputs:
-// ValueError from std::domain_error) pass through.
+// Errors: bad shapes, dtypes, devices or options throw std::invalid_argument naming the Python
+// function and the argument; the library's own checks (non-finite inputs: std::domain_error)
+// pass through. The operators turn both into ValueError (as_torch_errors(), below).
 #pragma once
 
 #include "kernels.hpp"
 
-// torch/python.h (pybind11 with the tensor type casters) and ATen instead of torch/extension.h,
-// which adds the whole C++ frontend (nn, optim, data) and doubles the compile time.
-#include <ATen/ATen.h>
-#include <torch/python.h>
+#include <mixattn/detail/fingerprint.hpp>
 
+// ATen alone: the operators' translation units need neither pybind11 nor the C++ frontend.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace mixattn_torch {
-
-/// What a forward hands to Python for its backward: the kernels' record and which operator and
-/// scalar type made it (a record is only ever read back as the type it was made as). A forward
-/// told save=False (no gradient will be asked for) hands back a null record.
-struct SavedBox {
-  std::string kind;
-  SavedPtr record;
-};
 
 [[noreturn]] inline void fail(const std::string& fn, const std::string& what) {
   throw std::invalid_argument(fn + ": " + what);
@@ -129,19 +127,157 @@ inline at::Tensor checked_grad_out(const std::string& fn, const at::Tensor& grad
   return g;
 }
 
-inline SavedBox box(const std::string& kind, const at::Tensor& like, SavedPtr record) {
-  return SavedBox{kind + "/" + dtype_name(like), std::move(record)};
+// --- Handles: the kernels' objects carried by tensors -------------------------------------------
+//
+// A forward's record (the library's Saved per pair), an OVQ state, a decoding cache and a
+// prepared mixture are C++ objects. An operator hands one out as a handle: a 48-byte uint8
+// tensor whose storage owns the object (the storage's deleter frees it), so the object lives
+// exactly as long as autograd, torch.compile's graphs or Python hold the tensor. A handle is
+// recognised by its storage's deleter; its bytes name what it holds (its kind, e.g.
+// "gma/Float"), so two handles of one kind compare equal, as a compiled graph's and the eager
+// call's must, and a copy of a handle (which owns nothing) still says what it was a copy of: a
+// backward given a copy of a record computes the record again where its inputs suffice, and
+// refuses by name where they do not. A cache's handle adds a key under which a copy finds the
+// cache while the handle itself lives (caches.cpp).
+
+constexpr int64_t kHandleBytes = 48;
+constexpr std::size_t kKindBytes = 32;  // then a 16-byte key
+
+struct Held {
+  std::string kind;  // what it holds, e.g. "gma/Float" (a GMA record of float32 calls)
+  std::shared_ptr<void> object;
+  // A prepared mixture found stale by a forward (its tensors changed behind the version
+  // counter's back): mixattn.functional then drops it from its cache.
+  std::atomic<bool> stale{false};
+  unsigned char bytes[kHandleBytes] = {};  // the tensor's contents: the kind, then any key
+};
+
+inline void mark_stale(const Held& held) {
+  const_cast<Held&>(held).stale.store(true);
 }
 
-inline const SavedPtr& unbox(const SavedBox& saved, const std::string& kind, const at::Tensor& like,
-                             const std::string& fn) {
+inline void delete_held(void* held) {
+  delete static_cast<Held*>(held);
+}
+
+/// A handle owning `object`; its bytes are the kind (a C string of at most 31 characters),
+/// then `key` (16 bytes, if given).
+inline at::Tensor make_handle(std::string kind, std::shared_ptr<void> object,
+                              const unsigned char* key = nullptr) {
+  auto* held = new Held{std::move(kind), std::move(object)};
+  std::memcpy(held->bytes, held->kind.data(), std::min(held->kind.size(), kKindBytes - 1));
+  if (key != nullptr) std::memcpy(held->bytes + kKindBytes, key, 16);
+  c10::DataPtr data(held->bytes, held, &delete_held, at::Device(at::kCPU));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), kHandleBytes, std::move(data), nullptr,
+                       false);
+  return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {kHandleBytes}, {1});
+}
+
+/// The object a handle holds, or null if `t` is not a handle.
+inline const Held* held_by(const at::Tensor& t) {
+  if (!t.defined() || t.device().type() != at::kCPU || !t.has_storage()) return nullptr;
+  const c10::DataPtr& data = t.storage().data_ptr();
+  if (data.get_deleter() != &delete_held) return nullptr;
+  return static_cast<const Held*>(data.get_context());
+}
+
+/// The kind a handle or a copy of one names in its bytes; "" for any other tensor.
+inline std::string kind_named_by(const at::Tensor& t) {
+  if (const Held* held = held_by(t)) return held->kind;
+  if (!t.defined() || t.device().type() != at::kCPU || t.layout() != at::kStrided ||
+      t.scalar_type() != at::kByte || t.dim() != 1 || t.numel() != kHandleBytes)
+    return "";
+  const at::Tensor c = t.contiguous();
+  const auto* b = reinterpret_cast<const char*>(c.data_ptr<uint8_t>());
+  const std::size_t n = strnlen(b, kKindBytes);
+  return n < kKindBytes ? std::string(b, n) : std::string();
+}
+
+/// The 16-byte key of a handle or of a copy of one (after the kind; kind_named_by(t) != "").
+inline void key_named_by(const at::Tensor& t, unsigned char* key) {
+  const at::Tensor c = t.contiguous();
+  std::memcpy(key, c.data_ptr<uint8_t>() + kKindBytes, 16);
+}
+
+/// The record of a forward of kind `kind` ("gma", "flash", ...) for `like`'s scalar type.
+inline at::Tensor record_handle(const std::string& kind, const at::Tensor& like, SavedPtr rec) {
+  return make_handle(kind + "/" + dtype_name(like), std::move(rec));
+}
+
+/// The record `saved` holds, of kind `kind` for `like`'s dtype. A copy of such a record (its
+/// bytes without the object) gives null when `recomputable` (the caller then runs the forward
+/// again for it) and is refused otherwise.
+inline SavedPtr record_of(const at::Tensor& saved, const std::string& kind, const at::Tensor& like,
+                          const std::string& fn, bool recomputable) {
   const std::string want = kind + "/" + dtype_name(like);
-  if (saved.kind == want && !saved.record)
+  const Held* held = held_by(saved);
+  const std::string named = kind_named_by(saved);
+  if (named.empty())
+    fail(fn, "saved is not a record that a forward of this package made (got a tensor of shape " +
+                 (saved.defined() ? shape_of(saved) : std::string("undefined")) + ")");
+  if (named != want) fail(fn, "saved was made by " + named + ", not by " + want);
+  if (held == nullptr) {
+    if (!recomputable)
+      fail(fn, "saved is a copy of a " + want +
+                   " record, which owns nothing; only the record itself holds what this "
+                   "backward needs (the state its forward started from)");
+    return nullptr;
+  }
+  if (!held->object)
     fail(fn, "saved holds no record: its forward ran with no gradient to compute (save=False)");
-  if (saved.kind != want)
-    fail(fn, "saved was made by " + (saved.kind.empty() ? std::string("nothing") : saved.kind) +
-                 ", not by " + want);
-  return saved.record;
+  return held->object;
+}
+
+/// Runs an operator's body, turning the checks' exceptions into PyTorch's: std::invalid_argument
+/// and std::domain_error (bad arguments, non-finite inputs) into ValueError, anything else
+/// (a cache in use on another thread, the library's overflow checks) into RuntimeError.
+template <class F>
+decltype(auto) as_torch_errors(F&& f) {
+  try {
+    return f();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const std::domain_error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+/// The message of offsets that do not split `tokens` tokens, as the Python side words it.
+inline void check_offsets(const std::string& fn, const std::vector<int64_t>& o, int64_t tokens) {
+  bool ok = o.size() >= 2 && o.front() == 0 && o.back() == tokens;
+  for (std::size_t i = 1; ok && i < o.size(); ++i) ok = o[i - 1] <= o[i];
+  if (ok) return;
+  std::ostringstream os;
+  os << "cu_seqlens is [";
+  for (std::size_t i = 0; i < o.size(); ++i) os << (i ? ", " : "") << o[i];
+  os << "]; it must hold N + 1 >= 2 nondecreasing offsets from 0 to the " << tokens
+     << " tokens of q";
+  fail(fn, os.str());
+}
+
+/// cu_seqlens (None: an empty list, no packing) as the offsets of a packed call: a 1-D int32 or
+/// int64 CPU tensor.
+/// A given cu_seqlens with fewer than 2 entries is refused here (an empty list means no packing
+/// to the kernels' shapes).
+inline std::vector<int64_t> offsets_of(const std::string& fn,
+                                       const std::optional<at::Tensor>& cu_seqlens,
+                                       const at::Tensor& q) {
+  std::vector<int64_t> offsets;
+  if (!cu_seqlens.has_value() || !cu_seqlens->defined()) return offsets;
+  const at::Tensor& t = *cu_seqlens;
+  if (t.device().type() != at::kCPU || t.layout() != at::kStrided)
+    fail(fn, "cu_seqlens must be a CPU tensor, got a " + place_of(t) + " tensor");
+  if (t.dim() != 1 || (t.scalar_type() != at::kInt && t.scalar_type() != at::kLong))
+    fail(fn, "cu_seqlens must be a 1-D int32 or int64 tensor, got " + dtype_name(t) + " of shape " +
+                 shape_of(t));
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  offsets.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  if (offsets.size() < 2) check_offsets(fn, offsets, q.dim() == 4 ? q.size(2) : -1);
+  return offsets;
 }
 
 /// f(T{}) for the scalar type of `t` (checked() admitted only float32 and float64).
@@ -243,6 +379,7 @@ inline PackedShape packed_shape(const std::string& fn, const Shape& s,
          "be (1, H, T, .) with the same T, got batch " +
              std::to_string(s.batch) + ", " + std::to_string(s.queries) + " queries and " +
              std::to_string(s.keys) + " keys");
+  check_offsets(fn, offsets, s.queries);
   PackedShape p;
   p.heads = s.heads;
   p.rows = s.queries;
@@ -257,12 +394,7 @@ inline PackedShape packed_shape(const std::string& fn, const Shape& s,
 /// the offsets checked here (0 first, T last, nondecreasing).
 inline Shape sequences_shape(const std::string& fn, Shape s, const std::vector<int64_t>& offsets) {
   if (offsets.empty()) return s;
-  const PackedShape p = packed_shape(fn, s, offsets);  // batch 1, as many keys as queries
-  bool ok = p.offsets.size() >= 2 && p.offsets.front() == 0 && p.offsets.back() == p.rows;
-  for (std::size_t i = 1; ok && i < p.offsets.size(); ++i) ok = p.offsets[i - 1] <= p.offsets[i];
-  if (!ok)
-    fail(fn, "cu_seqlens must hold N + 1 >= 2 nondecreasing offsets from 0 to the " +
-                 std::to_string(p.rows) + " tokens of q");
+  const PackedShape p = packed_shape(fn, s, offsets);
   s.batch = static_cast<Index>(p.offsets.size()) - 1;
   s.offsets = p.offsets;
   return s;
@@ -280,6 +412,35 @@ inline Shape ovq_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::
   beta = checked(beta, fn, "beta", 1, q);
   expect_size(fn, beta, "beta", 0, s.heads, "heads of q");
   return s;
+}
+
+inline OvqConfig ovq_config(const std::string& fn, int64_t block, int64_t max_centroids,
+                            const std::string& growth, double growth_alpha,
+                            const std::string& seeding, const std::string& assignment,
+                            bool count_bias, bool grad_through_dictionary, double norm_eps,
+                            bool check_finite) {
+  using mixattn::ovq::Assignment;
+  using mixattn::ovq::Growth;
+  using mixattn::ovq::Seeding;
+  OvqConfig c;
+  c.block = block;
+  c.max_centroids = max_centroids;
+  if (growth != "plateau" && growth != "linear")
+    fail(fn, "growth is '" + growth + "'; it must be 'plateau' or 'linear'");
+  c.growth = growth == "linear" ? Growth::linear : Growth::plateau;
+  c.growth_alpha = growth_alpha;
+  if (seeding != "greedy_dispersion" && seeding != "one_shot")
+    fail(fn, "seeding is '" + seeding + "'; it must be 'greedy_dispersion' or 'one_shot'");
+  c.seeding = seeding == "one_shot" ? Seeding::one_shot : Seeding::greedy_dispersion;
+  if (assignment != "all_centroids" && assignment != "existing_only")
+    fail(fn, "assignment is '" + assignment + "'; it must be 'all_centroids' or 'existing_only'");
+  c.assignment =
+      assignment == "existing_only" ? Assignment::existing_only : Assignment::all_centroids;
+  c.count_bias = count_bias;
+  c.grad_through_dictionary = grad_through_dictionary;
+  c.norm_eps = norm_eps;
+  c.check_finite = check_finite;
+  return c;
 }
 
 /// The options that shape an OVQ dictionary (all but check_finite and grad_through_dictionary,
@@ -320,6 +481,75 @@ inline std::string ovq_state_kind(const at::Tensor& q) {
   return "ovq-state/" + dtype_name(q);
 }
 
+/// Every live OVQ state under its key, a fingerprint of its contents and of what it was made
+/// with, so that a copy of its handle (a deep copy, opcheck's) reaches it while the handle that
+/// owns it lives. A state never changes, and two states with one key hold the same dictionaries,
+/// so the key also makes the handles of an eager call and of its compiled twin compare equal.
+struct OvqStateRegistry {
+  std::mutex mutex;
+  std::unordered_map<std::uint64_t, std::pair<std::uint64_t, std::weak_ptr<const OvqStateBox>>>
+      boxes;
+};
+
+// Never destroyed: a state may be dropped while the interpreter shuts down.
+inline OvqStateRegistry& ovq_state_registry() {
+  static auto* const registry = new OvqStateRegistry;
+  return *registry;
+}
+
+inline at::Tensor ovq_state_handle(OvqStateBox box_value) {
+  std::uint64_t key[2];
+  key[0] = box_value.states->content_fingerprint();
+  key[1] = mixattn::detail::Fingerprint()
+               .add(static_cast<Index>(std::hash<std::string>{}(box_value.kind + " " +
+                                                                state_options(box_value.config))))
+               .add(box_value.shape.batch)
+               .add(box_value.shape.heads)
+               .add(box_value.shape.key_dim)
+               .add(box_value.shape.value_dim)
+               .value();
+  const std::uint64_t id = key[0], check = key[1];
+  // The entry goes with the box (if it is still the box's: a twin may have taken the key).
+  std::shared_ptr<const OvqStateBox> box(new OvqStateBox(std::move(box_value)),
+                                         [id](const OvqStateBox* b) {
+                                           {
+                                             OvqStateRegistry& r = ovq_state_registry();
+                                             const std::lock_guard<std::mutex> lock(r.mutex);
+                                             const auto it = r.boxes.find(id);
+                                             if (it != r.boxes.end()) {
+                                               const auto live = it->second.second.lock();
+                                               if (!live || live.get() == b) r.boxes.erase(it);
+                                             }
+                                           }
+                                           delete b;
+                                         });
+  {
+    OvqStateRegistry& r = ovq_state_registry();
+    const std::lock_guard<std::mutex> lock(r.mutex);
+    auto& entry = r.boxes[id];
+    if (entry.second.expired()) entry = {check, box};
+  }
+  const std::string kind = box->kind;
+  return make_handle(kind, std::const_pointer_cast<OvqStateBox>(box),
+                     reinterpret_cast<const unsigned char*>(key));
+}
+
+/// The OVQ state a handle (or a copy of one) names, null if it names none that lives; `keep`
+/// holds it for the caller.
+inline const OvqStateBox* ovq_state_named_by(const at::Tensor& t,
+                                             std::shared_ptr<const OvqStateBox>& keep) {
+  if (kind_named_by(t).rfind("ovq-state/", 0) != 0) return nullptr;
+  if (const Held* held = held_by(t)) return static_cast<const OvqStateBox*>(held->object.get());
+  std::uint64_t key[2];
+  key_named_by(t, reinterpret_cast<unsigned char*>(key));
+  OvqStateRegistry& r = ovq_state_registry();
+  const std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.boxes.find(key[0]);
+  if (it == r.boxes.end() || it->second.first != key[1]) return nullptr;
+  keep = it->second.second.lock();
+  return keep.get();
+}
+
 /// (streams, heads, key dim, value dim) of a state or cache, for messages.
 inline std::string stream_sizes(const Shape& s) {
   return "(" + std::to_string(s.batch) + ", " + std::to_string(s.heads) + ", " +
@@ -330,8 +560,5 @@ inline bool same_streams(const Shape& a, const Shape& b) {
   return a.batch == b.batch && a.heads == b.heads && a.key_dim == b.key_dim &&
          a.value_dim == b.value_dim;
 }
-
-/// Registers OvqCache and GmaCache and the cache forwards (caches.cpp) on the module.
-void define_caches(pybind11::module_& m);
 
 }  // namespace mixattn_torch

@@ -1,6 +1,10 @@
 // python/csrc/caches.cpp — the decoding caches, mixattn.OvqCache and mixattn.GmaCache: one
 // library State per (stream, head) that a call continues in place (no copy of a dictionary or
-// of a prefix state), the forwards that run them, and their Python classes.
+// of a prefix state), the registered forwards that run them (torch.ops.mixattn.*_forward_cached,
+// whose schemas mark the cache as mutated) and the functions the Python classes call.
+//
+// A cache is a handle (bindings.hpp): the Python object holds the tensor whose storage owns the
+// cache, and passes it to the operators.
 //
 // A cache binds to the first call it serves (scalar type, streams, heads, key and value dims,
 // the options that shape its states); a later call that differs is refused with ValueError
@@ -11,9 +15,15 @@
 // meanwhile gets RuntimeError, not a race.
 #include "bindings.hpp"
 
+#include <torch/library.h>
+#include <torch/python.h>
+
 #include <atomic>
+#include <mutex>
 #include <optional>
+#include <random>
 #include <tuple>
+#include <unordered_map>
 
 namespace mixattn_torch {
 namespace {
@@ -24,6 +34,9 @@ namespace py = pybind11;
 /// call), the states, and whether a failed call left them part-way.
 class Cache {
  public:
+  std::uint64_t registry_key = 0;  // its entry in cache_registry() (0: none)
+  ~Cache();
+
   std::string dtype;  // e.g. "Float"; empty until bound
   Shape shape;        // batch = streams, heads, key_dim, value_dim (tokens unused)
   std::unique_ptr<PairStates> states;
@@ -60,12 +73,6 @@ class Cache {
 
   std::string dtype_label() const {
     return dtype == "Float" ? "float32" : dtype == "Double" ? "float64" : dtype;
-  }
-
-  /// The record of a cache forward: none without a gradient to compute (Python gets None).
-  static std::optional<SavedBox> record(const char* kind, const at::Tensor& q, SavedPtr rec) {
-    if (!rec) return std::nullopt;
-    return box(kind, q, std::move(rec));
   }
 };
 
@@ -188,29 +195,85 @@ void check_beta(const std::string& fn, const at::Tensor& beta, Index r, bool che
   });
 }
 
-std::tuple<at::Tensor, std::optional<SavedBox>> ovq_forward_cached_py(
-    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor beta, const OvqConfig& c, OvqCache& cache,
-    bool save, const std::vector<int64_t>& offsets) {
-  const std::string fn = "mixattn.ovq_attention";
-  const Shape s = sequences_shape(fn, ovq_shape(fn, q, k, v, beta), offsets);
-  Exclusive lock(cache, fn);
-  check_usable(cache, fn);
-  bind_cache(cache, fn, s, q, v, c);
-  if (c.check_finite) check_finite_inputs(fn, {{"q", &q}, {"k", &k}, {"v", &v}, {"beta", &beta}});
-  check_beta(fn, beta, s.key_dim, c.check_finite);
-  at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, q.options());
-  SavedPtr rec = guarded(cache, [&] {
-    return dispatch(q, [&](auto t) {
-      using T = decltype(t);
-      return ovq_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
-                            beta.data_ptr<T>(), out.data_ptr<T>(), *cache.states, nullptr, save);
-    });
-  });
-  return {out, Cache::record("ovq", q, std::move(rec))};
+constexpr const char* kOvqCache = "cache/ovq";
+constexpr const char* kGmaCache = "cache/gma";
+
+/// Every live cache under its key (its handle's bytes after the kind: a serial number and a
+/// random nonce), so that a copy of a handle (a schema check's, a deep copy's) reaches the cache
+/// while the handle that owns it lives; the entry goes with the cache.
+struct CacheRegistry {
+  std::mutex mutex;
+  std::unordered_map<std::uint64_t, std::pair<std::uint64_t, std::weak_ptr<Cache>>> caches;
+  std::uint64_t next = 1;
+  std::mt19937_64 nonces{std::random_device{}()};
+};
+
+// Never destroyed: a cache may be dropped while the interpreter shuts down.
+CacheRegistry& cache_registry() {
+  static auto* const registry = new CacheRegistry;
+  return *registry;
 }
 
-std::unique_ptr<OvqCache> ovq_cache_from(const OvqStateBox& state) {
-  auto c = std::make_unique<OvqCache>();
+Cache::~Cache() {
+  if (registry_key == 0) return;
+  CacheRegistry& registry = cache_registry();
+  const std::lock_guard<std::mutex> lock(registry.mutex);
+  registry.caches.erase(registry_key);
+}
+
+/// The cache a handle (or a copy of one) names, checked to be of the kind the call needs.
+template <class C>
+C& cache_of(const at::Tensor& handle, const char* kind, const std::string& fn) {
+  const std::string what = std::string("cache must be a mixattn.") +
+                           (std::string(kind) == kOvqCache ? "OvqCache" : "GmaCache") + "'s handle";
+  if (kind_named_by(handle) != kind) fail(fn, what);
+  if (const Held* held = held_by(handle))
+    return *static_cast<C*>(static_cast<Cache*>(held->object.get()));
+  std::uint64_t key[2];
+  key_named_by(handle, reinterpret_cast<unsigned char*>(key));
+  CacheRegistry& registry = cache_registry();
+  const std::lock_guard<std::mutex> lock(registry.mutex);
+  const auto it = registry.caches.find(key[0]);
+  std::shared_ptr<Cache> cache;
+  if (it != registry.caches.end() && it->second.first == key[1]) cache = it->second.second.lock();
+  if (!cache) fail(fn, what + " (a copy of one whose cache is gone)");
+  return *static_cast<C*>(cache.get());  // the handle's owner keeps it alive for the call
+}
+
+std::tuple<at::Tensor, at::Tensor> ovq_forward_cached_op(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& beta_in, int64_t block, int64_t max_centroids, c10::string_view growth,
+    double growth_alpha, c10::string_view seeding, c10::string_view assignment, bool count_bias,
+    bool grad_through_dictionary, double norm_eps, bool check_finite, const at::Tensor& handle,
+    bool save, const std::optional<at::Tensor>& cu_seqlens) {
+  return as_torch_errors([&]() -> std::tuple<at::Tensor, at::Tensor> {
+    const std::string fn = "mixattn.ovq_attention";
+    const OvqConfig c = ovq_config(fn, block, max_centroids, std::string(growth), growth_alpha,
+                                   std::string(seeding), std::string(assignment), count_bias,
+                                   grad_through_dictionary, norm_eps, check_finite);
+    OvqCache& cache = cache_of<OvqCache>(handle, kOvqCache, fn);
+    at::Tensor q = q_in, k = k_in, v = v_in, beta = beta_in;
+    const Shape s =
+        sequences_shape(fn, ovq_shape(fn, q, k, v, beta), offsets_of(fn, cu_seqlens, q));
+    Exclusive lock(cache, fn);
+    check_usable(cache, fn);
+    bind_cache(cache, fn, s, q, v, c);
+    if (c.check_finite) check_finite_inputs(fn, {{"q", &q}, {"k", &k}, {"v", &v}, {"beta", &beta}});
+    check_beta(fn, beta, s.key_dim, c.check_finite);
+    at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, q.options());
+    SavedPtr rec = guarded(cache, [&] {
+      return dispatch(q, [&](auto t) {
+        using T = decltype(t);
+        return ovq_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                              beta.data_ptr<T>(), out.data_ptr<T>(), *cache.states, nullptr, save);
+      });
+    });
+    return {out, record_handle("ovq-cache", q, std::move(rec))};
+  });
+}
+
+std::shared_ptr<OvqCache> ovq_cache_from(const OvqStateBox& state) {
+  auto c = std::make_shared<OvqCache>();
   c->dtype = state.kind.substr(state.kind.find('/') + 1);
   c->shape = state.shape;
   c->config = state.config;
@@ -218,12 +281,12 @@ std::unique_ptr<OvqCache> ovq_cache_from(const OvqStateBox& state) {
   return c;
 }
 
-std::optional<OvqStateBox> ovq_cache_state(OvqCache& c) {
+std::optional<at::Tensor> ovq_cache_state(OvqCache& c) {
   Exclusive lock(c, "mixattn.OvqCache.state");
   if (!c.bound()) return std::nullopt;
   check_usable(c, "mixattn.OvqCache.state");
-  return OvqStateBox{"ovq-state/" + c.dtype, c.shape, c.config,
-                     std::shared_ptr<const PairStates>(c.states->clone())};
+  return ovq_state_handle(OvqStateBox{"ovq-state/" + c.dtype, c.shape, c.config,
+                                      std::shared_ptr<const PairStates>(c.states->clone())});
 }
 
 // --- GMA ---------------------------------------------------------------------------------------
@@ -324,31 +387,34 @@ void ensure_prepared(GmaCache& c, const std::string& fn, const GmaArgs& a,
   for (int i = 0; i < 3; ++i) c.stamps[i] = ParamStamp::of(params[i]);
 }
 
-std::tuple<at::Tensor, std::optional<SavedBox>> gma_forward_cached_py(
-    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mean, at::Tensor var_raw,
-    at::Tensor prior_logit, GmaCache& cache, double eps, double var_floor, bool check_finite,
-    bool save, const std::vector<int64_t>& offsets) {
-  const std::string fn = "mixattn.gma_attention";
-  const GmaArgs a =
-      gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor, check_finite);
-  const Shape s = sequences_shape(fn, a.shape, offsets);
-  Exclusive lock(cache, fn);
-  check_usable(cache, fn);
-  bind_cache(cache, fn, s, a);
-  if (check_finite) check_finite_inputs(fn, {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}});
-  if (!save) ensure_prepared(cache, fn, a, {mean, var_raw, prior_logit});
-  at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, a.q.options());
-  SavedPtr rec = guarded(cache, [&] {
-    return dispatch(a.q, [&](auto t) {
-      using T = decltype(t);
-      return gma_forward_cached<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(), *cache.states,
-                                   cache.prepared, save);
+std::tuple<at::Tensor, at::Tensor> gma_forward_cached_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mean,
+    const at::Tensor& var_raw, const at::Tensor& prior_logit, const at::Tensor& handle, double eps,
+    double var_floor, bool check_finite, bool save, const std::optional<at::Tensor>& cu_seqlens) {
+  return as_torch_errors([&]() -> std::tuple<at::Tensor, at::Tensor> {
+    const std::string fn = "mixattn.gma_attention";
+    GmaCache& cache = cache_of<GmaCache>(handle, kGmaCache, fn);
+    const GmaArgs a =
+        gma_args(fn, q, k, v, mean, var_raw, prior_logit, true, eps, var_floor, check_finite);
+    const Shape s = sequences_shape(fn, a.shape, offsets_of(fn, cu_seqlens, a.q));
+    Exclusive lock(cache, fn);
+    check_usable(cache, fn);
+    bind_cache(cache, fn, s, a);
+    if (check_finite) check_finite_inputs(fn, {{"q", &a.q}, {"k", &a.k}, {"v", &a.v}});
+    if (!save) ensure_prepared(cache, fn, a, {mean, var_raw, prior_logit});
+    at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, a.q.options());
+    SavedPtr rec = guarded(cache, [&] {
+      return dispatch(a.q, [&](auto t) {
+        using T = decltype(t);
+        return gma_forward_cached<T>(s, a.config, gma_inputs<T>(a), out.data_ptr<T>(),
+                                     *cache.states, cache.prepared, save);
+      });
     });
+    return {out, record_handle("gma-cache", a.q, std::move(rec))};
   });
-  return {out, Cache::record("gma", a.q, std::move(rec))};
 }
 
-std::unique_ptr<GmaCache> gma_cache_from(at::Tensor S, at::Tensor z) {
+std::shared_ptr<GmaCache> gma_cache_from(at::Tensor S, at::Tensor z) {
   const std::string fn = "mixattn.GmaCache";
   if (!S.defined() || S.dim() != 4)
     fail(fn,
@@ -356,7 +422,7 @@ std::unique_ptr<GmaCache> gma_cache_from(at::Tensor S, at::Tensor z) {
          "tensor, got shape " +
              (S.defined() ? shape_of(S) : std::string("undefined")));
   const int64_t B = S.size(0), H = S.size(1), K = S.size(2), dv = S.size(3);
-  auto c = std::make_unique<GmaCache>();
+  auto c = std::make_shared<GmaCache>();
   c->start_S = checked_state(fn, S, "initial_state[0] (S)", {B, H, K, dv}).clone();
   c->start_z = checked_state(fn, z, "initial_state[1] (z)", {B, H, K}).clone();
   return c;
@@ -382,10 +448,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> gma_cache_state(GmaCache& c) {
 }
 
 template <class C>
-std::unique_ptr<C> copy_of(C& c) {
+std::shared_ptr<C> copy_of(C& c) {
   Exclusive lock(
       c, std::is_same<C, GmaCache>::value ? "mixattn.GmaCache.copy" : "mixattn.OvqCache.copy");
-  auto to = std::make_unique<C>();
+  auto to = std::make_shared<C>();
   c.copy_into(*to);
   if constexpr (std::is_same<C, GmaCache>::value) {
     to->components = c.components;
@@ -419,51 +485,90 @@ void reset(C& c) {
   }
 }
 
-/// f(c) with the cache held (Exclusive), for the methods that read it.
-template <class C, class F>
-auto locked(const char* name, F f) {
-  return [name, f](C& c) {
-    Exclusive lock(c, std::string(std::is_same<C, GmaCache>::value ? "mixattn.GmaCache."
-                                                                   : "mixattn.OvqCache.") +
-                          name);
-    return f(c);
-  };
+/// f(cache) for the cache a handle holds, whichever kind (the Python classes' methods).
+template <class F>
+auto with_cache(const at::Tensor& handle, const char* method, F f) {
+  const Held* held = held_by(handle);
+  if (held != nullptr && held->object && held->kind == kOvqCache)
+    return f(*static_cast<OvqCache*>(static_cast<Cache*>(held->object.get())),
+             std::string("mixattn.OvqCache.") + method);
+  if (held != nullptr && held->object && held->kind == kGmaCache)
+    return f(*static_cast<GmaCache*>(static_cast<Cache*>(held->object.get())),
+             std::string("mixattn.GmaCache.") + method);
+  throw std::invalid_argument(std::string("mixattn cache.") + method + ": not a cache's handle");
 }
 
-/// The methods both caches have.
-template <class C>
-void define_common(py::class_<C>& cls) {
-  cls.def("copy", &copy_of<C>, "An independent copy (a branch): the same binding and states.")
-      .def("reset", &reset<C>, "Back to empty and unbound (as new).")
-      .def_property_readonly(
-          "tokens_seen", locked<C>("tokens_seen", [](C& c) { return c.tokens_seen(); }),
-          "Tokens each stream (batch entry or packed sequence) has taken through this cache.")
-      .def_property_readonly("bound", locked<C>("bound", [](C& c) { return c.bound(); }),
-                             "Whether a call has bound the cache yet.")
-      .def("__repr__", locked<C>("__repr__", [](C& c) { return c.describe(); }));
+at::Tensor cache_handle(std::shared_ptr<Cache> c, const char* kind) {
+  std::uint64_t key[2];
+  {
+    CacheRegistry& registry = cache_registry();
+    const std::lock_guard<std::mutex> lock(registry.mutex);
+    key[0] = registry.next++;
+    key[1] = registry.nonces();
+    registry.caches[key[0]] = {key[1], c};
+  }
+  c->registry_key = key[0];
+  return make_handle(kind, std::move(c), reinterpret_cast<const unsigned char*>(key));
 }
 
 }  // namespace
 
 void define_caches(py::module_& m) {
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  py::class_<OvqCache> ovq(m, "OvqCache", "OVQ decoding states, continued in place (opaque).");
-  ovq.def(py::init<>())
-      .def(py::init(&ovq_cache_from), py::arg("initial_state"))
-      .def("state", &ovq_cache_state, "A copy of the states (the copying form's OvqState).");
-  define_common(ovq);
-  py::class_<GmaCache> gma(m, "GmaCache", "GMA decoding states, continued in place (opaque).");
-  gma.def(py::init<>())
-      .def(py::init(&gma_cache_from), py::arg("S"), py::arg("z"))
-      .def("state", &gma_cache_state, "(S, z) as float64 copies, or None.");
-  define_common(gma);
-  m.def("ovq_forward_cached", &ovq_forward_cached_py, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("beta"), py::arg("config"), py::arg("cache"), py::arg("save"),
-        py::arg("offsets") = std::vector<int64_t>{}, nogil);
-  m.def("gma_forward_cached", &gma_forward_cached_py, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("mean"), py::arg("var_raw"), py::arg("prior_logit"), py::arg("cache"),
-        py::arg("eps"), py::arg("var_floor"), py::arg("check_finite"), py::arg("save"),
-        py::arg("offsets") = std::vector<int64_t>{}, nogil);
+  m.def("ovq_cache", [] { return cache_handle(std::make_shared<OvqCache>(), kOvqCache); });
+  m.def("gma_cache", [] { return cache_handle(std::make_shared<GmaCache>(), kGmaCache); });
+  m.def("ovq_cache_from_state", [](const at::Tensor& state) {
+    std::shared_ptr<const OvqStateBox> keep;
+    const OvqStateBox* box = ovq_state_named_by(state, keep);
+    if (box == nullptr)
+      throw std::invalid_argument(
+          "mixattn.OvqCache: initial_state must be the state an earlier ovq_attention(..., "
+          "output_final_state=True) returned");
+    return cache_handle(ovq_cache_from(*box), kOvqCache);
+  });
+  m.def("gma_cache_from", [](at::Tensor S, at::Tensor z) {
+    return cache_handle(gma_cache_from(std::move(S), std::move(z)), kGmaCache);
+  });
+  m.def("cache_copy", [](const at::Tensor& h) {
+    return with_cache(h, "copy", [](auto& c, const std::string&) {
+      using C = std::decay_t<decltype(c)>;
+      return cache_handle(copy_of(c), std::is_same<C, GmaCache>::value ? kGmaCache : kOvqCache);
+    });
+  });
+  m.def("cache_reset", [](const at::Tensor& h) {
+    with_cache(h, "reset", [](auto& c, const std::string&) {
+      reset(c);
+      return 0;
+    });
+  });
+  m.def("cache_tokens_seen", [](const at::Tensor& h) {
+    return with_cache(h, "tokens_seen", [](auto& c, const std::string& fn) {
+      Exclusive lock(c, fn);
+      return c.tokens_seen();
+    });
+  });
+  m.def("cache_bound", [](const at::Tensor& h) {
+    return with_cache(h, "bound", [](auto& c, const std::string& fn) {
+      Exclusive lock(c, fn);
+      return c.bound();
+    });
+  });
+  m.def("cache_repr", [](const at::Tensor& h) {
+    return with_cache(h, "__repr__", [](auto& c, const std::string& fn) {
+      Exclusive lock(c, fn);
+      return c.describe();
+    });
+  });
+  m.def("ovq_cache_state", [](const at::Tensor& h) {
+    return ovq_cache_state(cache_of<OvqCache>(h, kOvqCache, "state"));
+  });
+  m.def("gma_cache_state", [](const at::Tensor& h) {
+    return gma_cache_state(cache_of<GmaCache>(h, kGmaCache, "state"));
+  });
 }
 
 }  // namespace mixattn_torch
+
+TORCH_LIBRARY_IMPL(mixattn, CPU, m) {
+  m.impl("ovq_forward_cached", &mixattn_torch::ovq_forward_cached_op);
+  m.impl("gma_forward_cached", &mixattn_torch::gma_forward_cached_op);
+}

@@ -64,6 +64,8 @@ class PairStates {
   virtual std::unique_ptr<PairStates> clone() const = 0;
   /// Tokens each pair's state has taken (State::tokens_seen), in pair order.
   virtual std::vector<Index> tokens_seen() const = 0;
+  /// A fingerprint of every pair's state, contents and sizes (mixattn::detail::Fingerprint).
+  virtual std::uint64_t content_fingerprint() const = 0;
 };
 
 // --- Gaussian Mixture Attention (SPEC 1) -----------------------------------------------------

@@ -184,6 +184,24 @@ class StatesOf final : public PairStates {
     for (const State& st : pairs) t.push_back(st.tokens_seen);
     return t;
   }
+  std::uint64_t content_fingerprint() const override {
+    mixattn::detail::Fingerprint f;
+    f.add(static_cast<Index>(pairs.size()));
+    for (const State& st : pairs) add_state(f, st);
+    return f.value();
+  }
+
+ private:
+  template <class T>
+  static void add_state(mixattn::detail::Fingerprint& f, const mixattn::ovq::State<T>& st) {
+    for (const auto* m : {&st.keys, &st.values, &st.pending_keys, &st.pending_values})
+      f.add(m->rows()).add(m->cols()).add(*m);
+    f.add(st.counts.size()).add(st.counts).add(st.tokens_seen);
+  }
+  template <class T>
+  static void add_state(mixattn::detail::Fingerprint& f, const mixattn::gma::State<T>& st) {
+    f.add(st.S.rows()).add(st.S.cols()).add(st.S).add(st.z).add(st.tokens_seen);
+  }
 };
 
 /// The States in `states`, which must be StatesOf<State> holding `count` of them (the bindings

@@ -10,7 +10,7 @@ a time continues a cache in place (mixattn.OvqCache, mixattn.GmaCache; mixattn.c
 mixattn.functional and mixattn.modules for the details.
 """
 
-from .cache import GmaCache, OvqCache
+from .cache import GmaCache, OvqCache, OvqState
 from .functional import (clear_prepared_cache, flash_attention, gma_attention, ovq_attention,
                          release_memory)
 from .modules import GaussianMixtureAttention, OnlineVQAttention
@@ -20,4 +20,4 @@ from . import _C
 __version__ = _C.library_version()  # defined once, in include/mixattn/core.hpp
 __all__ = ["gma_attention", "ovq_attention", "flash_attention", "clear_prepared_cache",
            "release_memory", "GaussianMixtureAttention", "OnlineVQAttention", "OvqCache",
-           "GmaCache"]
+           "GmaCache", "OvqState"]

@@ -56,7 +56,7 @@ def flag(fn, name, x):
     """x as a bool: True, False (Python or NumPy), or the integers 0 and 1."""
     if x is True or x is False:
         return x
-    if type(x).__name__ == "bool_":  # numpy.bool_
+    if type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"):  # numpy.bool_
         return bool(x)
     if not isinstance(x, float):
         try:
@@ -69,7 +69,9 @@ def flag(fn, name, x):
 
 
 def offsets(fn, cu_seqlens, q):
-    """cu_seqlens as a list of ints, checked: N + 1 offsets, 0 first, nondecreasing, T last."""
+    """cu_seqlens as the 1-D integer CPU tensor the operators take. In eager mode its values are
+    checked here (N + 1 offsets, 0 first, nondecreasing, T last); under torch.compile, where
+    reading them would break the graph, the kernel checks them when the graph runs."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.device.type != "cpu":
             raise ValueError(f"{fn}: cu_seqlens must be a CPU tensor, got a "
@@ -77,19 +79,24 @@ def offsets(fn, cu_seqlens, q):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 or int64 tensor, got "
                              f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
-        values = cu_seqlens.tolist()
+        if torch.compiler.is_compiling():
+            return cu_seqlens
+        values, tensor = cu_seqlens.tolist(), cu_seqlens
     else:
         try:
             values = [operator.index(x) for x in cu_seqlens]
         except TypeError:
             raise TypeError(f"{fn}: cu_seqlens must be a 1-D int32/int64 tensor or a sequence of "
                             f"integers, got {cu_seqlens!r}") from None
+        tensor = torch.tensor(values, dtype=torch.int64)
+        if torch.compiler.is_compiling():
+            return tensor
     tokens = q.shape[2] if q.dim() == 4 else None
     if (len(values) < 2 or values[0] != 0 or values[-1] != tokens
             or any(a > b for a, b in zip(values, values[1:]))):
         raise ValueError(f"{fn}: cu_seqlens is {values}; it must hold N + 1 >= 2 nondecreasing "
                          f"offsets from 0 to the {tokens} tokens of q (shape {tuple(q.shape)})")
-    return values
+    return tensor
 
 
 def beta(fn, b, q):

@@ -20,49 +20,88 @@ options, NaN/Inf inputs, a non-positive beta) leaves the cache as it was. A cach
 call at a time: using it from two threads at once raises RuntimeError (give each thread its
 own). No gradient flows into or out of a cache's states; within a call, gradients reach the
 call's inputs (and parameters) with the state it started from held constant.
+
+Decoding through a cache is eager-only: under torch.compile the call is left to eager PyTorch
+(a graph break; ``fullgraph=True`` refuses it). A cache's states are the library's own objects
+(OVQ's dictionaries grow call by call, GMA keeps each head's prepared mixture), continued in
+place by one operator call; a compiled graph would copy them on every call, which is what a
+cache exists to avoid.
 """
 
 import torch
 
 from . import _C
 
-__all__ = ["OvqCache", "GmaCache"]
+__all__ = ["OvqCache", "GmaCache", "OvqState"]
+
+
+class OvqState:
+    """The dictionaries an ``ovq_attention(..., output_final_state=True)`` call ended with, one
+    per (batch, head) or (sequence, head) of a packed call: opaque, never changed (a call given
+    it continues a copy), no gradient flows through it. ``batch``, ``heads`` and ``tokens_seen``
+    (per (stream, head) pair) describe it."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    @property
+    def kind(self):
+        return _C.ovq_state_info(self._handle)[0]
+
+    @property
+    def batch(self):
+        return _C.ovq_state_info(self._handle)[1]
+
+    @property
+    def heads(self):
+        return _C.ovq_state_info(self._handle)[2]
+
+    @property
+    def tokens_seen(self):
+        return _C.ovq_state_info(self._handle)[3]
+
+    def __repr__(self):
+        kind, batch, heads, _ = _C.ovq_state_info(self._handle)
+        return f"OvqState({kind}, streams={batch}, heads={heads})"
 
 
 class _Cache:
-    __slots__ = ("_impl",)
-    _kind = None  # the _C class
+    """A handle (an empty tensor whose storage owns the C++ cache) and the methods over it."""
+
+    __slots__ = ("_handle",)
 
     @classmethod
-    def _wrap(cls, impl):
+    def _wrap(cls, handle):
         cache = cls.__new__(cls)
-        cache._impl = impl
+        cache._handle = handle
         return cache
 
     def copy(self):
         """An independent copy: the same binding and states, continued separately (a branch)."""
-        return self._wrap(self._impl.copy())
+        return self._wrap(_C.cache_copy(self._handle))
 
     def __deepcopy__(self, memo):
         return self.copy()
 
     def reset(self):
         """Empties the cache and unbinds it, as if new."""
-        self._impl.reset()
+        _C.cache_reset(self._handle)
 
     @property
     def bound(self):
         """Whether a call has bound the cache (its dtype, sizes and options) yet."""
-        return self._impl.bound
+        return _C.cache_bound(self._handle)
 
     @property
     def tokens_seen(self):
         """Tokens each stream (batch entry, or sequence of a packed call) has taken through the
         cache, a list (empty before the first call)."""
-        return self._impl.tokens_seen
+        return _C.cache_tokens_seen(self._handle)
 
     def __repr__(self):
-        return repr(self._impl)
+        return _C.cache_repr(self._handle)
 
 
 class OvqCache(_Cache):
@@ -80,9 +119,9 @@ class OvqCache(_Cache):
 
     def __init__(self, initial_state=None):
         if initial_state is None:
-            self._impl = _C.OvqCache()
-        elif isinstance(initial_state, _C.OvqState):
-            self._impl = _C.OvqCache(initial_state)
+            self._handle = _C.ovq_cache()
+        elif isinstance(initial_state, OvqState):
+            self._handle = _C.ovq_cache_from_state(initial_state._handle)
         else:
             raise TypeError("mixattn.OvqCache: initial_state must be the state an earlier "
                             "ovq_attention(..., output_final_state=True) returned, got "
@@ -91,7 +130,8 @@ class OvqCache(_Cache):
     def state(self):
         """A copy of the states as the copying form's opaque state (``initial_state=`` of
         ovq_attention), or None before the first call."""
-        return self._impl.state()
+        handle = _C.ovq_cache_state(self._handle)
+        return None if handle is None else OvqState(handle)
 
 
 class GmaCache(_Cache):
@@ -112,7 +152,7 @@ class GmaCache(_Cache):
 
     def __init__(self, initial_state=None):
         if initial_state is None:
-            self._impl = _C.GmaCache()
+            self._handle = _C.gma_cache()
             return
         if (not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2
                 or not all(isinstance(t, torch.Tensor) for t in initial_state)):
@@ -123,9 +163,10 @@ class GmaCache(_Cache):
             if t.dtype not in (torch.float32, torch.float64):
                 raise ValueError(f"mixattn.GmaCache: {name} must be float32 or float64, got "
                                  f"{t.dtype}")
-        self._impl = _C.GmaCache(S.detach().to(torch.float64), z.detach().to(torch.float64))
+        self._handle = _C.gma_cache_from(S.detach().to(torch.float64),
+                                         z.detach().to(torch.float64))
 
     def state(self):
         """Copies ``(S, z)`` of every (batch, head)'s prefix state, float64, as the copying form
         takes them (``initial_state=``), or None before the first call."""
-        return self._impl.state()
+        return _C.gma_cache_state(self._handle)

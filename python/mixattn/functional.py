@@ -1,4 +1,5 @@
-"""mixattn's operators on PyTorch tensors, with autograd wired to the C++ backward passes.
+"""mixattn's operators on PyTorch tensors: registered operators (torch.ops.mixattn.*) with
+autograd wired to the C++ backward passes (mixattn._ops), usable under torch.compile.
 
 Layout: PyTorch's (batch, heads, tokens, dim). Every function accepts float32 or float64 CPU
 tensors, contiguous or not: each input is made contiguous once (``Tensor.contiguous()``, a copy
@@ -11,7 +12,9 @@ An argument of the wrong type (a list where a tensor belongs, a fractional block
 continued in place; see mixattn.cache.
 
 The backward passes are the library's hand-derived ones (SPEC.md); they are first-order only
-(double backward raises).
+(double backward raises). Under torch.compile the functions trace into one graph (no break):
+the checks that need tensor values (cu_seqlens' offsets, the finite checks) are the kernels',
+made when the graph runs; decoding through a cache is eager-only (see mixattn.cache).
 """
 
 import collections
@@ -21,17 +24,23 @@ import threading
 import weakref
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _C, _args
-from .cache import GmaCache, OvqCache
+from ._ops import ops
+from .cache import GmaCache, OvqCache, OvqState
 
 __all__ = ["gma_attention", "ovq_attention", "flash_attention", "clear_prepared_cache",
            "release_memory"]
 
 
 def _contiguous(*tensors):
+    """Each input made contiguous once (a copy only if it is not already): the forward reads
+    it and the backward reuses it."""
     return tuple(t.contiguous() for t in tensors)
+
+
+def _compiling():
+    return torch.compiler.is_compiling()
 
 
 def _needs_record(*tensors):
@@ -47,32 +56,6 @@ def release_memory():
     operator and dtype, as many as the forwards a training step holds at once). Records still
     held by an autograd graph are not affected. Never needed for correctness."""
     _C.release_kept_records()
-
-
-def _grads(ctx, grads):
-    """The gradients autograd asked for, None for the others and for the inputs that are not
-    tensors (options, records, caches)."""
-    grads = tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
-    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
-
-
-class _GmaFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mean, var_raw, prior_logit, causal, eps, var_floor, check_finite,
-                save):
-        inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
-        out, saved = _C.gma_forward(*inputs, causal, eps, var_floor, check_finite, save)
-        ctx.save_for_backward(*inputs)
-        ctx.record = saved
-        ctx.options = (causal, eps, var_floor, check_finite, [])  # [] : not packed
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        grads = _C.gma_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
-                                *ctx.options)
-        return _grads(ctx, grads)
 
 
 class _PreparedCache:
@@ -141,146 +124,6 @@ def clear_prepared_cache():
     mixture's fingerprint)."""
     with _PREPARED.lock:
         _PREPARED.entries.clear()
-
-
-class _GmaStateFunction(torch.autograd.Function):
-    """Causal GMA continuing the prefix state (S0, z0) and returning the end state (S, z), both
-    float64: gradients flow to q, k, v, the mixture and (S0, z0), and from (S, z). `prepared` is
-    the mixture reduced once (_PreparedCache), used by the forward; the backward reads the
-    mixture tensors."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mean, var_raw, prior_logit, S0, z0, eps, var_floor, check_finite,
-                prepared, save, offsets):
-        inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
-        out, S, z, saved, used = _C.gma_forward_state(*inputs, S0.contiguous(), z0.contiguous(),
-                                                      eps, var_floor, check_finite, prepared,
-                                                      save, offsets)
-        if prepared is not None and not used:
-            _PREPARED.forget(prepared)
-        ctx.save_for_backward(*inputs)
-        ctx.record = saved
-        ctx.options = (eps, var_floor, check_finite, offsets)
-        return out, S, z
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_S, grad_z):
-        grads = _C.gma_backward_state(*ctx.saved_tensors, grad_out.contiguous(),
-                                      grad_S.contiguous(), grad_z.contiguous(), ctx.record,
-                                      *ctx.options)
-        return _grads(ctx, grads)
-
-
-class _OvqFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, beta, config, initial_state, final_state, save, offsets):
-        inputs = _contiguous(q, k, v, beta)
-        out, saved, end = _C.ovq_forward(*inputs, config, initial_state, save, offsets)
-        ctx.save_for_backward(*inputs)
-        ctx.record = saved
-        ctx.options = (config, offsets)
-        final_state.append(end)  # an opaque object, not an autograd output: no gradient
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        grads = _C.ovq_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
-                                *ctx.options)
-        return _grads(ctx, grads)
-
-
-class _OvqCachedFunction(torch.autograd.Function):
-    """OVQ continuing an OvqCache in place, when a gradient is wanted: the record keeps the
-    dictionaries the call started from (the backward's constants); the backward is
-    _OvqFunction's."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, beta, config, cache, offsets):
-        inputs = _contiguous(q, k, v, beta)
-        out, saved = _C.ovq_forward_cached(*inputs, config, cache, True, offsets)
-        ctx.save_for_backward(*inputs)
-        ctx.record = saved
-        ctx.options = (config, offsets)
-        return out
-
-    backward = staticmethod(_OvqFunction.backward)
-
-
-class _GmaCachedFunction(torch.autograd.Function):
-    """Causal GMA continuing a GmaCache in place, when a gradient is wanted: gradients reach q,
-    k, v and the mixture, with the start state (kept in the record) a constant."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mean, var_raw, prior_logit, cache, eps, var_floor, check_finite,
-                offsets):
-        inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
-        out, saved = _C.gma_forward_cached(*inputs, cache, eps, var_floor, check_finite, True,
-                                           offsets)
-        ctx.save_for_backward(*inputs)
-        ctx.record = saved
-        ctx.options = (True, eps, var_floor, check_finite, offsets)
-        return out
-
-    backward = staticmethod(_GmaFunction.backward)
-
-
-class _GmaPackedFunction(torch.autograd.Function):
-    """GMA over sequences packed along the tokens of (1, H, T, .) tensors (cu_seqlens)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mean, var_raw, prior_logit, offsets, causal, eps, var_floor,
-                check_finite):
-        inputs = _contiguous(q, k, v, mean, var_raw, prior_logit)
-        out, saved = _C.gma_forward_packed(*inputs, offsets, causal, eps, var_floor, check_finite)
-        ctx.save_for_backward(*inputs)
-        ctx.record = saved
-        ctx.options = (offsets, causal, eps, var_floor, check_finite)
-        return out.contiguous()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        grads = _C.gma_backward_packed(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
-                                       *ctx.options)
-        return _grads(ctx, grads)
-
-
-class _FlashPackedFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, offsets, causal, scale, check_finite):
-        inputs = _contiguous(q, k, v)
-        out, saved = _C.flash_forward_packed(*inputs, offsets, causal, scale, check_finite)
-        ctx.save_for_backward(*inputs)
-        ctx.record = saved
-        ctx.options = (offsets, causal, scale, check_finite)
-        return out.contiguous()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        grads = _C.flash_backward_packed(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
-                                         *ctx.options)
-        return _grads(ctx, grads)
-
-
-class _FlashFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, check_finite, save):
-        inputs = _contiguous(q, k, v)
-        out, saved = _C.flash_forward(*inputs, causal, scale, check_finite, save)
-        ctx.save_for_backward(*inputs)
-        ctx.record = saved
-        ctx.options = (causal, scale, check_finite)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        grads = _C.flash_backward(*ctx.saved_tensors, grad_out.contiguous(), ctx.record,
-                                  *ctx.options)
-        return _grads(ctx, grads)
 
 
 def _gma_state(fn, initial_state, q, v, mean, sequences=None):
@@ -361,22 +204,20 @@ def gma_attention(q, k, v, mean, var_raw, prior_logit, causal=False, eps=1e-6, v
                                                                          check_finite)
     eps, var_floor = _args.real(fn, "eps", eps), _args.real(fn, "var_floor", var_floor)
     output_final_state = _args.flag(fn, "output_final_state", output_final_state)
-    offsets = [] if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    cu = None if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
     inputs = (q, k, v, mean, var_raw, prior_logit)
     if cache is not None:
         return _gma_cached(fn, inputs, causal, eps, var_floor, check_finite, initial_state,
-                           output_final_state, offsets, cache)
+                           output_final_state, cu, cache)
     _args.dense(fn, _GMA_TENSORS, inputs)
-    streaming = initial_state is not None or output_final_state
-    if offsets and not streaming:
-        return _GmaPackedFunction.apply(*inputs, offsets, causal, eps, var_floor, check_finite)
-    if not streaming:
-        return _GmaFunction.apply(*inputs, causal, eps, var_floor, check_finite,
-                                  _needs_record(*inputs))
+    if initial_state is None and not output_final_state:
+        out, _ = ops.gma_forward(*_contiguous(*inputs), causal, eps, var_floor, check_finite,
+                                 _needs_record(*inputs), cu_seqlens=cu)
+        return out
     if not causal:
         raise ValueError(f"{fn}: initial_state and output_final_state need causal=True (the "
                          "state is a causal prefix; a bidirectional call has none)")
-    out, S, z = _gma_streaming(fn, inputs, eps, var_floor, check_finite, initial_state, offsets)
+    out, S, z = _gma_streaming(fn, inputs, eps, var_floor, check_finite, initial_state, cu)
     return (out, (S, z)) if output_final_state else out
 
 
@@ -384,18 +225,26 @@ _GMA_TENSORS = ("q", "k", "v", "mean", "var_raw", "prior_logit")
 _OVQ_TENSORS = ("q", "k", "v", "beta")
 
 
-def _gma_streaming(fn, inputs, eps, var_floor, check_finite, initial_state, offsets):
+def _gma_streaming(fn, inputs, eps, var_floor, check_finite, initial_state, cu):
     """The copying form of the state path: (out, S, z)."""
     q, k, v, mean, var_raw, prior_logit = inputs
-    state = _gma_state(fn, initial_state, q, v, mean, len(offsets) - 1 if offsets else None)
+    sequences = None if cu is None else cu.shape[0] - 1
+    state = _gma_state(fn, initial_state, q, v, mean, sequences)
     if state is None:  # q, v or mean of the wrong rank: let the kernel name it
         state = (torch.zeros(0, dtype=torch.float64),) * 2
     prepared = None
-    if all(t.dim() == d and t.dtype == q.dtype
-           for t, d in ((mean, 3), (var_raw, 3), (prior_logit, 2))) and q.dim() == 4:
+    # The prepared mixtures are found by the tensors' identity and version counters, which a
+    # compiled graph cannot key on: it reduces the mixture in the call.
+    if not _compiling() and q.dim() == 4 and all(
+            t.dim() == d and t.dtype == q.dtype
+            for t, d in ((mean, 3), (var_raw, 3), (prior_logit, 2))):
         prepared = _PREPARED.get(mean, var_raw, prior_logit, var_floor, check_finite)
-    return _GmaStateFunction.apply(*inputs, *state, eps, var_floor, check_finite, prepared,
-                                   _needs_record(*inputs, *state), offsets)
+    out, S, z, _ = ops.gma_forward_state(*_contiguous(*inputs, *state), eps, var_floor,
+                                         check_finite, _needs_record(*inputs, *state),
+                                         cu_seqlens=cu, prepared=prepared)
+    if prepared is not None and _C.prepared_stale(prepared):
+        _PREPARED.forget(prepared)
+    return out, S, z
 
 
 def _cache_arguments(fn, cache, kind, initial_state, output_final_state, causal=True):
@@ -410,39 +259,42 @@ def _cache_arguments(fn, cache, kind, initial_state, output_final_state, causal=
         raise ValueError(f"{fn}: cache needs causal=True (the state is a causal prefix)")
 
 
+@torch.compiler.disable
 def _gma_cached(fn, inputs, causal, eps, var_floor, check_finite, initial_state,
-                output_final_state, offsets, cache):
+                output_final_state, cu, cache):
+    """Eager-only (see mixattn.cache): under torch.compile the call is left to eager PyTorch."""
     _cache_arguments(fn, cache, GmaCache, initial_state, output_final_state, causal)
-    if _needs_record(*inputs):
+    save = _needs_record(*inputs)
+    if save:
         _args.dense(fn, _GMA_TENSORS, inputs)
-        return _GmaCachedFunction.apply(*inputs, cache._impl, eps, var_floor, check_finite,
-                                        offsets)
-    return _C.gma_forward_cached(*inputs, cache._impl, eps, var_floor, check_finite, False,
-                                 offsets)[0]
+        inputs = _contiguous(*inputs)
+    return ops.gma_forward_cached(*inputs, cache._handle, eps, var_floor, check_finite, save,
+                                  cu_seqlens=cu)[0]
 
 
-def _make_ovq_config(block, max_centroids, growth, growth_alpha, seeding, assignment,
-                     count_bias, grad_through_dictionary, norm_eps, check_finite):
+def _make_ovq_options(block, max_centroids, growth, growth_alpha, seeding, assignment,
+                      count_bias, grad_through_dictionary, norm_eps, check_finite):
     fn = "mixattn.ovq_attention"
-    return _C.OvqConfig(_args.integer(fn, "block", block),
-                        _args.integer(fn, "max_centroids", max_centroids), str(growth),
-                        _args.real(fn, "growth_alpha", growth_alpha), str(seeding),
-                        str(assignment), _args.flag(fn, "count_bias", count_bias),
-                        _args.flag(fn, "grad_through_dictionary", grad_through_dictionary),
-                        _args.real(fn, "norm_eps", norm_eps),
-                        _args.flag(fn, "check_finite", check_finite))
+    return (_args.integer(fn, "block", block), _args.integer(fn, "max_centroids", max_centroids),
+            str(growth), _args.real(fn, "growth_alpha", growth_alpha), str(seeding),
+            str(assignment),
+            _args.flag(fn, "count_bias", count_bias),
+            _args.flag(fn, "grad_through_dictionary", grad_through_dictionary),
+            _args.real(fn, "norm_eps", norm_eps), _args.flag(fn, "check_finite", check_finite))
 
 
-# The options' record, made once per distinct set of keyword values (it is immutable): a
-# one-token decoding call would otherwise spend a noticeable part of its time building it.
-_cached_ovq_config = functools.lru_cache(maxsize=64, typed=True)(_make_ovq_config)
+# The options checked once per distinct set of keyword values: a one-token decoding call would
+# otherwise spend a noticeable part of its time on them.
+_cached_ovq_options = functools.lru_cache(maxsize=64, typed=True)(_make_ovq_options)
 
 
-def _ovq_config(*options):
+def _ovq_options(*options):
+    if _compiling():
+        return _make_ovq_options(*options)
     try:
-        return _cached_ovq_config(*options)
+        return _cached_ovq_options(*options)
     except TypeError:  # an unhashable option, or one of the wrong type: _make names it
-        return _make_ovq_config(*options)
+        return _make_ovq_options(*options)
 
 
 def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau",
@@ -465,7 +317,7 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
     beta (summed over the batch).
 
     Streaming: ``output_final_state=True`` returns ``(out, state)``, where state is an opaque
-    ``mixattn._C.OvqState`` holding each (batch, head)'s dictionary and unfinished block (the
+    ``mixattn.OvqState`` holding each (batch, head)'s dictionary and unfinished block (the
     library's ``ovq::State``); ``initial_state=state`` continues it (the object is copied, not
     changed, so it may be continued more than once). Every piece must have the state's dtype,
     B, H, r and d_v and the options that shape a dictionary (all but check_finite and
@@ -487,25 +339,35 @@ def ovq_attention(q, k, v, beta, block=256, max_centroids=1024, growth="plateau"
     fn = "mixattn.ovq_attention"
     _args.tensors(fn, ("q", "k", "v"), (q, k, v))
     beta = _args.beta(fn, beta, q)
-    config = _ovq_config(block, max_centroids, growth, growth_alpha, seeding, assignment,
-                         count_bias, grad_through_dictionary, norm_eps, check_finite)
+    options = _ovq_options(block, max_centroids, growth, growth_alpha, seeding, assignment,
+                           count_bias, grad_through_dictionary, norm_eps, check_finite)
     output_final_state = _args.flag(fn, "output_final_state", output_final_state)
-    offsets = [] if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    cu = None if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
     if cache is not None:
-        _cache_arguments(fn, cache, OvqCache, initial_state, output_final_state)
-        if not _needs_record(q, k, v, beta):
-            return _C.ovq_forward_cached(q, k, v, beta, config, cache._impl, False, offsets)[0]
-        _args.dense(fn, _OVQ_TENSORS, (q, k, v, beta))
-        return _OvqCachedFunction.apply(q, k, v, beta, config, cache._impl, offsets)
+        return _ovq_cached(fn, q, k, v, beta, options, initial_state, output_final_state, cu,
+                           cache)
     _args.dense(fn, _OVQ_TENSORS, (q, k, v, beta))
-    if initial_state is not None and not isinstance(initial_state, _C.OvqState):
+    if initial_state is not None and not isinstance(initial_state, OvqState):
         raise ValueError(f"{fn}: initial_state must be the state an earlier "
                          "ovq_attention(..., output_final_state=True) returned, got "
                          f"{type(initial_state).__name__}")
-    final_state = []
-    out = _OvqFunction.apply(q, k, v, beta, config, initial_state, final_state,
-                             _needs_record(q, k, v, beta), offsets)
-    return (out, final_state[0]) if output_final_state else out
+    start = None if initial_state is None else initial_state._handle
+    out, _, end = ops.ovq_forward(*_contiguous(q, k, v, beta), *options,
+                                  _needs_record(q, k, v, beta), initial_state=start,
+                                  cu_seqlens=cu)
+    return (out, OvqState(end)) if output_final_state else out
+
+
+@torch.compiler.disable
+def _ovq_cached(fn, q, k, v, beta, options, initial_state, output_final_state, cu, cache):
+    """Eager-only (see mixattn.cache): under torch.compile the call is left to eager PyTorch."""
+    _cache_arguments(fn, cache, OvqCache, initial_state, output_final_state)
+    save = _needs_record(q, k, v, beta)
+    if save:
+        _args.dense(fn, _OVQ_TENSORS, (q, k, v, beta))
+        q, k, v, beta = _contiguous(q, k, v, beta)
+    return ops.ovq_forward_cached(q, k, v, beta, *options, cache._handle, save,
+                                  cu_seqlens=cu)[0]
 
 
 def flash_attention(q, k, v, causal=False, scale=None, check_finite=True, cu_seqlens=None):
@@ -531,7 +393,7 @@ def flash_attention(q, k, v, causal=False, scale=None, check_finite=True, cu_seq
             raise ValueError(f"{fn}: scale is 0; use None for 1/sqrt(r)")
         if not math.isfinite(scale):
             raise ValueError(f"{fn}: scale is {scale}; it must be finite (None: 1/sqrt(r))")
-    if cu_seqlens is not None:
-        offsets = _args.offsets(fn, cu_seqlens, q)
-        return _FlashPackedFunction.apply(q, k, v, offsets, causal, scale, check_finite)
-    return _FlashFunction.apply(q, k, v, causal, scale, check_finite, _needs_record(q, k, v))
+    cu = None if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    out, _ = ops.flash_forward(*_contiguous(q, k, v), causal, scale, check_finite,
+                               _needs_record(q, k, v), cu_seqlens=cu)
+    return out

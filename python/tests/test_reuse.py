@@ -93,9 +93,9 @@ def test_forward_without_gradient_keeps_no_record_and_gives_the_same_output(case
 
 def test_backward_of_a_forward_that_kept_no_record_is_refused():
     q, k, v, mean, var_raw, prior = (t.detach() for t in gma_inputs(1, 2, 9, 9, 3, 2, 4, seed=9))
-    out, saved = mixattn._C.gma_forward(q, k, v, mean, var_raw, prior, False, 1e-6, 1e-4, True,
-                                        False)
+    out, saved = torch.ops.mixattn.gma_forward(q, k, v, mean, var_raw, prior, False, 1e-6, 1e-4,
+                                               True, False, None)
     with pytest.raises(ValueError, match="holds no record"):
-        mixattn._C.gma_backward(q, k, v, mean, var_raw, prior, torch.ones_like(out), saved,
-                                False, 1e-6, 1e-4, True)
+        torch.ops.mixattn.gma_backward(q, k, v, mean, var_raw, prior, torch.ones_like(out), saved,
+                                       False, 1e-6, 1e-4, True, None)
 

@@ -299,9 +299,10 @@ def test_gma_decode_reuses_the_prepared_mixture_with_the_same_bits():
     q, k, v, *mix = (x.detach() for x in inputs)
     prepared = cache.get(*mix, 1e-4, True)
     S0, z0 = (t.detach() for t in random_state(2, 3, 6, 4, seed=132))
-    plain = mixattn._C.gma_forward_state(q, k, v, *mix, S0, z0, 1e-6, 1e-4, True, None)
-    fast = mixattn._C.gma_forward_state(q, k, v, *mix, S0, z0, 1e-6, 1e-4, True, prepared)
-    assert fast[4] and not plain[4]
+    forward = torch.ops.mixattn.gma_forward_state
+    plain = forward(q, k, v, *mix, S0, z0, 1e-6, 1e-4, True, False, None, None)
+    fast = forward(q, k, v, *mix, S0, z0, 1e-6, 1e-4, True, False, None, prepared)
+    assert not mixattn._C.prepared_stale(prepared)  # the kernel used it
     for a, b in zip(fast[:3], plain[:3]):
         assert torch.equal(a, b)
     # Against the eager twin, token by token and as one call.

@@ -1,0 +1,177 @@
+"""torch.compile(fullgraph=True) over mixattn's functions and modules: each traces into one graph
+(fullgraph refuses any graph break) and gives the eager outputs and gradients, the same bits for
+the functions (the compiled graph calls the same kernels on the same inputs) and within 1e-12
+for the modules (whose projections the compiler may evaluate in another order); a small model
+of two mixattn layers compiles whole and trains as in eager mode. Decoding through a cache is
+eager-only: under fullgraph it is refused by name, without fullgraph it breaks the graph and
+still gives the eager results.
+
+Every graph is compiled once (dynamic=False) on small shapes; the file's time is mostly the
+compiler's."""
+
+import pytest
+import torch
+
+import mixattn
+from test_functional import flash_inputs, gma_inputs, ovq_inputs
+
+DOUBLE = torch.float64
+
+
+def compiled(fn):
+    torch._dynamo.reset()  # each test's graphs on their own: no recompilation limit shared
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def outputs_and_grads(fn, inputs, seed=0):
+    out = fn(*inputs)
+    flat = out if isinstance(out, tuple) else (out,)
+    flat = [t for t in flat if isinstance(t, torch.Tensor)]
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in flat)
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [t.detach() for t in flat], torch.autograd.grad(loss, wanted)
+
+
+def assert_same(fn, inputs, exact=True):
+    eager_out, eager_grads = outputs_and_grads(fn, inputs)
+    comp_out, comp_grads = outputs_and_grads(compiled(fn), inputs)
+    for what, a, b in [("output", x, y) for x, y in zip(comp_out, eager_out)] + \
+                      [("gradient", x, y) for x, y in zip(comp_grads, eager_grads)]:
+        if exact:
+            assert torch.equal(a, b), f"compiled {what} differs from eager"
+        else:
+            # Float64 projections in another order: ~1e-16 relative per product.
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+GMA_CALLS = {
+    "bidirectional": (lambda: gma_inputs(2, 3, 9, 7, 4, 5, 6, seed=1),
+                      lambda *x: mixattn.gma_attention(*x)),
+    "causal": (lambda: gma_inputs(2, 3, 9, 9, 4, 5, 6, seed=2),
+               lambda *x: mixattn.gma_attention(*x, causal=True)),
+    "packed": (lambda: gma_inputs(1, 3, 12, 12, 4, 5, 6, seed=3),
+               lambda *x: mixattn.gma_attention(*x, causal=True,
+                                                cu_seqlens=torch.tensor([0, 5, 12]))),
+    "streaming": (lambda: gma_inputs(2, 3, 8, 8, 4, 5, 6, seed=4),
+                  lambda *x: _gma_two_pieces(*x)),
+}
+
+
+def _gma_two_pieces(q, k, v, *mix):
+    """A sequence in two pieces carrying the state, and a loss on the final state too."""
+    a, (S, z) = mixattn.gma_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], *mix, causal=True,
+                                      output_final_state=True)
+    b, (S, z) = mixattn.gma_attention(q[:, :, 3:], k[:, :, 3:], v[:, :, 3:], *mix, causal=True,
+                                      initial_state=(S, z), output_final_state=True)
+    return torch.cat([a, b], 2), S, z
+
+
+@pytest.mark.parametrize("case", sorted(GMA_CALLS))
+def test_gma_compiles_to_the_eager_results(case):
+    make, fn = GMA_CALLS[case]
+    assert_same(fn, make())
+
+
+OVQ_OPTIONS = dict(block=3, max_centroids=5)
+
+
+def _ovq_two_pieces(q, k, v, beta):
+    a, state = mixattn.ovq_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], beta,
+                                     output_final_state=True, **OVQ_OPTIONS)
+    b = mixattn.ovq_attention(q[:, :, 7:], k[:, :, 7:], v[:, :, 7:], beta, initial_state=state,
+                              **OVQ_OPTIONS)
+    return torch.cat([a, b], 2)
+
+
+OVQ_CALLS = {
+    "through the dictionary": lambda *x: mixattn.ovq_attention(*x, **OVQ_OPTIONS),
+    "dictionary constant": lambda *x: mixattn.ovq_attention(*x, grad_through_dictionary=False,
+                                                           **OVQ_OPTIONS),
+    "packed": lambda *x: mixattn.ovq_attention(*x, cu_seqlens=torch.tensor([0, 6, 13]),
+                                               **OVQ_OPTIONS),
+    "streaming": _ovq_two_pieces,
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVQ_CALLS))
+def test_ovq_compiles_to_the_eager_results(case):
+    b = 1 if case == "packed" else 2
+    assert_same(OVQ_CALLS[case], ovq_inputs(b, 2, 13, 4, 3, seed=5))
+
+
+@pytest.mark.parametrize("causal,packed", [(False, False), (True, False), (True, True)])
+def test_flash_compiles_to_the_eager_results(causal, packed):
+    inputs = flash_inputs(1 if packed else 2, 2, 10, 10, 4, 3, seed=6)
+    cu = torch.tensor([0, 4, 10]) if packed else None
+    assert_same(lambda *x: mixattn.flash_attention(*x, causal=causal, cu_seqlens=cu), inputs)
+
+
+def test_modules_compile_to_the_eager_results():
+    torch.manual_seed(7)
+    gma = mixattn.GaussianMixtureAttention(16, 2, 4, causal=True, dtype=DOUBLE)
+    ovq = mixattn.OnlineVQAttention(16, 2, block=4, max_centroids=6, dtype=DOUBLE)
+    x = torch.randn(2, 11, 16, dtype=DOUBLE, requires_grad=True)
+    for layer in (gma, ovq):
+        params = list(layer.parameters())
+        assert_same(lambda x, *p: layer(x), [x, *params], exact=False)
+
+
+class TwoLayers(torch.nn.Module):
+    """A pre-norm causal language model's body: GMA then OVQ, each with a residual."""
+
+    def __init__(self, d=16, vocab=11):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d, dtype=DOUBLE)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(d, dtype=DOUBLE) for _ in range(2))
+        self.gma = mixattn.GaussianMixtureAttention(d, 2, 4, causal=True, dtype=DOUBLE)
+        self.ovq = mixattn.OnlineVQAttention(d, 2, block=4, max_centroids=8, dtype=DOUBLE)
+        self.head = torch.nn.Linear(d, vocab, dtype=DOUBLE)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.gma(self.norms[0](x))
+        x = x + self.ovq(self.norms[1](x))
+        return self.head(x)
+
+
+def test_a_two_layer_model_compiles_whole_and_trains_as_in_eager():
+    torch.manual_seed(8)
+    eager_model = TwoLayers()
+    compiled_model = TwoLayers()
+    compiled_model.load_state_dict(eager_model.state_dict())
+    step = compiled(lambda m, t: torch.nn.functional.cross_entropy(
+        m(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()))
+    tokens = torch.randint(0, 11, (2, 14), generator=torch.Generator().manual_seed(9))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_model, compiled_model)]
+    for _ in range(3):
+        losses = []
+        for model, opt, fn in ((eager_model, opts[0], None), (compiled_model, opts[1], step)):
+            opt.zero_grad()
+            loss = (fn(model, tokens) if fn else torch.nn.functional.cross_entropy(
+                model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()))
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    for a, b in zip(compiled_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_decoding_through_a_cache_is_eager_only():
+    q, k, v, *mix = (t.detach() for t in gma_inputs(1, 2, 6, 6, 3, 4, 5, seed=10))
+    cache = mixattn.GmaCache()
+
+    def decode(q, k, v):
+        return mixattn.gma_attention(q, k, v, *mix, causal=True, cache=cache)
+
+    with pytest.raises(Exception, match="_gma_cached"):
+        compiled(decode)(q[:, :, :1], k[:, :, :1], v[:, :, :1])
+    assert not cache.bound  # the refused call never ran
+    # Without fullgraph the cache call runs eagerly between compiled pieces.
+    loose = torch.compile(decode, dynamic=False)
+    steps = torch.cat([loose(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+                       for t in range(6)], 2)
+    # Token by token against one call: the same sums in another order (float64, ~1e-16 each).
+    torch.testing.assert_close(steps, mixattn.gma_attention(q, k, v, *mix, causal=True),
+                               rtol=1e-12, atol=1e-14)
