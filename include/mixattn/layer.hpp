@@ -87,7 +87,7 @@ class MultiHeadAttention {
     p_.w_v = gaussian_matrix<T>(d, h * d_v, in_sd, rng);
     p_.w_o = gaussian_matrix<T>(h * d_v, d, 1.0 / std::sqrt(static_cast<double>(h * d_v)), rng);
     p_.mixer = ::mixattn::detail::Cloned<::mixattn::detail::Mixer<T>>(
-        ::mixattn::detail::find_mixer<T>(p_.cfg.mixer)->make(p_.cfg));
+        ::mixattn::detail::make_mixer<T>(p_.cfg));
   }
 
   const Config& config() const { return p_.cfg; }
@@ -369,4 +369,15 @@ MIXATTN_FOR_EACH_SCALAR(MIXATTN_LAYER_INSTANCES)
 #endif
 
 }  // namespace layer
+
+#ifdef MIXATTN_TEMPLATE_INSTANCE
+// The members are defined in the class, hence inline, and an inline member is compiled where it
+// is used even when its class is extern: what they call that makes every mixer (the mixer table)
+// is listed here on its own.
+#define MIXATTN_LAYER_MIXER_INSTANCES(T)                                                    \
+  MIXATTN_TEMPLATE_INSTANCE void detail::check_layer_config<T>(const layer::Config&);      \
+  MIXATTN_TEMPLATE_INSTANCE std::unique_ptr<detail::Mixer<T>> detail::make_mixer<T>(       \
+      const layer::Config&);
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_LAYER_MIXER_INSTANCES)
+#endif
 MIXATTN_END_NAMESPACE

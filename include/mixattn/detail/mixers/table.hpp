@@ -80,5 +80,13 @@ const MixerEntry<T>* find_mixer(layer::MixerKind kind) {
   return nullptr;
 }
 
+/// A new mixer for `cfg` (its kind checked by check_layer_config). Out of the layer's class body
+/// and in the instance list (layer.hpp), so that a file constructing a layer does not compile
+/// every mixer's members.
+template <class T>
+std::unique_ptr<Mixer<T>> make_mixer(const layer::Config& cfg) {
+  return find_mixer<T>(cfg.mixer)->make(cfg);
+}
+
 }  // namespace detail
 MIXATTN_END_NAMESPACE
