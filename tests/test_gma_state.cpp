@@ -220,6 +220,48 @@ TYPED_TEST(GmaState, RejectsNonCausalMismatchedAndNonFiniteStates) {
   EXPECT_THROW(gma::backward(mix, q, q, v, dout, cont, opt, &gs), std::domain_error);
 }
 
+/// A continued forward whose end state overflows under a finite output (fuzz_gma_state, double:
+/// values at the top of the range; the chunked scan's outputs read the start state and the
+/// chunk's own keys, the end state adds every key): std::domain_error naming the state's S, and
+/// the state as it was, with or without a record. It returned instead, with the state rewound to
+/// its start (tokens_seen not advanced): the check ran on the restored state.
+TEST(GmaStateCheck, EndStateOverflowUnderFiniteOutputThrows) {
+  using T = double;
+  gma::Mixture<T> mix;
+  mix.mean = (Matrix<T>(2, 1) << -3, 3).finished();
+  mix.var_raw = Matrix<T>::Zero(2, 1);
+  mix.prior_logit = Vector<T>::Zero(2);
+  // Keys at component 0 (gamma ~ 1), queries giving it ~1e-3: two values at double's largest
+  // make S(0, 0) overflow, while the output (their weighted mean, weights 1e-3) does not.
+  const Matrix<T> k = Matrix<T>::Constant(2, 1, -3), q = Matrix<T>::Constant(2, 1, 0.8);
+  const Matrix<T> v = Matrix<T>::Constant(2, 1, std::numeric_limits<T>::max());
+  gma::Options opt;
+  opt.causal = true;
+  opt.chunk = 2;  // one chunk of the scan
+  gma::State<T> start = gma::State<T>::empty(2, 1);
+  start.S(0, 0) = 1;
+  start.z << 0.5, 0.5;
+  start.tokens_seen = 5;
+  {
+    gma::Options unchecked = opt;
+    unchecked.check_finite = false;
+    gma::State<T> st = start;
+    const Matrix<T> out = gma::forward(mix, q, k, v, unchecked, st);
+    ASSERT_TRUE(out.allFinite()) << out;
+    ASSERT_FALSE(st.S.allFinite()) << st.S;
+  }
+  for (const bool keep : {false, true}) {
+    gma::State<T> st = start;
+    gma::Saved<T> saved;
+    mixattn::testing::expect_throw<std::domain_error>(
+        [&] { gma::forward(mix, q, k, v, opt, st, keep ? &saved : nullptr); },
+        {"mixattn::gma::forward", "the state's S overflows"});
+    EXPECT_EQ(st.tokens_seen, start.tokens_seen) << "saved " << keep;
+    EXPECT_EQ(st.S, start.S);
+    EXPECT_EQ(st.z, start.z);
+  }
+}
+
 // The state's finiteness probe (detail::finite_probe over contiguous scalars, 32 sums side by
 // side) against Eigen's sum of x * 0, its slow twin, and through a decoding step: a state with
 // one inf or NaN anywhere (the unrolled part, the tail past the last 32, z) is rejected before
@@ -399,6 +441,94 @@ TEST(GmaStateGrad, FiniteDifferencesOfStartStateAndInputs) {
   EXPECT_TRUE(all_close(g.mixture.var_raw, numeric_gradient(mix.var_raw, loss), rtol, atol));
   EXPECT_TRUE(
       all_close(g.mixture.prior_logit, numeric_gradient(mix.prior_logit, loss), rtol, atol));
+}
+
+/// The case fuzz_gma_state reported as "chained backward differs from one call": K = 6 alike
+/// components (mean, var_raw, prior_logit all 0, var_floor 1), q = k = 0, r = 2, d_v = 1, N = 29,
+/// eps = 1, pieces of 6 and 23 tokens. Every dgamma row is then the same in all components, so
+/// the softmax passes nothing on: the gradients of the mixture, q and k are exactly 0 (the loss
+/// is flat there to first order; long-double central differences shrink as h^2), and the two
+/// backwards returned rounding of terms of order 1 (var_raw: 2.4e-18 and 3.6e-18), which a
+/// comparison relative to the gradients' own size took for a difference. Here: both backwards
+/// agree with central differences and each other, and those gradients are 0 to rounding.
+TEST(GmaStateGrad, AlikeComponentsGiveZeroGradientsAcrossPieces) {
+  using T = double;
+  const Index K = 6, r = 2, dv = 1, N = 29;
+  gma::Mixture<T> mix;
+  mix.mean = Matrix<T>::Zero(K, r);
+  mix.var_raw = Matrix<T>::Zero(K, r);
+  mix.prior_logit = Vector<T>::Zero(K);
+  mix.var_floor = 1;
+  Matrix<T> q = Matrix<T>::Zero(N, r), k = Matrix<T>::Zero(N, r);
+  Matrix<T> v = random_matrix<T>(N, dv, 61);
+  const Matrix<T> dout = random_matrix<T>(N, dv, 62);
+  gma::Options opt;
+  opt.causal = true;
+  opt.eps = 1;
+  const std::vector<Index> cut = {0, 6, N};
+
+  gma::State<T> st = gma::State<T>::empty(K, dv);
+  std::vector<gma::Saved<T>> saves(2);
+  for (std::size_t p = 0; p < 2; ++p) {
+    const Index a = cut[p], n = cut[p + 1] - a;
+    gma::forward(mix, q.middleRows(a, n), k.middleRows(a, n), v.middleRows(a, n), opt, st,
+                 &saves[p]);
+  }
+  gma::Grad<T> chained;
+  chained.q.resize(N, r);
+  chained.k.resize(N, r);
+  chained.v.resize(N, dv);
+  gma::StateGrad<T> carry;
+  for (std::size_t p = 2; p-- > 0;) {
+    const Index a = cut[p], n = cut[p + 1] - a;
+    const gma::Grad<T> g =
+        gma::backward(mix, q.middleRows(a, n), k.middleRows(a, n), v.middleRows(a, n),
+                      dout.middleRows(a, n), saves[p], opt, p == 1 ? nullptr : &carry);
+    chained.q.middleRows(a, n) = g.q;
+    chained.k.middleRows(a, n) = g.k;
+    chained.v.middleRows(a, n) = g.v;
+    if (p == 1) {
+      chained.mixture = g.mixture;
+    } else {
+      chained.mixture.mean += g.mixture.mean;
+      chained.mixture.var_raw += g.mixture.var_raw;
+      chained.mixture.prior_logit += g.mixture.prior_logit;
+    }
+    carry = g.state;
+  }
+  gma::Saved<T> saved;
+  gma::forward(mix, q, k, v, opt, &saved);
+  const gma::Grad<T> whole = gma::backward(mix, q, k, v, dout, saved, opt);
+
+  const auto loss = [&] { return gma::forward(mix, q, k, v, opt).cwiseProduct(dout).sum(); };
+  // h = 1e-6: rounding O(1e-16 / h) = 1e-10 and truncation O(h^2) on a loss of O(1), as in
+  // FiniteDifferencesOfStartStateAndInputs; an exactly zero derivative comes out as that noise.
+  const double rtol = 1e-7, atol = 1e-8;
+  // 0 to rounding: each entry sums m = 2N terms (query and key side) gamma_k (dgamma_k -
+  // gamma . dgamma) times a factor <= 2 (P sigmoid / 2 for var_raw, 1 + pi K for prior_logit, 0 for
+  // the others: x = mean), |dgamma| <= 2 N max|v| max|dO| (den >= eps = 1, |O| <= max|v|,
+  // z <= N); a sum of m terms rounds by at most m 2^-53 of m times its largest term.
+  const double dgamma = 2.0 * N * v.cwiseAbs().maxCoeff() * dout.cwiseAbs().maxCoeff();
+  const double zero = (2.0 * N) * (2.0 * N) * 2 * 2 * dgamma * 0x1p-53;
+  for (const gma::Grad<T>* g : {static_cast<const gma::Grad<T>*>(&chained), &whole}) {
+    EXPECT_TRUE(all_close(g->q, numeric_gradient(q, loss), rtol, atol));
+    EXPECT_TRUE(all_close(g->k, numeric_gradient(k, loss), rtol, atol));
+    EXPECT_TRUE(all_close(g->v, numeric_gradient(v, loss), rtol, atol));
+    EXPECT_TRUE(all_close(g->mixture.mean, numeric_gradient(mix.mean, loss), rtol, atol));
+    EXPECT_TRUE(all_close(g->mixture.var_raw, numeric_gradient(mix.var_raw, loss), rtol, atol));
+    EXPECT_TRUE(
+        all_close(g->mixture.prior_logit, numeric_gradient(mix.prior_logit, loss), rtol, atol));
+    EXPECT_LE(g->q.cwiseAbs().maxCoeff(), zero);
+    EXPECT_LE(g->k.cwiseAbs().maxCoeff(), zero);
+    EXPECT_LE(g->mixture.mean.cwiseAbs().maxCoeff(), zero);
+    EXPECT_LE(g->mixture.var_raw.cwiseAbs().maxCoeff(), zero);
+    EXPECT_LE(g->mixture.prior_logit.cwiseAbs().maxCoeff(), zero);
+  }
+  // The pieces reorder the sums of the one call (PiecesBackwardEqualsOneCall's tolerances); the
+  // entries at rounding level agree within atol.
+  EXPECT_TRUE(all_close(chained.v, whole.v, 1e-10, 1e-12));
+  EXPECT_TRUE(all_close(chained.mixture.var_raw, whole.mixture.var_raw, 1e-10, 1e-12));
+  EXPECT_TRUE(all_close(chained.mixture.prior_logit, whole.mixture.prior_logit, 1e-10, 1e-12));
 }
 
 }  // namespace

@@ -303,4 +303,135 @@ TEST(Packed, RejectsBadOffsetsAndHeads) {
                std::invalid_argument);  // 3 query heads cannot share 2 key/value heads
 }
 
+// A batch whose sequences are all empty (the fuzz input that found it: OVQ, float, two query
+// heads sharing one key/value head, r = 3, d_v = 2, offsets {0, 0}): every operator returns
+// empty outputs and gradients of the right widths, zero gradients for the shared parameters (no
+// token contributes) and untouched states. The items' blocks of the empty inputs used to add a
+// head's column offset to their null data pointer (UBSan: the sanitizer build fails here).
+TYPED_TEST(PackedTyped, AllSequencesEmpty) {
+  using T = TypeParam;
+  const Index Hq = 2, Hkv = 1, r = 3, dv = 2;
+  for (const Offsets& off : {Offsets{0, 0}, Offsets{0, 0, 0, 0}}) {
+    const Index B = static_cast<Index>(off.size()) - 1;
+    const Matrix<T> q(0, Hq * r), kg(0, Hkv * r), vg(0, Hkv * dv), dout(0, Hq * dv);
+    {
+      namespace ovq = mixattn::ovq;
+      ovq::Options opt;
+      opt.block = 2;
+      const std::vector<T> beta = {T(1), T(0.5)};
+      std::vector<ovq::State<T>> states(B * Hq, ovq::State<T>::empty(r, dv));
+      Matrix<T> out;
+      ovq::PackedSaved<T> saved;
+      ovq::PackedGrad<T> grad;
+      ovq::forward_packed_into(out, Hkv, q, kg, vg, beta, off, opt, states, &saved);
+      ovq::backward_packed_into(grad, Hkv, q, kg, vg, beta, dout, off, saved, opt);
+      EXPECT_EQ(out.rows(), 0);
+      EXPECT_EQ(out.cols(), Hq * dv);
+      for (const ovq::State<T>& s : states) {
+        EXPECT_EQ(s.tokens_seen, 0);
+        EXPECT_EQ(s.keys.rows(), 0);
+        EXPECT_EQ(s.pending_keys.rows(), 0);
+      }
+      EXPECT_EQ(grad.q.rows(), 0);
+      EXPECT_EQ(grad.q.cols(), Hq * r);
+      EXPECT_EQ(grad.k.cols(), Hkv * r);
+      EXPECT_EQ(grad.v.cols(), Hkv * dv);
+      EXPECT_EQ(grad.beta, std::vector<T>(Hq, T(0)));
+    }
+    {
+      namespace ref = mixattn::reference;
+      for (const bool causal : {false, true}) {
+        ref::Options opt;
+        opt.causal = causal;
+        Matrix<T> out;
+        ref::PackedSaved<T> saved;
+        ref::PackedGrad<T> grad;
+        ref::flash_forward_packed_into<T>(out, Hq, Hkv, q, kg, vg, off, off, opt, &saved);
+        ref::flash_backward_packed_into<T>(grad, Hq, Hkv, q, kg, vg, dout, off, off, saved, opt);
+        EXPECT_EQ(out.rows(), 0);
+        EXPECT_EQ(out.cols(), Hq * dv);
+        EXPECT_EQ(grad.q.cols(), Hq * r);
+        EXPECT_EQ(grad.k.cols(), Hkv * r);
+        EXPECT_EQ(grad.v.cols(), Hkv * dv);
+        EXPECT_EQ(grad.q.rows() + grad.k.rows() + grad.v.rows(), 0);
+      }
+    }
+    {
+      namespace gma = mixattn::gma;
+      const Index K = 4;
+      const std::vector<gma::Mixture<T>> mix = {gma::Mixture<T>::random(K, r, 1),
+                                                gma::Mixture<T>::random(K, r, 2)};
+      const Matrix<T> k(0, Hq * r), v(0, Hq * dv);
+      for (const bool causal : {false, true}) {
+        gma::Options opt;
+        opt.causal = causal;
+        Matrix<T> out;
+        gma::PackedSaved<T> saved;
+        gma::PackedGrad<T> grad;
+        gma::forward_packed_into(out, mix, q, k, v, off, off, opt, &saved);
+        gma::backward_packed_into(grad, mix, q, k, v, dout, off, off, saved, opt);
+        EXPECT_EQ(out.rows(), 0);
+        EXPECT_EQ(out.cols(), Hq * dv);
+        EXPECT_EQ(grad.q.cols(), Hq * r);
+        EXPECT_EQ(grad.v.cols(), Hq * dv);
+        EXPECT_EQ(grad.q.rows() + grad.k.rows() + grad.v.rows(), 0);
+        ASSERT_EQ(grad.mixtures.size(), mix.size());
+        for (const gma::MixtureGrad<T>& m : grad.mixtures) {
+          EXPECT_EQ(m.mean, Matrix<T>::Zero(K, r));
+          EXPECT_EQ(m.var_raw, Matrix<T>::Zero(K, r));
+          EXPECT_EQ(m.prior_logit, mixattn::Vector<T>::Zero(K));
+        }
+      }
+    }
+  }
+}
+
+// OVQ takes one offsets vector, `offsets`: its refusals name it, not q_offsets or k_offsets
+// (which it has no parameters of), and a k of other rows than q is named as such.
+TEST(Packed, OvqRefusalsNameOffsets) {
+  namespace ovq = mixattn::ovq;
+  const Index r = 3, dv = 2;
+  const Matrix<double> x = random_matrix<double>(10, r, 1), v = random_matrix<double>(10, dv, 2);
+  const Matrix<double> dout = random_matrix<double>(10, dv, 3);
+  const std::vector<double> beta = {1.0};
+  ovq::Options opt;
+  opt.block = 4;
+  const auto refusal = [&](const Offsets& off, const Matrix<double>& k, const Matrix<double>& vk,
+                           bool backward) {
+    // as many states as the forward's offsets have sequences: only the offsets are wrong
+    const Offsets fwd = backward ? Offsets{0, 4, 10} : off;
+    std::vector<ovq::State<double>> states(fwd.size() < 2 ? 1 : fwd.size() - 1,
+                                           ovq::State<double>::empty(r, dv));
+    Matrix<double> out;
+    ovq::PackedSaved<double> saved;
+    ovq::PackedGrad<double> grad;
+    try {
+      if (backward) {
+        ovq::forward_packed_into(out, 1, x, x, v, beta, fwd, opt, states, &saved);
+        ovq::backward_packed_into(grad, 1, x, k, vk, beta, dout, off, saved, opt);
+      } else {
+        ovq::forward_packed_into(out, 1, x, k, vk, beta, off, opt, states, &saved);
+      }
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(returned)");
+  };
+  for (const bool backward : {false, true}) {
+    const std::string fn = backward ? "ovq::backward_packed_into" : "ovq::forward_packed_into";
+    for (const Offsets& bad : {Offsets{1, 4, 10}, Offsets{0, 6, 4, 10}, Offsets{0, 4, 9},
+                               Offsets{0}}) {
+      const std::string what = refusal(bad, x, v, backward);
+      EXPECT_NE(what.find(fn), std::string::npos) << what;
+      EXPECT_NE(what.find("offsets"), std::string::npos) << what;
+      EXPECT_EQ(what.find("q_offsets"), std::string::npos) << what;
+      EXPECT_EQ(what.find("k_offsets"), std::string::npos) << what;
+    }
+    EXPECT_NE(refusal({1, 4, 10}, x, v, backward).find("offsets[0] is 1"), std::string::npos);
+    const Matrix<double> k9 = random_matrix<double>(9, r, 4), v9 = random_matrix<double>(9, dv, 5);
+    const std::string rows = refusal({0, 4, 10}, k9, v9, backward);
+    EXPECT_NE(rows.find("k has 9 rows but q has 10"), std::string::npos) << rows;
+  }
+}
+
 }  // namespace

@@ -65,6 +65,16 @@ inline void check_offsets(const char* fn, const char* name, const Offsets& offse
           rows, " rows");
 }
 
+/// m.block(row0, col0, rows, cols), the block of an item of a packed call; an empty block is
+/// taken at (0, 0). Eigen forms a block's address by adding its offset to the data pointer, which
+/// is null for an empty matrix (a batch of empty sequences): undefined behaviour even for a block
+/// that is never read.
+template <class M>
+Eigen::Block<M> item_block(M& m, Index row0, Index col0, Index rows, Index cols) {
+  const bool empty = rows == 0 || cols == 0;
+  return Eigen::Block<M>(m, empty ? 0 : row0, empty ? 0 : col0, rows, cols);
+}
+
 /// Destinations of at least this many bytes receive the items' blocks through stores that
 /// bypass the caches. Such a destination is several times a core's L2 (2 MiB here): it is
 /// evicted before the caller reads it back anyway, and an ordinary store first reads every
@@ -135,7 +145,7 @@ void copy_block_into(Matrix<T>& dst, Index row0, Index col0, const Matrix<T>& sr
   }
 #endif
   (void)stream;
-  dst.block(row0, col0, rows, cols) = src;
+  item_block(dst, row0, col0, rows, cols) = src;
 }
 
 /// Head layout of a packed call: H_q query heads of width r and H_kv key/value heads.
@@ -145,10 +155,14 @@ struct PackedHeads {
   Index kv_of(Index h) const { return h / (heads / kv_heads); }
 };
 
-/// Validates the packed shapes; `heads` query heads, `kv_heads` key/value heads.
+/// Validates the packed shapes; `heads` query heads, `kv_heads` key/value heads. Messages name
+/// the offsets q_name and k_name, the caller's parameters; k_name nullptr: the call takes one
+/// offsets vector (OVQ's `offsets`, passed as both), q_name, so k must have q's rows.
 inline PackedHeads check_packed(const char* fn, Index heads, Index kv_heads, Index qc, Index kc,
                                 Index vc, Index q_rows, Index k_rows, Index v_rows,
-                                const Offsets& q_offsets, const Offsets& k_offsets, int threads) {
+                                const Offsets& q_offsets, const Offsets& k_offsets, int threads,
+                                const char* q_name = "q_offsets",
+                                const char* k_name = "k_offsets") {
   require(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0, fn, "heads is ", heads,
           " and key/value heads is ", kv_heads, "; both >= 1 and heads a multiple of them");
   require(qc % heads == 0 && qc > 0, fn, "q has ", qc, " columns, not a positive multiple of ",
@@ -160,10 +174,16 @@ inline PackedHeads check_packed(const char* fn, Index heads, Index kv_heads, Ind
           kv_heads, " value heads");
   require(v_rows == k_rows, fn, "v has ", v_rows, " rows but k has ", k_rows);
   require(threads >= 0, fn, "threads must be >= 0, got ", threads);
-  check_offsets(fn, "q_offsets", q_offsets, q_rows);
-  check_offsets(fn, "k_offsets", k_offsets, k_rows);
-  require(q_offsets.size() == k_offsets.size(), fn, "q_offsets has ", q_offsets.size(),
-          " entries but k_offsets has ", k_offsets.size(), " (both B + 1)");
+  const bool one_vector = k_name == nullptr;
+  if (one_vector)
+    require(k_rows == q_rows, fn, "k has ", k_rows, " rows but q has ", q_rows, " (", q_name,
+            " describes both)");
+  check_offsets(fn, q_name, q_offsets, q_rows);
+  if (!one_vector) {
+    check_offsets(fn, k_name, k_offsets, k_rows);
+    require(q_offsets.size() == k_offsets.size(), fn, q_name, " has ", q_offsets.size(),
+            " entries but ", k_name, " has ", k_offsets.size(), " (both B + 1)");
+  }
   return {static_cast<Index>(q_offsets.size()) - 1, heads, kv_heads, r, vc / kv_heads};
 }
 
@@ -181,11 +201,11 @@ void packed_sum_kv(const std::vector<Grad>& items, const PackedHeads& ph, const 
     const Index k0 = k_offsets[static_cast<std::size_t>(b)];
     const Index nk = k_offsets[static_cast<std::size_t>(b) + 1] - k0;
     const std::size_t first = static_cast<std::size_t>(b * ph.heads + g * group);
-    dk.block(k0, g * r, nk, r) = items[first].k;
-    dv.block(k0, g * d, nk, d) = items[first].v;
+    item_block(dk, k0, g * r, nk, r) = items[first].k;
+    item_block(dv, k0, g * d, nk, d) = items[first].v;
     for (Index j = 1; j < group; ++j) {
-      dk.block(k0, g * r, nk, r) += items[first + static_cast<std::size_t>(j)].k;
-      dv.block(k0, g * d, nk, d) += items[first + static_cast<std::size_t>(j)].v;
+      item_block(dk, k0, g * r, nk, r) += items[first + static_cast<std::size_t>(j)].k;
+      item_block(dv, k0, g * d, nk, d) += items[first + static_cast<std::size_t>(j)].v;
     }
   });
 }
@@ -417,8 +437,10 @@ void forward_packed_into(Matrix<T>& out, const std::vector<Mixture<T>>& mixtures
   detail::packed_forward(
       out, ph, q_offsets, k_offsets, saved ? *saved : local, saved != nullptr, threads, false,
       [&](const detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
-        forward_into(o, mixtures[static_cast<std::size_t>(p.h)], q.block(p.q0, p.h * r, p.nq, r),
-                     k.block(p.k0, p.h * r, p.nk, r), v.block(p.k0, p.h * d_v, p.nk, d_v), opt, s);
+        forward_into(o, mixtures[static_cast<std::size_t>(p.h)],
+                     detail::item_block(q, p.q0, p.h * r, p.nq, r),
+                     detail::item_block(k, p.k0, p.h * r, p.nk, r),
+                     detail::item_block(v, p.k0, p.h * d_v, p.nk, d_v), opt, s);
       });
   if (saved) saved->finite_checked = opt.check_finite;  // every item's forward checked them
 }
@@ -465,10 +487,12 @@ void backward_packed_into(PackedGrad<T>& grad, const std::vector<Mixture<T>>& mi
       ph, q_offsets, k_offsets, threads, false, grad.order,
       [&](const detail::PairRows& p, std::size_t i, Index w) {
         Grad<T>& g = grad.work[detail::work_slot(ph, p, w)];
-        const auto d_out = grad_out.block(p.q0, p.h * d_v, p.nq, d_v);
+        const auto d_out = detail::item_block(grad_out, p.q0, p.h * d_v, p.nq, d_v);
         if (checked_once) detail::require_finite(d_out, fn, "grad_out");
-        backward_into(g, mixtures[static_cast<std::size_t>(p.h)], q.block(p.q0, p.h * r, p.nq, r),
-                      k.block(p.k0, p.h * r, p.nk, r), v.block(p.k0, p.h * d_v, p.nk, d_v), d_out,
+        backward_into(g, mixtures[static_cast<std::size_t>(p.h)],
+                      detail::item_block(q, p.q0, p.h * r, p.nq, r),
+                      detail::item_block(k, p.k0, p.h * r, p.nk, r),
+                      detail::item_block(v, p.k0, p.h * d_v, p.nk, d_v), d_out,
                       saved.items[i], item_opt);
         if (checked_once) detail::gma_check_grad(fn, g);
         detail::copy_block_into<detail::simd_arch>(grad.q, p.q0, p.h * r, g.q, stream_q);
@@ -529,8 +553,9 @@ void flash_forward_packed_into(Matrix<T>& out, Index heads, Index kv_heads,
   mixattn::detail::packed_forward(
       out, ph, q_offsets, k_offsets, saved ? *saved : local, saved != nullptr, threads, true,
       [&](const mixattn::detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
-        flash_forward_into<T>(o, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
-                              v.block(p.k0, p.g * d_v, p.nk, d_v), opt, s);
+        flash_forward_into<T>(o, mixattn::detail::item_block(q, p.q0, p.h * r, p.nq, r),
+                              mixattn::detail::item_block(k, p.k0, p.g * r, p.nk, r),
+                              mixattn::detail::item_block(v, p.k0, p.g * d_v, p.nk, d_v), opt, s);
       });
 }
 
@@ -551,9 +576,11 @@ void flash_backward_packed_into(PackedGrad<T>& grad, Index heads, Index kv_heads
   mixattn::detail::packed_backward(
       grad, ph, q_offsets, k_offsets, saved, threads, true,
       [&](const mixattn::detail::PairRows& p, Grad<T>& g, const Saved<T>& s) {
-        flash_backward_into<T>(g, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
-                               v.block(p.k0, p.g * d_v, p.nk, d_v),
-                               grad_out.block(p.q0, p.h * d_v, p.nq, d_v), s, opt);
+        flash_backward_into<T>(g, mixattn::detail::item_block(q, p.q0, p.h * r, p.nq, r),
+                               mixattn::detail::item_block(k, p.k0, p.g * r, p.nk, r),
+                               mixattn::detail::item_block(v, p.k0, p.g * d_v, p.nk, d_v),
+                               mixattn::detail::item_block(grad_out, p.q0, p.h * d_v, p.nq, d_v),
+                               s, opt);
       });
 }
 
@@ -587,7 +614,8 @@ void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixRef<T>
   const Index heads = static_cast<Index>(beta.size());
   const mixattn::detail::PackedHeads ph =
       mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
-                                    k.rows(), v.rows(), offsets, offsets, threads);
+                                    k.rows(), v.rows(), offsets, offsets, threads,
+                                    "offsets", nullptr);
   detail::require(static_cast<Index>(states.size()) == ph.items(), fn, "states has ", states.size(),
                   " entries but ", ph.batch, " sequences x ", heads, " heads need ", ph.items());
   PackedSaved<T> local;
@@ -595,8 +623,10 @@ void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixRef<T>
   mixattn::detail::packed_forward(
       out, ph, offsets, offsets, saved ? *saved : local, saved != nullptr, threads, false,
       [&](const mixattn::detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
-        forward_into(o, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
-                     v.block(p.k0, p.g * d_v, p.nk, d_v), beta[static_cast<std::size_t>(p.h)], opt,
+        forward_into(o, mixattn::detail::item_block(q, p.q0, p.h * r, p.nq, r),
+                     mixattn::detail::item_block(k, p.k0, p.g * r, p.nk, r),
+                     mixattn::detail::item_block(v, p.k0, p.g * d_v, p.nk, d_v),
+                     beta[static_cast<std::size_t>(p.h)], opt,
                      states[static_cast<std::size_t>(p.b * heads + p.h)], s);
       });
 }
@@ -612,15 +642,18 @@ void backward_packed_into(PackedGrad<T>& grad, Index kv_heads, const ConstMatrix
   const Index heads = static_cast<Index>(beta.size());
   const mixattn::detail::PackedHeads ph =
       mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
-                                    k.rows(), v.rows(), offsets, offsets, threads);
+                                    k.rows(), v.rows(), offsets, offsets, threads,
+                                    "offsets", nullptr);
   mixattn::detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, offsets, offsets, saved);
   const Index r = ph.r, d_v = ph.d_v;
   mixattn::detail::packed_backward(
       grad, ph, offsets, offsets, saved, threads, false,
       [&](const mixattn::detail::PairRows& p, Grad<T>& g, const Saved<T>& s) {
-        backward_into(g, q.block(p.q0, p.h * r, p.nq, r), k.block(p.k0, p.g * r, p.nk, r),
-                      v.block(p.k0, p.g * d_v, p.nk, d_v), beta[static_cast<std::size_t>(p.h)],
-                      grad_out.block(p.q0, p.h * d_v, p.nq, d_v), s, opt);
+        backward_into(g, mixattn::detail::item_block(q, p.q0, p.h * r, p.nq, r),
+                      mixattn::detail::item_block(k, p.k0, p.g * r, p.nk, r),
+                      mixattn::detail::item_block(v, p.k0, p.g * d_v, p.nk, d_v),
+                      beta[static_cast<std::size_t>(p.h)],
+                      mixattn::detail::item_block(grad_out, p.q0, p.h * d_v, p.nq, d_v), s, opt);
       });
   grad.beta.assign(static_cast<std::size_t>(heads), T(0));
   for (Index h = 0; h < heads; ++h)  // sequence order, as separate calls summed would be

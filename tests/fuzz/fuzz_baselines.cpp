@@ -83,13 +83,16 @@ bool forward_and_prefix(fz::Bytes& in, const Seq<T>& s, Matrix<T>& out, bool mod
   return true;
 }
 
-/// The backward through the oracle: finite gradients where the forward's inputs were moderate
-/// and grad_out bounded (or checks on).
+/// The backward through the oracle: finite gradients where the forward's inputs were finite and
+/// moderate and grad_out bounded (or checks on).
 template <class T, class G>
 void backward_checked(const Seq<T>& s, bool moderate, G&& bwd, const char* what) {
   fz::Expect bex = s.ex;
   bex.flags.merge(s.grad_flags);
-  const bool bounded = moderate && !s.grad_flags.non_finite && s.grad_flags.max_abs <= 1e4;
+  // `moderate` bounds the finite entries only (Flags::max_abs skips NaN and Inf): a NaN or Inf in
+  // q, k or v that checks off let through reaches the gradients, which then need not be finite.
+  const bool bounded = moderate && !s.ex.flags.non_finite && !s.grad_flags.non_finite &&
+                       s.grad_flags.max_abs <= 1e4;
   if (!bounded) bex.flags.extreme = true;
   Matrix<T> gq, gk, gv;
   const fz::Outcome o = fz::run(bex, [&] { bwd(gq, gk, gv); });
@@ -141,6 +144,7 @@ void feature_case(fz::Bytes& in, int kind) {
   };
   Matrix<T> out;
   static const char* names[] = {"linear prefix", "performer prefix", "vq prefix"};
+  static const char* grad_names[] = {"linear grad", "performer grad", "vq grad"};
   // Performer's key features share one stabiliser, the largest exponent over all keys: a prefix
   // has another, which moves underflow, so its prefix is not compared.
   if (!forward_and_prefix<T>(in, s, out, moderate, kind != 1, tol, fwd, names[kind])) return;
@@ -161,7 +165,7 @@ void feature_case(fz::Bytes& in, int kind) {
       const vq::Grad<T> g = vq::backward<T>(s.q, s.k, s.v, codebook, s.dout, sv, opt);
       gq = g.q, gk = g.k, gv = g.v;
     }
-  }, names[kind]);
+  }, grad_names[kind]);
 }
 
 /// Sliding-window softmax attention: the reference with the same window, its prefixes, and a

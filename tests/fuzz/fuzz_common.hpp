@@ -222,6 +222,23 @@ bool same_bits(const Eigen::DenseBase<A>& a, const Eigen::DenseBase<B>& b) {
   return true;
 }
 
+/// Bitwise equality where neither entry is NaN, and NaN where the other is NaN, whatever either
+/// NaN's sign and payload: for results that two different pieces of code computed from the same
+/// terms (a sum of two NaNs returns one operand's NaN, and which one is the compiler's choice).
+template <class A, class B>
+bool same_values(const Eigen::DenseBase<A>& a, const Eigen::DenseBase<B>& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
+  using S = typename A::Scalar;
+  static_assert(std::is_same<S, typename B::Scalar>::value, "same scalar type");
+  for (Index i = 0; i < a.rows(); ++i)
+    for (Index j = 0; j < a.cols(); ++j) {
+      const S x = a.derived().coeff(i, j), y = b.derived().coeff(i, j);
+      if (std::isnan(x) && std::isnan(y)) continue;
+      if (std::memcmp(&x, &y, sizeof(S)) != 0) return false;
+    }
+  return true;
+}
+
 /// What a call is expected to do, from the decoder's knowledge of the inputs.
 struct Expect {
   bool invalid = false;      // bad shapes or options: std::invalid_argument required
@@ -321,15 +338,30 @@ inline std::vector<Index> pieces(Bytes& in, Index n, int max_pieces) {
   return out;
 }
 
-/// Runs `call` expecting std::invalid_argument whose message contains `name`; anything else
-/// (a return, another exception, a message that does not name the argument) fails.
+/// Whether `text` contains `name` as a whole identifier: "q_offsets" does not name `offsets`.
+inline bool names(const std::string& text, const std::string& name) {
+  const auto ident = [](char ch) {
+    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+           ch == '_';
+  };
+  for (std::size_t at = text.find(name); at != std::string::npos; at = text.find(name, at + 1)) {
+    const std::size_t end = at + name.size();
+    if ((at == 0 || !ident(text[at - 1])) && (end == text.size() || !ident(text[end])))
+      return true;
+  }
+  return false;
+}
+
+/// Runs `call` expecting std::invalid_argument whose message names `name` (as a whole
+/// identifier); anything else (a return, another exception, a message that does not name the
+/// argument) fails.
 template <class F>
 void expect_invalid_naming(const char* name, F&& call, const char* what) {
   try {
     call();
   } catch (const std::invalid_argument& e) {
     if (verbose()) std::cerr << "refused: " << e.what() << "\n";
-    if (std::string(e.what()).find(name) == std::string::npos) fail(what, e.what());
+    if (!names(e.what(), name)) fail(what, e.what());
     return;
   } catch (const std::exception& e) {
     fail("wrong exception type:", e.what());

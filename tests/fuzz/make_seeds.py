@@ -83,6 +83,11 @@ def packed():
         write("fuzz_packed", f"{name}_empty_sequence",
               [1, op, 0] + ([1] if op != 0 else []) + [1, 1] + ([1] if op != 2 else []) +
               [0, 1, 3, 4, 0, 3, 0, 1] + mat(7) * 4 + [0, 0])
+        # Three sequences, all empty (inputs of 0 rows), two query heads (sharing one key/value
+        # head where the operator allows it), forward and backward.
+        write("fuzz_packed", f"{name}_only_empty_sequences",
+              [1, op, 1] + ([0] if op != 0 else []) + [2, 1] + ([1] if op != 2 else []) +
+              [0, 1, 2, 0, 0, 0, 1] + mat(7) * 4 + [0, 0])
 
 
 def baselines():

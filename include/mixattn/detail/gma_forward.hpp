@@ -307,15 +307,21 @@ template <class T>
 void gma_check_continued(const char* fn, const Matrix<T>& out, gma::State<T>& st, bool large,
                          bool kept, const Matrix<wide_t<T>>& start_S,
                          const Vector<wide_t<T>>& start_z, Index start_tokens) {
-  const bool finite = all_finite(out) && (!large || all_finite(st.S));
-  if (finite) return;
+  const bool out_finite = all_finite(out), state_finite = !large || all_finite(st.S);
+  if (out_finite && state_finite) return;
   if (kept) {
     st.S = start_S;
     st.z = start_z;
     st.tokens_seen = start_tokens;
   }
+  // Decided on the flags above, not on st.S, which holds the (finite) start state again by now:
+  // an end state that overflowed under a finite output (the chunked scan reads the start state,
+  // not the end one) must throw rather than return with the state silently rewound.
   require_finite_result(out, fn, "the output", "v is");
-  require_finite_result(st.S, fn, "the state's S", "v is");
+  if (!state_finite)
+    raise_domain_error(concat(fn, ": the state's S overflows ", scalar_name<wide_t<T>>(),
+                              " although every input is finite: v is too large for the scalar "
+                              "type (scale it down or use double)"));
 }
 
 /// Causal forward continuing `st` (SPEC 1.4) for a mixture already packed, into out (n x d_v);
