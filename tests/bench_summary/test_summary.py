@@ -18,11 +18,11 @@ counts bench_training's formulas. Each test breaks one thing in a copy of it and
 as bench/measure.py does, checking the exit status and the rows; the last ones run
 bench/measure.py itself over a fake benchmark binary that writes these results.
 
-The last class runs copies of bench/measure.py and bench/summary.py in a temporary tree whose
+The class after them runs copies of bench/measure.py and bench/summary.py in a temporary tree whose
 bench/results/summary.md stands for the recorded run: which folder each kind of run writes, that
 nothing but summary.py --record of a finished unfiltered full run replaces the record, and the
 summary's statement of the run, the machine (read from /proc/cpuinfo) and the compiler (read
-from the build directory).
+from the build directory). The last checks which series of the plots get a line.
 
 Rules this file checks that the noise rules (re-measure, then report) changed: an impossible
 value fails the summary only with --strict (those tests pass --strict and keep their
@@ -822,6 +822,80 @@ class ResultsFolders(unittest.TestCase):
 
 
 PLOTS = ("time_vs_n.png", "memory_vs_n.png")
+
+
+class Recorder:
+    """Stands for a matplotlib Axes (or anything reached from it): records every call."""
+
+    def __getattr__(self, name):
+        return Recorder(self.calls, name)
+
+    def __init__(self, calls=None, name=None):
+        self.calls = [] if calls is None else calls
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((self.name, args, kwargs))
+        return Recorder(self.calls)
+
+    def __getitem__(self, key):
+        return Recorder(self.calls)
+
+
+class Plots(unittest.TestCase):
+    """A series of fewer than 3 points gets no line (two points joined read as a growth rate the
+    run did not measure: the main job has OVQ's forward at N = 4096 and 65536 alone), and a
+    panel without a line gets no slope guides. Drawn on a recorder: no matplotlib needed."""
+
+    def setUp(self):
+        sys.path.insert(0, os.path.dirname(SUMMARY))
+        import summary_plots
+        from summary_data import Quantity
+        sys.path.pop(0)
+        self.plots, self.Quantity = summary_plots, Quantity
+
+    def pts(self, *ns):
+        return [(n, self.Quantity(n * 2e-6, n * 1.9e-6, n * 2.1e-6)) for n in ns]
+
+    def lines(self, calls):
+        """The x values of every line drawn through more than one point, and the bands."""
+        return [c[1][0] for c in calls if c[0] in ("plot", "fill_between") and len(c[1][0]) > 1]
+
+    def test_two_points_are_markers_without_a_line(self):
+        ax = Recorder()
+        self.assertFalse(self.plots.draw_series(ax, self.pts(4096, 65536), "#AA4499"))
+        self.assertEqual(self.lines(ax.calls), [])
+        self.assertEqual([c[1][0] for c in ax.calls if c[0] == "errorbar"], [[4096], [65536]])
+        # Its floor likewise.
+        ax = Recorder()
+        self.assertFalse(self.plots.draw_series(ax, self.pts(4096, 65536), "#AA4499", floor=True))
+        self.assertEqual(self.lines(ax.calls), [])
+
+    def test_three_points_are_a_line(self):
+        ax = Recorder()
+        self.assertTrue(self.plots.draw_series(ax, self.pts(1024, 4096, 16384), "#AA4499"))
+        self.assertIn([1024, 4096, 16384], self.lines(ax.calls))
+
+    def test_slope_guides_only_beside_a_line(self):
+        p = self.plots
+        saved = {f: getattr(p, f) for f in ("guides", "n_axis", "log_y_axis", "end_labels")}
+        asked = []
+        p.guides = lambda ax, log_y, *rest: asked.append(bool(log_y)) or []
+        p.n_axis = p.log_y_axis = p.end_labels = lambda *a, **k: None
+        try:
+            # The main job's forward panel: OVQ at two sizes, GMA at one.
+            points = {("ovq_forward", n, 1): q for n, q in self.pts(4096, 65536)}
+            points.update({("gma_forward_bidir", n, 1): q for n, q in self.pts(4096)})
+            ax = Recorder()
+            self.assertTrue(p.operator_panel(ax, points, None, 2, lambda q: q, True, str))
+            self.assertEqual(self.lines(ax.calls), [])
+            # A full run's: OVQ at four sizes.
+            points.update({("ovq_forward", n, 1): q for n, q in self.pts(1024, 16384)})
+            self.assertTrue(p.operator_panel(Recorder(), points, None, 2, lambda q: q, True, str))
+        finally:
+            for f, fn in saved.items():
+                setattr(p, f, fn)
+        self.assertEqual(asked, [False, True])
 
 
 if __name__ == "__main__":
