@@ -11,10 +11,10 @@ Where the results go: bench/results/ itself holds the recorded run the README ci
 writes (bench/summary.py --record DIR makes a finished --full run the record). The main job
 writes bench/results/latest/, replacing the previous main job's; --full writes a folder of its
 own, bench/results/full-<UTC date and time>/; a filtered run (--filter) writes
-bench/results/filtered/. --results DIR overrides that, except with bench/results itself. DIR/run.json
-records the run (mode, filter, start) and the machine, read from it: /proc/cpuinfo's model name,
-family and model and the ISA flags that matter (avx2, avx512f, avx512_bf16, amx), the OS, and the
-compiler and its flags from the build directory; bench/summary.py states them.
+bench/results/filtered/. --results DIR overrides that, except with bench/results itself.
+DIR/run.json records the run (mode, filter, start) and the machine, read from it: /proc/cpuinfo's
+model name, family and model and the ISA flags that matter (avx2, avx512f, avx512_bf16, amx), the
+OS, and the compiler and its flags from the build directory; bench/summary.py states them.
 
 Every binary runs once per round (--benchmark_repetitions=1, results in
 DIR/<binary>.t0.r<round>.json), so each point has one repetition per round, and the two sides of

@@ -303,8 +303,8 @@ def record_refusal(args, run, mode, failures):
     if run is None:
         return f"it has no {RUN_FILE}: it was not written by bash bench/run.sh"
     if run.get("mode") != "full" or mode != "full":
-        return (f"it is a {'main job' if 'main' in (run.get('mode'), mode) else 'run of unknown mode'}"
-                f": only bash bench/run.sh --full measures what the record holds")
+        what = "main job" if "main" in (run.get("mode"), mode) else "run of unknown mode"
+        return f"it is a {what}: only bash bench/run.sh --full measures what the record holds"
     if run.get("filter") or args.partial:
         return f"it was filtered (MIXATTN_BENCH_FILTER='{run.get('filter', '')}')"
     if failures:
