@@ -7,6 +7,15 @@ summary cannot judge, then the summary.
                              [--not-built BINARY ...] [--torch-python PY] [--torch-side-by-side]
                              [--start EPOCH] [--verbose] [--no-plots]
 
+Where the results go: bench/results/ itself holds the recorded run the README cites, which no run
+writes (bench/summary.py --record DIR makes a finished --full run the record). The main job
+writes bench/results/latest/, replacing the previous main job's; --full writes a folder of its
+own, bench/results/full-<UTC date and time>/; a filtered run (--filter) writes
+bench/results/filtered/. --results DIR overrides that, except with bench/results itself.
+DIR/run.json records the run (mode, filter, start) and the machine, read from it: /proc/cpuinfo's
+model name, family and model and the ISA flags that matter (avx2, avx512f, avx512_bf16, amx), the
+OS, and the compiler and its flags from the build directory; bench/summary.py states them.
+
 Every binary runs once per round (--benchmark_repetitions=1, results in
 DIR/<binary>.t0.r<round>.json), so each point has one repetition per round, and the two sides of
 a ratio (an operator and its floor, 1 and 2 threads, glibc's malloc and the kept one) run seconds
@@ -21,8 +30,10 @@ Exit status: the summary's, or 1 when a binary failed.
 """
 
 import argparse
+import glob
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -30,6 +41,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# The recorded run (the README's table cites its summary.md): only bench/summary.py --record
+# writes here.
+RECORD = os.path.join(HERE, "results")
+RUN_FILE = "run.json"
+# The instruction-set extensions the kernels' speed depends on ("amx": any amx_* flag).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx")
 
 # The binaries in the order they run within a round; the unpinned ones use both cores.
 BINARIES = ["bench_peak", "bench_gma", "bench_reference", "bench_ovq", "bench_linear",
@@ -60,6 +77,143 @@ ESTIMATES = {
              "bench_linear": 220, "bench_decode": 30, "bench_batched": 60, "bench_training": 150,
              "torch_ext": 1500, "torch_side_by_side": 300},
 }
+
+
+def read_machine(cpuinfo="/proc/cpuinfo", os_release="/etc/os-release"):
+    """The machine as it describes itself: the first processor's model name, family, model and
+    which of ISA_FLAGS it has, the number of CPUs, the OS's name."""
+    fields = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if not line.strip():
+                    if fields:
+                        break  # the first processor is enough: they are alike
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    isa = {name: (any(f.startswith("amx") for f in flags) if name == "amx" else name in flags)
+           for name in ISA_FLAGS}
+    system = ""
+    try:
+        with open(os_release) as f:
+            for line in f:
+                if line.startswith("PRETTY_NAME="):
+                    system = line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    return {"cpu": fields.get("model name", ""), "family": fields.get("cpu family", ""),
+            "model": fields.get("model", ""), "isa": isa if flags else {},
+            "cpus": os.cpu_count(), "os": system}
+
+
+def read_compiler(build):
+    """The C++ compiler that built the benchmarks, from the build directory: CMake's record of
+    the compiler it identified (id, version, path) and the optimisation and instruction-set
+    flags of the benchmark binaries' compile commands."""
+    cache = {}
+    try:
+        with open(os.path.join(build, "CMakeCache.txt")) as f:
+            for line in f:
+                key, sep, value = line.rstrip("\n").partition("=")
+                if sep and not key.startswith(("#", "//")):
+                    cache[key.split(":")[0]] = value
+    except OSError:
+        pass
+    found = {}
+    ids = sorted(glob.glob(os.path.join(build, "CMakeFiles", "*", "CMakeCXXCompiler.cmake")),
+                 key=os.path.getmtime)
+    if ids:
+        with open(ids[-1]) as f:
+            text = f.read()
+        for key in ("CMAKE_CXX_COMPILER_ID", "CMAKE_CXX_COMPILER_VERSION"):
+            m = re.search(r'^set\(%s "([^"]*)"\)' % key, text, re.M)
+            if m:
+                found[key] = m.group(1)
+    return {"id": found.get("CMAKE_CXX_COMPILER_ID", ""),
+            "version": found.get("CMAKE_CXX_COMPILER_VERSION", ""),
+            "path": cache.get("CMAKE_CXX_COMPILER", ""), "flags": bench_flags(build)}
+
+
+def bench_flags(build):
+    """-O and -m flags of a benchmark binary's compile command (Ninja's build.ninja or the
+    Makefile generator's flags.make), in order, without repeats."""
+    text = ""
+    for path in sorted(glob.glob(os.path.join(build, "bench", "CMakeFiles", "bench_*.dir",
+                                              "flags.make"))):
+        with open(path) as f:
+            text = "\n".join(line.split("=", 1)[1] for line in f if line.startswith("CXX_FLAGS"))
+        break
+    if not text:
+        try:
+            with open(os.path.join(build, "build.ninja")) as f:
+                inside = False
+                for line in f:
+                    if line.startswith("build "):
+                        inside = "/bench_" in line and ".cpp.o:" in line
+                    elif inside and line.strip().startswith("FLAGS ="):
+                        text = line.split("=", 1)[1]
+                        break
+        except OSError:
+            pass
+    flags = [w for w in text.split() if w.startswith(("-O", "-march", "-mtune", "-mavx", "-mfma"))]
+    return " ".join(dict.fromkeys(flags))
+
+
+def shown(path):
+    """A path as the user reads it: relative to the repository when inside it."""
+    rel = os.path.relpath(os.path.abspath(path), ROOT)
+    return rel if not rel.startswith("..") else os.path.abspath(path)
+
+
+def results_dir(args, now):
+    """Where this run writes: its own folder, never the record (module docstring)."""
+    if args.results:
+        return args.results
+    if args.filter:
+        return os.path.join(RECORD, "filtered")
+    if args.full:
+        base = os.path.join(RECORD, "full-" + time.strftime("%Y-%m-%d-%H%M", time.gmtime(now)))
+        path, k = base, 1
+        while os.path.exists(path):
+            k += 1
+            path = f"{base}-{k}"
+        return path
+    return os.path.join(RECORD, "latest")
+
+
+def is_record(path):
+    return os.path.realpath(path) == os.path.realpath(RECORD)
+
+
+def clear(results):
+    """Empties the run's folder of an earlier run's files (results, run record, summary,
+    plots), so nothing of that run is mistaken for this one's."""
+    for f in os.listdir(results):
+        if f.endswith((".json", ".png")) or f == "summary.md":
+            os.remove(os.path.join(results, f))
+
+
+def fingerprint():
+    """The record's files with their sizes and modification times."""
+    return {f: (st.st_size, st.st_mtime_ns) for f in os.listdir(RECORD)
+            for st in [os.stat(os.path.join(RECORD, f))] if os.path.isfile(os.path.join(RECORD, f))}
+
+
+def write_run(args, now):
+    command = "bash bench/run.sh" + (" --full" if args.full else "")
+    if args.filter:
+        command = f"MIXATTN_BENCH_FILTER='{args.filter}' {command}"
+    run = {"mode": args.mode, "command": command, "filter": args.filter,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+           "results": shown(args.results), "machine": read_machine(),
+           "compiler": read_compiler(args.build)}
+    with open(os.path.join(args.results, RUN_FILE), "w") as f:
+        json.dump(run, f, indent=1)
+    return run
 
 
 def children_cpu():
@@ -262,7 +416,9 @@ def measure(args, progress, binaries, errors):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", required=True, help="the build directory (binaries in bench/)")
-    ap.add_argument("--results", default=os.path.join(HERE, "results"))
+    ap.add_argument("--results", default="",
+                    help="the run's folder (default: bench/results/latest, full-<date> or "
+                         "filtered); never bench/results itself, the recorded run")
     ap.add_argument("--full", action="store_true", help="every benchmark, not the headline set")
     ap.add_argument("--strict", action="store_true",
                     help="fail when a row stays impossible or too noisy after the re-measurements")
@@ -291,10 +447,17 @@ def main(argv=None):
     args = parse_args(argv)
     given = [b for b in args.binaries.split(",") if b and b not in args.not_built]
     binaries = [b for b in BINARIES if b in given] + [b for b in given if b not in BINARIES]
+    now = args.start or time.time()
+    args.results = results_dir(args, now)
+    if is_record(args.results):
+        print(f"bench/measure.py: {shown(RECORD)} holds the recorded run the README cites: a run "
+              f"writes a folder of its own (python3 bench/summary.py --record DIR makes a --full "
+              f"run's folder the record)", file=sys.stderr)
+        return 2
+    record_before = fingerprint()
     os.makedirs(args.results, exist_ok=True)
-    for f in os.listdir(args.results):
-        if f.endswith(".json"):
-            os.remove(os.path.join(args.results, f))
+    clear(args.results)
+    write_run(args, now)
     stages = args.rounds * len(binaries) + bool(args.torch_python) + args.torch_side_by_side
     progress = Progress(args, stages)
     errors = []
@@ -308,6 +471,13 @@ def main(argv=None):
     print(f"== [{fmt_clock(time.time() - progress.start)}] summary", flush=True)
     status = subprocess.run([sys.executable, os.path.join(HERE, "summary.py"), *final]).returncode
     progress.save()
+    where = shown(args.results)
+    kept = "is unchanged" if fingerprint() == record_before else "CHANGED during the run"
+    print(f"== this run's results: {where}/ (summary.md, plots, the JSON files); the recorded "
+          f"run in {shown(RECORD)}/ {kept}", flush=True)
+    if args.full and not args.filter and status == 0 and not errors:
+        print(f"== to make this run the recorded results the README cites: "
+              f"python3 bench/summary.py --record {where}", flush=True)
     if errors:
         print("bench/measure.py: " + "; ".join(errors), file=sys.stderr)
         return 1

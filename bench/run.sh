@@ -7,15 +7,19 @@ usage() {
   cat <<'EOF'
 usage: bash bench/run.sh [--full] [--strict] [--verbose] [--help]
 
-Builds the benchmark binaries (and, where PyTorch is installed, the PyTorch extension), runs them
-and writes bench/results/summary.md, the plots and the headline tables on the terminal.
+Builds the benchmark binaries (and, where PyTorch is installed, the PyTorch extension), runs them,
+prints the headline tables and writes a summary and the plots into the run's own folder, never
+over the recorded results (bench/results/summary.md, which the README cites):
+bench/results/latest/ for the main job, bench/results/full-<UTC date and time>/ for --full,
+bench/results/filtered/ with MIXATTN_BENCH_FILTER. A finished --full run becomes the record with
+python3 bench/summary.py --record bench/results/full-<date and time>.
 
   (default)   the main job: every operator at N = 4096 against tiled and naive softmax attention
               and its GEMM floor, the fraction-of-peak targets, decoding, the 2-thread batched
               rows, the training shapes, and the extension against eager PyTorch at one shape
               (about 10 minutes on 2 idle cores, build included)
   --full      every benchmark at every size: the run the recorded results come from (an hour
-              or more on 2 cores)
+              or more on 2 cores), into a folder of its own
   --strict    exit 1 when a row is still impossible or too noisy to judge after re-measuring
               (otherwise it is reported as unreliable and the run ends with exit 0)
   --verbose   show the benchmark binaries' own output (default: build/bench/logs/)
@@ -95,8 +99,6 @@ main() {
   cd "$root"
   start=$(date +%s)
   build=$(realpath -m "${MIXATTN_BENCH_BUILD_DIR:-build/bench}")
-  results=bench/results
-  [[ -n ${MIXATTN_BENCH_FILTER:-} ]] && results=bench/results/filtered
   if [[ ${MIXATTN_BENCH_QUICK:-0} != 0 && -z $full ]]; then
     echo "== MIXATTN_BENCH_QUICK is the default now: the main job"
   fi
@@ -121,7 +123,8 @@ main() {
     exit 1
   fi
 
-  local args=(--build "$build" --results "$results" --start "$start"
+  # bench/measure.py picks the run's folder (bench/results/latest, full-<date> or filtered).
+  local args=(--build "$build" --start "$start"
               --binaries "$(IFS=,; echo "${built[*]}")"
               --rounds "${MIXATTN_BENCH_REPETITIONS:-3}" --retries "${MIXATTN_BENCH_RETRIES:-3}")
   local t

@@ -3,12 +3,22 @@
 
     python3 bench/summary.py [--out DIR] [--no-plots] [--not-built BINARY ...] [--partial]
                              [--strict] [--plan FILE] [FILE.json ...]
+    python3 bench/summary.py --record DIR
 
-Reads the JSON files (default: every *.json in DIR; bench/run.sh writes one per binary, round and
-try, e.g. bench_gma.t0.r1.json), prints the headline tables and the targets, and writes
-DIR/summary.md plus, when matplotlib is available, DIR/time_vs_n.png and DIR/memory_vs_n.png
-(bench/summary_plots.py). The verdict rules are in bench/summary_rules.py and
-docs/benchmarking.md; the targets in bench/summary_targets.py.
+Reads the JSON files (default: every *.json in DIR but run.json; bench/run.sh writes one per
+binary, round and try, e.g. bench_gma.t0.r1.json), prints the headline tables and the targets,
+and writes DIR/summary.md plus, when matplotlib is available, DIR/time_vs_n.png and
+DIR/memory_vs_n.png (bench/summary_plots.py). DIR defaults to bench/results/latest, the main
+job's folder. The summary opens with the run: which one (main job, --full, filtered), the machine
+and compiler and the date, from the run.json bench/measure.py wrote beside the JSON files. The
+verdict rules are in bench/summary_rules.py and docs/benchmarking.md; the targets in
+bench/summary_targets.py.
+
+bench/results/ itself holds the recorded run, which the README cites: --out refuses it.
+--record DIR summarises a finished `bash bench/run.sh --full` run's folder (e.g.
+bench/results/full-2026-12-06-0325) into bench/results/ — summary.md and the plots (drawn again,
+or copied from DIR without matplotlib) — and refuses, writing nothing, unless every file of DIR
+is of an unfiltered full run and no target of it fails.
 
 --plan FILE writes the rows whose points should be measured again (impossible or too noisy
 ratios) and the benchmarks behind them, as JSON, and nothing else: bench/run.sh re-measures
@@ -25,13 +35,20 @@ in /real_time: the multi-threaded ones).
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+RECORD = os.path.join(HERE, "results")  # the recorded --full run, cited by the README
+LATEST = os.path.join(RECORD, "latest")  # the main job's folder
+RUN_FILE = "run.json"  # bench/measure.py's record of the run and the machine
+PLOTS = ("time_vs_n.png", "memory_vs_n.png")
 
 from summary_data import EXP_OP, PEAK_OP, Measurements, load  # noqa: E402
 from summary_rules import judge_all  # noqa: E402
@@ -45,6 +62,64 @@ def run_mode(contexts):
     """'main' or 'full' (bench/run.sh records it in every file's context), else None."""
     modes = {c.get("mixattn_bench_mode") for _, c in contexts} - {None}
     return "main" if "main" in modes else ("full" if "full" in modes else None)
+
+
+def shown(path):
+    rel = os.path.relpath(os.path.abspath(path), ROOT)
+    return rel if not rel.startswith("..") else os.path.abspath(path)
+
+
+def read_run(files, out):
+    """bench/measure.py's run.json beside the JSON files (else in the output folder), or None."""
+    for d in dict.fromkeys([os.path.dirname(os.path.abspath(f)) for f in files[:1]] + [out]):
+        try:
+            with open(os.path.join(d, RUN_FILE)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def isa_text(isa):
+    have = [k for k, v in isa.items() if v]
+    lack = [k for k, v in isa.items() if not v]
+    return ", ".join(have or ["none of " + "/".join(isa)]) + (f"; no {', no '.join(lack)}"
+                                                             if lack and have else "")
+
+
+def run_lines(run, mode, recorded_from=None):
+    """Which run this is, on which machine, built by which compiler, when: from run.json, which
+    bench/measure.py read from the machine and the build directory."""
+    what = {"main": "main job, `bash bench/run.sh`: the headline set at N = 4096 — not the "
+                    "recorded results (those come from `bash bench/run.sh --full`)",
+            "full": "full run, `bash bench/run.sh --full`: every benchmark at every size",
+            None: "benchmarks run by hand (no mode in their context)"}[mode]
+    if recorded_from:
+        what = (f"the recorded run: `bash bench/run.sh --full` into {recorded_from}/, made the "
+                f"record with `python3 bench/summary.py --record {recorded_from}`")
+    lines = [f"- run: {what}"]
+    if run is None:
+        return lines + [f"- machine, compiler, date: not recorded (no {RUN_FILE} beside the "
+                        f"results: they were not written by bench/run.sh)"]
+    if run.get("filter"):
+        lines.append(f"- filtered: MIXATTN_BENCH_FILTER='{run['filter']}' (a subset; absent "
+                     f"benchmarks are no error)")
+    m, c = run.get("machine", {}), run.get("compiler", {})
+    cpu = m.get("cpu") or "unknown CPU"
+    ident = ", ".join(x for x in (f"family {m['family']}" if m.get("family") else "",
+                                  f"model {m['model']}" if m.get("model") else "") if x)
+    lines.append(f"- machine: {cpu}" + (f" ({ident})" if ident else "") +
+                 f", {m.get('cpus', '?')} CPUs; ISA: " +
+                 (isa_text(m["isa"]) if m.get("isa") else "unknown (no flags in /proc/cpuinfo)") +
+                 (f"; {m['os']}" if m.get("os") else ""))
+    compiler = " ".join(x for x in (c.get("id"), c.get("version")) if x) or "unknown"
+    extra = ", ".join(x for x in (c.get("path"), c.get("flags")) if x)
+    lines.append(f"- compiler: {compiler}" + (f" ({extra})" if extra else ""))
+    lines.append(f"- date: {run.get('started', '?').replace('T', ' ').replace('Z', ' UTC')} "
+                 f"(the run's start)")
+    if not recorded_from:
+        lines.append(f"- results: {run.get('results', '?')}/")
+    return lines
 
 
 MODE_TITLE = {
@@ -148,9 +223,10 @@ def verdict_counts(checks):
             f"{count['absent']} not measured — of {len(checks)} targets")
 
 
-def print_terminal(title, points, contexts, checks, main_job, errors):
+def print_terminal(title, run, points, contexts, checks, main_job, errors):
     """The targets, then the headline tables: what a user reads when the run ends."""
     print(title + "\n")
+    print("\n".join(run) + "\n")
     w = max((len(r.name) for r in checks), default=0)
     print("Targets (float, 1 thread, N = 4096, K = 64, r = d_v = 64 unless stated):")
     for r in checks:
@@ -173,10 +249,11 @@ def print_terminal(title, points, contexts, checks, main_job, errors):
     print("\n" + verdict_counts(checks))
 
 
-def summary_md(title, points, contexts, checks, main_job, errors, all_rows, plots):
+def summary_md(title, run, points, contexts, checks, main_job, errors, all_rows, plots):
     target_rows = [[r.name, r.measured, r.goal, r.verdict + (f" ({r.note})" if r.note else "")]
                    for r in checks]
-    md = [f"# {title}", "", RULES_MD, "", "## Runs", *context_lines(contexts), "",
+    md = [f"# {title}", "", "## This run", *run, "", RULES_MD, "",
+          "## Runs of the binaries", *context_lines(contexts), "",
           "## Machine limits (bench_peak)", *(peak_lines(points) or ["- not measured"]), "",
           "## Targets", verdict_counts(checks), "",
           md_table(["target", "measured [min – max]", "goal", "verdict"], target_rows), "",
@@ -198,8 +275,12 @@ def summary_md(title, points, contexts, checks, main_job, errors, all_rows, plot
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="Google Benchmark JSON files")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"),
-                    help="directory for summary.md and the plots (default: bench/results)")
+    ap.add_argument("--out", default=LATEST,
+                    help="directory for summary.md and the plots (default: bench/results/latest; "
+                         "never bench/results, the recorded run: see --record)")
+    ap.add_argument("--record", metavar="DIR",
+                    help="make DIR, a finished bash bench/run.sh --full run, the recorded results "
+                         "in bench/results/")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--not-built", action="append", default=[], metavar="BINARY",
                     help="a benchmark binary that did not build (its rows are not measured)")
@@ -212,9 +293,44 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+def result_files(directory):
+    return sorted(f for f in glob.glob(os.path.join(directory, "*.json"))
+                  if os.path.basename(f) != RUN_FILE)
+
+
+def record_refusal(args, run, mode, failures):
+    """Why args.record's folder cannot become the recorded run, or None."""
+    if run is None:
+        return f"it has no {RUN_FILE}: it was not written by bash bench/run.sh"
+    if run.get("mode") != "full" or mode != "full":
+        what = "main job" if "main" in (run.get("mode"), mode) else "run of unknown mode"
+        return f"it is a {what}: only bash bench/run.sh --full measures what the record holds"
+    if run.get("filter") or args.partial:
+        return f"it was filtered (MIXATTN_BENCH_FILTER='{run.get('filter', '')}')"
+    if failures:
+        return "its summary fails:\n  " + "\n  ".join(failures)
+    return None
+
+
 def main(argv=None):
     args = parse_args(argv)
-    files = args.files or sorted(glob.glob(os.path.join(args.out, "*.json")))
+    if args.record:
+        if args.plan or args.files:
+            print("summary: --record DIR takes the folder's own files, and no --plan",
+                  file=sys.stderr)
+            return 2
+        source = os.path.abspath(args.record)
+        if os.path.realpath(source) == os.path.realpath(RECORD):
+            print(f"summary: {shown(RECORD)} is the record already", file=sys.stderr)
+            return 2
+        files, args.out = result_files(source), RECORD
+    else:
+        if os.path.realpath(args.out) == os.path.realpath(RECORD) and not args.plan:
+            print(f"summary: {shown(RECORD)} holds the recorded run the README cites; write "
+                  f"another folder with --out, or make a finished --full run the record with "
+                  f"--record DIR", file=sys.stderr)
+            return 2
+        files = args.files or result_files(args.out)
     if not files:
         print("summary: no JSON files (run bash bench/run.sh first)", file=sys.stderr)
         return 1
@@ -235,24 +351,44 @@ def main(argv=None):
             print(f"  {item['row']}: {item['why']}")
         return 0
 
-    title = "mixattn benchmark summary" + MODE_TITLE[mode]
-    print_terminal(title, points, contexts, checks, main_job, errors)
-    plots = []
-    if not args.no_plots:
-        import summary_plots
-        plots = summary_plots.plot_all(points, args.out, "main job, N = 4096" if main_job else "")
-    os.makedirs(args.out, exist_ok=True)
-    md_path = os.path.join(args.out, "summary.md")
-    with open(md_path, "w") as f:
-        f.write(summary_md(title, points, contexts, checks, main_job, errors, all_rows, plots))
-    print(f"\nwrote {md_path}" + "".join(f", {p}" for p in plots))
-
     unreliable = [f"{r.name}: {r.verdict}" for r in checks if r.state == "unreliable"]
     unreliable += [text for _, text in problems]
     failures = [f"{r.name}: {r.verdict}" + (f" ({r.note})" if r.note else "")
                 for r in checks if r.fails] + errors
     if args.strict:
         failures += [text for _, text in problems]
+    run = read_run(files, args.out)
+    if args.record:
+        why = record_refusal(args, run, mode, failures)
+        drawable = not args.no_plots and importlib.util.find_spec("matplotlib") is not None
+        if not why and not drawable and not all(os.path.isfile(os.path.join(source, name))
+                                                for name in PLOTS):
+            why = (f"the record's plots could not be replaced: without matplotlib they are "
+                   f"copied from the run's folder, which lacks some of {', '.join(PLOTS)}")
+        if why:
+            print(f"summary: {shown(source)} cannot become the recorded run: {why}\n"
+                  f"{shown(RECORD)}/ is unchanged", file=sys.stderr)
+            return 1
+    title = "mixattn benchmark summary" + MODE_TITLE[mode]
+    lines = run_lines(run, mode, shown(source) if args.record else None)
+    print_terminal(title, lines, points, contexts, checks, main_job, errors)
+    os.makedirs(args.out, exist_ok=True)
+    plots = []
+    if not args.no_plots:
+        import summary_plots
+        plots = summary_plots.plot_all(points, args.out, "main job, N = 4096" if main_job else "")
+    if args.record and not plots:
+        # Without matplotlib, the plots the full run drew from the same results.
+        for name in PLOTS:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(args.out, name))
+                plots.append(os.path.join(args.out, name))
+    md_path = os.path.join(args.out, "summary.md")
+    with open(md_path, "w") as f:
+        f.write(summary_md(title, lines, points, contexts, checks, main_job, errors, all_rows,
+                           plots))
+    print(f"\nwrote {shown(md_path)}" + "".join(f", {shown(p)}" for p in plots))
+
     if failures:
         print("\nsummary: FAILED — these numbers cannot be trusted or are missing:\n  " +
               "\n  ".join(failures), file=sys.stderr)

@@ -11,6 +11,12 @@ colour; the band around a line is the [min, max] over repetitions; a hollow mark
 too few samples (bench/summary.py gives it no verdict). Grey lines are O(N) and O(N²) slopes.
 Lines are labelled at their right end instead of in a legend.
 
+A series of fewer than MIN_LINE_POINTS points (the main job measures most operators at N = 4096
+alone, and OVQ's forward at N = 4096 and 65 536) is drawn as markers with [min, max] bars and no
+line: a line through two points would show a slope the run did not measure (OVQ's cost per token
+grows while its dictionary fills, then stays flat), and beside the grey O(N²) guide it would read
+as a growth rate. A panel without a line draws no slope guides.
+
 To add an operator, append to OPERATORS; to add a panel, append to TIME_PANELS (or write a
 function like decode_panel and list it in EXTRA_PANELS).
 """
@@ -38,6 +44,7 @@ OPERATORS = [
      "linear_fwd_bwd_causal", "floor_linear_fwd_bwd_causal"),
 ]
 GUIDE = "#9a9a9a"
+MIN_LINE_POINTS = 3  # fewer: markers without a line (module docstring)
 # Decoding is causal: a decode_* benchmark takes the colour of the causal operator it names.
 DECODE_COLOURS = [("gma", "#009E73"), ("ovq", "#AA4499"), ("flash", "#999933"),
                   ("softmax", "#999933"), ("naive", "#000000")]
@@ -118,17 +125,26 @@ def log_y_axis(ax, ticker, formatter, base=10):
 
 
 def draw_series(ax, pts, colour, floor=False):
+    """Draws a series; returns whether it drew a line through its points."""
     xs = [n for n, _ in pts]
+    if len(pts) < MIN_LINE_POINTS:
+        for n, q in pts:
+            ax.errorbar([n], [q.med], yerr=[[q.med - q.lo], [q.hi - q.med]], color=colour,
+                        marker="_" if floor else "o", markersize=9 if floor else 4.5,
+                        linestyle="none", elinewidth=0.9, capsize=2.5, zorder=4,
+                        markerfacecolor=colour if floor or q.ok else "white")
+        return False
     if floor:
         ax.plot(xs, [q.med for _, q in pts], color=colour, linestyle=(0, (4, 3)), linewidth=0.9,
                 alpha=0.75, zorder=2)
-        return
+        return True
     ax.fill_between(xs, [q.lo for _, q in pts], [q.hi for _, q in pts], color=colour,
                     alpha=0.14, linewidth=0, zorder=1)
     ax.plot(xs, [q.med for _, q in pts], color=colour, linewidth=2.0, zorder=3)
     for n, q in pts:
         ax.plot([n], [q.med], marker="o", markersize=3.5, color=colour, zorder=4,
                 markerfacecolor=colour if q.ok else "white")
+    return True
 
 
 def guides(ax, log_y, slopes=((1, "∝ N"), (2, "∝ N²"))):
@@ -183,13 +199,13 @@ def end_labels(ax, labels, log_y, fontsize=8):
 def operator_panel(ax, points, ticker, which, value, log_y, y_formatter, floors=True,
                    y_base=10):
     """Operators (column `which`: 2 forward, 4 forward+backward) with their floors dashed."""
-    labels, all_ns, ys = [], [], []
+    labels, all_ns, ys, lines = [], [], [], False
     for entry in OPERATORS:
         label, colour, op, floor = entry[0], entry[1], entry[which], entry[which + 1]
         pts = series(points, op, value)
         if not pts:
             continue
-        draw_series(ax, pts, colour)
+        lines = draw_series(ax, pts, colour) or lines
         labels.append((pts[-1][0], pts[-1][1].med, label, colour))
         all_ns += [n for n, _ in pts]
         ys += [q.lo for _, q in pts] + [q.hi for _, q in pts]
@@ -210,7 +226,7 @@ def operator_panel(ax, points, ticker, which, value, log_y, y_formatter, floors=
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    end_labels(ax, labels + guides(ax, log_y), log_y)
+    end_labels(ax, labels + guides(ax, log_y and lines), log_y)
     return True
 
 
@@ -261,13 +277,13 @@ def decode_panel(ax, points, ticker):
     """Per-token decode latency vs position: one line per benchmark of bench_decode.json (or
     named decode_*), its N being the position in the sequence."""
     ops = sorted({p.op for p in points.values() if is_decode(p)})
-    labels, all_ns, ys = [], [], []
+    labels, all_ns, ys, lines = [], [], [], False
     for i, op in enumerate(ops):
         pts = series(points, op, decode_latency)
         if not pts:
             continue
         colour = next((c for key, c in DECODE_COLOURS if key in op), f"C{i}")
-        draw_series(ax, pts, colour)
+        lines = draw_series(ax, pts, colour) or lines
         words = (op[len("decode_"):] if op.startswith("decode_") else op).split("_")
         label = " ".join(w.upper() if w in ("gma", "ovq") else w for w in words)
         labels.append((pts[-1][0], pts[-1][1].med, label, colour))
@@ -283,7 +299,7 @@ def decode_panel(ax, points, ticker):
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     # A linear-time decoder costs the same per token at every position; softmax grows with N.
-    end_labels(ax, labels + guides(ax, True, ((0, "constant"), (1, "∝ N"))), True)
+    end_labels(ax, labels + guides(ax, lines, ((0, "constant"), (1, "∝ N"))), True)
     ax.set_title("Decoding: latency per token vs position", loc="left", fontsize=11)
     ax.set_xlabel("position in the sequence [tokens]")
     ax.set_ylabel("time per token [log scale]")
@@ -316,7 +332,8 @@ def time_figure(plt, ticker, points, mode):
         draw(fig.add_subplot(span), points, ticker)
     key = ("float, one thread, K = 64, r = d_v = 64 · solid: operator (band: min–max over "
            "repetitions; hollow marker: too few samples) · dashed: its GEMM floor · "
-           "dotted grey: O(N), O(N²)")
+           "dotted grey: O(N), O(N²) · "
+           f"fewer than {MIN_LINE_POINTS} sizes: markers with min–max bars, no line")
     fig.suptitle("mixattn: linear-time GMA and OVQ against O(N²) softmax attention" +
                  (f" — {mode}" if mode else ""), x=0.06, ha="left", fontsize=14,
                  y=1 - 0.25 / height, va="top")

@@ -15,12 +15,15 @@
 //   example_char_lm [--ci] [--text FILE] [--steps N] [--batch B] [--len N] [--dim D] [--heads H]
 //                   [--layers L] [--components K] [--features M] [--seeds S] [--eval-windows W]
 //                   [--lr LR] [--log-every N] [--threads T] [--only softmax|gma|linear|performer]
-//                   [--out DIR]
+//                   [--out DIR [--force]] [--list-outputs]
 //
 // Prints a progress line per --log-every steps and a final table; with --out writes
-// DIR/char_lm.csv (one row per mixer and seed). --ci: a seconds-long configuration that fails
-// (exit 1) unless every model learned (held-out bits per character well below the alphabet's
-// log2 and below the training text's unigram entropy); it does not check the ordering.
+// DIR/char_lm.csv (one row per mixer and seed), named after the run: _<mixer> for --only,
+// _k<K> for --components other than 16, _ci for --ci (char_lm_gma_k64.csv for --only gma
+// --components 64). An existing file is replaced only with --force; --list-outputs prints the
+// path and exits (examples/common.hpp: prepare_outputs). --ci: a seconds-long configuration that
+// fails (exit 1) unless every model learned (held-out bits per character well below the
+// alphabet's log2 and below the training text's unigram entropy); it does not check the ordering.
 #include "common.hpp"
 
 #include <algorithm>
@@ -33,6 +36,8 @@ using example::Index;
 using example::Model;
 using example::Tally;
 namespace layer = mixattn::layer;
+
+constexpr long default_components = 16;  // GMA's K
 
 struct Corpus {
   std::vector<int> train, held_out;  // character ids
@@ -131,7 +136,7 @@ Result train(const std::string& name, layer::MixerKind mixer, std::uint64_t seed
   mc.attention.value_dim = mc.attention.model_dim / mc.attention.heads;
   mc.attention.mixer = mixer;
   mc.attention.causal = true;
-  mc.attention.components = example::int_arg(argc, argv, "--components", 16);
+  mc.attention.components = example::int_arg(argc, argv, "--components", default_components);
   mc.attention.features = example::int_arg(argc, argv, "--features", 64);
   mc.attention.threads = static_cast<int>(example::int_arg(argc, argv, "--threads", 1));
   mc.attention.seed = seed;
@@ -196,12 +201,19 @@ Result train(const std::string& name, layer::MixerKind mixer, std::uint64_t seed
 
 int main(int argc, char** argv) {
   const bool ci = example::has_flag(argc, argv, "--ci");
-  const Corpus corpus = make_corpus(read_text(example::string_arg(argc, argv, "--text", "")));
-  const long seeds = example::int_arg(argc, argv, "--seeds", ci ? 1 : 2);
   const std::string only = example::string_arg(argc, argv, "--only", "");
   const std::string out = example::string_arg(argc, argv, "--out", "");
+  // The file is named after the run, so runs of other configurations never share its name.
+  const long components = example::int_arg(argc, argv, "--components", default_components);
+  const std::string csv_name =
+      "char_lm" + (only.empty() ? "" : "_" + only) +
+      (components != default_components ? "_k" + std::to_string(components) : "") +
+      (ci ? "_ci" : "") + ".csv";
+  example::prepare_outputs(argc, argv, out, {csv_name});
+  const Corpus corpus = make_corpus(read_text(example::string_arg(argc, argv, "--text", "")));
+  const long seeds = example::int_arg(argc, argv, "--seeds", ci ? 1 : 2);
   FILE* csv = example::open_csv(  // before training: a bad --out fails at once
-      out, "char_lm.csv",
+      out, csv_name.c_str(),
       "mixer,seed,parameters,first_bits,train_bits,held_out_bits,chars_per_s,seconds");
   std::printf("character LM: %zu training and %zu held-out characters, alphabet of %zu, training "
               "unigram entropy %.3f bits/char%s\n",
@@ -251,7 +263,7 @@ int main(int argc, char** argv) {
                    static_cast<unsigned long long>(r.seed), r.parameters, r.first_bits,
                    r.train_bits, r.held_out_bits, r.tokens_per_s, r.seconds);
     std::fclose(csv);
-    std::printf("wrote %s/char_lm.csv\n", out.c_str());
+    std::printf("wrote %s/%s\n", out.c_str(), csv_name.c_str());
   }
   return ok ? 0 : 1;
 }

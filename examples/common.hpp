@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -383,6 +384,34 @@ inline mixattn::optim::Adam<float> adam_from_args(
   ao.lr = float_arg(argc, argv, "--lr", 3e-3);
   ao.clip_norm = 1.0;
   return mixattn::optim::Adam<float>(std::move(params), ao);
+}
+
+/// The --out rules, applied before any work to the files `names` a run writes into DIR (none
+/// without --out): --list-outputs prints their paths, one a line, and exits 0 (tests/docs/docs.py
+/// compares the files docs/claims.md names with them); a file that exists is not replaced
+/// without --force (examples/results holds the recorded outputs the docs cite), exit 2; DIR is
+/// created.
+inline void prepare_outputs(int argc, char** argv, const std::string& dir,
+                            const std::vector<std::string>& names) {
+  std::vector<std::string> paths;
+  if (!dir.empty())
+    for (const std::string& name : names) paths.push_back(dir + "/" + name);
+  if (has_flag(argc, argv, "--list-outputs")) {
+    for (const std::string& p : paths) std::printf("%s\n", p.c_str());
+    std::exit(0);
+  }
+  if (paths.empty()) return;
+  if (!has_flag(argc, argv, "--force"))
+    for (const std::string& p : paths)
+      if (std::filesystem::exists(p)) {
+        std::fprintf(stderr,
+                     "%s exists and is not replaced: --force replaces it, or choose "
+                     "another --out\n",
+                     p.c_str());
+        std::exit(2);
+      }
+  std::error_code ignored;  // a directory that cannot be made fails in open_csv, naming the file
+  std::filesystem::create_directories(dir, ignored);
 }
 
 /// DIR/name opened for writing with its header line written, or nullptr when dir is empty (no

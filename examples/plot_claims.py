@@ -3,7 +3,8 @@
 
     /usr/bin/python3 examples/plot_claims.py [DIR]      # DIR defaults to examples/results
 
-Reads what `example_char_lm --out DIR` and `example_recall_length --out DIR` write and draws:
+Reads what `example_char_lm --out DIR` and `example_recall_length --out DIR` write (docs/claims.md:
+e.g. build/claims; examples/results holds the recorded files) and draws, into DIR:
   DIR/char_lm.png        held-out bits per character per mixer, one dot per seed, bar = mean;
   DIR/recall_length.png  MQAR accuracy against sequence length, one line per model;
   DIR/recall_dict.png    the OVQ model's accuracy against its dictionary size N_max set at test

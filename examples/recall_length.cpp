@@ -25,12 +25,15 @@
 //                         [--dim D] [--heads H] [--window W] [--block C] [--dict N]
 //                         [--dict-sizes a,b,...] [--components K] [--codes S] [--eval N]
 //                         [--lr LR] [--log-every N] [--threads T] [--seed S] [--only NAME]
-//                         [--out DIR]
+//                         [--out DIR [--force]] [--list-outputs]
 //
-// With --out writes DIR/recall_length.csv (model, length, accuracy) and DIR/recall_dict.csv
-// (dictionary size, length, accuracy). --ci: a seconds-long configuration that fails (exit 1)
-// unless every model learned at the training length (held-out accuracy at least 3x chance); it
-// does not check the ordering.
+// With --out writes DIR/recall_length.csv (model, length, accuracy) and, when the OVQ model is
+// trained, DIR/recall_dict.csv (dictionary size, length, accuracy), named after the run:
+// _<model> for --only, _<P>pairs for --pairs other than the default, _ci for --ci
+// (recall_length_32pairs.csv for --pairs 32). An existing file is replaced only with --force;
+// --list-outputs prints the paths and exits (examples/common.hpp: prepare_outputs). --ci: a
+// seconds-long configuration that fails (exit 1) unless every model learned at the training
+// length (held-out accuracy at least 3x chance); it does not check the ordering.
 #include "common.hpp"
 
 #include <algorithm>
@@ -205,7 +208,8 @@ int main(int argc, char** argv) {
   s.dict = example::int_arg(argc, argv, "--dict", s.ci ? 16 : 64);
   s.seed = static_cast<std::uint64_t>(example::int_arg(argc, argv, "--seed", 1));
   Task task;
-  task.pairs = static_cast<int>(example::int_arg(argc, argv, "--pairs", s.ci ? 4 : 8));
+  const long default_pairs = s.ci ? 4 : 8;
+  task.pairs = static_cast<int>(example::int_arg(argc, argv, "--pairs", default_pairs));
   task.queries = static_cast<int>(example::int_arg(argc, argv, "--queries", s.ci ? 8 : 16));
   task.keys = static_cast<int>(example::int_arg(argc, argv, "--keys", s.ci ? 8 : 64));
   task.values = static_cast<int>(example::int_arg(argc, argv, "--values", s.ci ? 8 : 64));
@@ -216,6 +220,16 @@ int main(int argc, char** argv) {
       list_arg(argc, argv, "--dict-sizes", s.ci ? "4,8" : "8,16,32,64,128,256");
   const std::string only = example::string_arg(argc, argv, "--only", "");
   const std::string out = example::string_arg(argc, argv, "--out", "");
+  // The files are named after the run, so runs of other configurations never share their names;
+  // the dictionary sweep is the OVQ model's.
+  const std::string suffix =
+      (only.empty() ? "" : "_" + only) +
+      (task.pairs != default_pairs ? "_" + std::to_string(task.pairs) + "pairs" : "") +
+      (s.ci ? "_ci" : "") + ".csv";
+  const bool sweep = only.empty() || only == "ovq+window";
+  std::vector<std::string> outputs = {"recall_length" + suffix};
+  if (sweep) outputs.push_back("recall_dict" + suffix);
+  example::prepare_outputs(argc, argv, out, outputs);
   for (long len : lengths)
     if (task.pairs < 1 || task.pairs > task.keys || task.queries < 1 || task.values < 2 ||
         task.fillers < 1 || len < 2 * task.pairs + task.queries ||
@@ -235,8 +249,10 @@ int main(int argc, char** argv) {
       {"linear+window", layer::MixerKind::softmax, layer::MixerKind::linear, true},
       {"gma", layer::MixerKind::gma, layer::MixerKind::gma, false},
       {"vq", layer::MixerKind::vq, layer::MixerKind::vq, false}};
-  FILE* by_length = example::open_csv(out, "recall_length.csv", "model,length,accuracy,train_seconds");
-  FILE* by_dict = example::open_csv(out, "recall_dict.csv", "dict_size,length,accuracy");
+  FILE* by_length =
+      example::open_csv(out, outputs[0].c_str(), "model,length,accuracy,train_seconds");
+  FILE* by_dict =
+      sweep ? example::open_csv(out, outputs[1].c_str(), "dict_size,length,accuracy") : nullptr;
   const double chance = 1.0 / task.values;
   bool ok = true;
   int trained = 0;

@@ -18,6 +18,12 @@ counts bench_training's formulas. Each test breaks one thing in a copy of it and
 as bench/measure.py does, checking the exit status and the rows; the last ones run
 bench/measure.py itself over a fake benchmark binary that writes these results.
 
+The class after them runs copies of bench/measure.py and bench/summary.py in a temporary tree whose
+bench/results/summary.md stands for the recorded run: which folder each kind of run writes, that
+nothing but summary.py --record of a finished unfiltered full run replaces the record, and the
+summary's statement of the run, the machine (read from /proc/cpuinfo) and the compiler (read
+from the build directory). The last checks which series of the plots get a line.
+
 Rules this file checks that the noise rules (re-measure, then report) changed: an impossible
 value fails the summary only with --strict (those tests pass --strict and keep their
 assertions; the tests after them check the default); a ratio is taken pair by pair, so the test
@@ -25,9 +31,11 @@ of a median above the bound gives its repetitions different factors; quick mode 
 job.
 """
 
+import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -151,6 +159,8 @@ class SummaryRules(unittest.TestCase):
         self.assertNotIn("too few samples", results)
         self.assertNotIn("impossible", results)
         self.assertNotIn("main job", md.splitlines()[0])  # no mode in the context
+        # Files summarised by hand, without bench/measure.py's run.json: no machine is claimed.
+        self.assertIn("- machine, compiler, date: not recorded (no run.json", md)
         # The spread beside the median: 2.70 ms × (0.98, 1.03).
         self.assertIn("2.7 ms [2.65 ms – 2.78 ms]", md)
 
@@ -570,6 +580,322 @@ class MeasureRetries(unittest.TestCase):
         rc, out, md, files = measure(True, "--strict")
         self.assertEqual(rc, 1, out)
         self.assertTrue(verdict(md, FWD_ROW).startswith("impossible: measurement error"))
+
+
+RECORDED = "# the recorded run (stands for the README's bench/results/summary.md)\n"
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8
+
+processor\t: 1
+model name\t: a second processor, not read
+"""
+
+
+class Tree:
+    """A temporary repository: copies of bench/*.py, a recorded bench/results/summary.md and
+    plots, and a build directory with the fake benchmark binary and CMake's record of a compiler
+    (a version no real one has, so a summary that names it read it from the build)."""
+
+    def __init__(self, tmp):
+        self.root = tmp
+        self.bench = os.path.join(tmp, "bench")
+        self.record = os.path.join(self.bench, "results")
+        os.makedirs(self.record)
+        for f in glob.glob(os.path.join(os.path.dirname(SUMMARY), "*.py")):
+            shutil.copy(f, self.bench)
+        for name in ("summary.md", "time_vs_n.png", "memory_vs_n.png"):
+            with open(os.path.join(self.record, name), "w") as f:
+                f.write(RECORDED)
+        self.build = os.path.join(tmp, "build")
+        exe = os.path.join(self.build, "bench", "bench_fake")
+        os.makedirs(os.path.dirname(exe))
+        with open(exe, "w") as f:
+            f.write(FAKE_BINARY.format(python=sys.executable, broken_after=False,
+                                       results=os.path.join(HERE, "results.json"), fwd=FWD_1T))
+        os.chmod(exe, 0o755)
+        with open(os.path.join(self.build, "CMakeCache.txt"), "w") as f:
+            f.write("//C++ compiler\nCMAKE_CXX_COMPILER:FILEPATH=/opt/cc/bin/g++-99\n")
+        os.makedirs(os.path.join(self.build, "CMakeFiles", "3.25.1"))
+        with open(os.path.join(self.build, "CMakeFiles", "3.25.1", "CMakeCXXCompiler.cmake"),
+                  "w") as f:
+            f.write('set(CMAKE_CXX_COMPILER "/opt/cc/bin/g++-99")\n'
+                    'set(CMAKE_CXX_COMPILER_ID "GNU")\nset(CMAKE_CXX_COMPILER_VERSION "99.1.0")\n')
+        with open(os.path.join(self.build, "build.ninja"), "w") as f:
+            f.write("build bench/CMakeFiles/bench_fake.dir/bench_fake.cpp.o: CXX_COMPILER "
+                    "bench/bench_fake.cpp\n  DEFINES = -DNDEBUG\n"
+                    "  FLAGS = -O3 -DNDEBUG -std=gnu++17 -march=native -O3\n")
+
+    def measure(self, *extra):
+        p = subprocess.run([sys.executable, os.path.join(self.bench, "measure.py"), "--build",
+                            self.build, "--binaries", "bench_fake", "--rounds", "2",
+                            "--no-plots", *extra], capture_output=True, text=True)
+        return p.returncode, p.stdout + p.stderr
+
+    def summary(self, *args):
+        p = subprocess.run([sys.executable, os.path.join(self.bench, "summary.py"), *args],
+                           capture_output=True, text=True)
+        return p.returncode, p.stdout + p.stderr
+
+    def folders(self):
+        return sorted(d for d in os.listdir(self.record)
+                      if os.path.isdir(os.path.join(self.record, d)))
+
+    def read(self, *path):
+        with open(os.path.join(self.record, *path)) as f:
+            return f.read()
+
+    def record_untouched(self):
+        return all(self.read(name) == RECORDED
+                   for name in ("summary.md", "time_vs_n.png", "memory_vs_n.png"))
+
+
+def this_cpu():
+    """/proc/cpuinfo's first model name, family, model and the avx2, avx512f, avx512_bf16 and
+    amx flags it has, read here independently."""
+    found = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            found.setdefault(key.strip(), value.strip())
+    flags = found.get("flags", "").split()
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16") if f in flags]
+    isa += ["amx"] if any(f.startswith("amx") for f in flags) else []
+    return (found.get("model name", ""), found.get("cpu family", ""), found.get("model", ""),
+            ", ".join(isa))
+
+
+class ResultsFolders(unittest.TestCase):
+    """Every run writes its own folder; only a finished unfiltered full run becomes the record,
+    and only through summary.py --record."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.tree = Tree(self.tmp.name)
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def test_the_main_job_writes_bench_results_latest(self):
+        t = self.tree
+        os.makedirs(os.path.join(t.record, "latest"))
+        stale = os.path.join(t.record, "latest", "bench_old.t0.r1.json")
+        with open(stale, "w") as f:
+            json.dump(base(), f)  # an earlier main job's file: not part of this run
+        rc, out = t.measure()
+        self.assertEqual(rc, 0, out)
+        self.assertTrue(t.record_untouched())
+        self.assertEqual(t.folders(), ["latest"])
+        self.assertFalse(os.path.exists(stale))
+        self.assertIn("this run's results: bench/results/latest/", out.splitlines()[-1])
+        self.assertNotIn("--record", out)
+        md = t.read("latest", "summary.md")
+        self.assertTrue(md.startswith("# mixattn benchmark summary — main job"), md[:100])
+        this_run = md.split("## This run\n")[1].split("\n\n")[0]
+        self.assertIn("- run: main job, `bash bench/run.sh`", this_run)
+        self.assertIn("not the recorded results", this_run)
+        self.assertIn("- results: bench/results/latest/", this_run)
+        # The machine as /proc/cpuinfo gives it, the compiler as the build directory records it.
+        name, family, model, isa = this_cpu()
+        self.assertIn(f"- machine: {name} (family {family}, model {model}), "
+                      f"{os.cpu_count()} CPUs; ISA: {isa}", this_run)
+        self.assertIn("- compiler: GNU 99.1.0 (/opt/cc/bin/g++-99, -O3 -march=native)", this_run)
+        self.assertRegex(this_run, r"- date: 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d UTC")
+        # The terminal says it too.
+        self.assertIn("- compiler: GNU 99.1.0", out)
+
+    def test_a_full_run_writes_a_folder_of_its_own(self):
+        t = self.tree
+        rc, out = t.measure("--full")
+        self.assertEqual(rc, 0, out)
+        self.assertTrue(t.record_untouched())
+        [folder] = t.folders()
+        self.assertRegex(folder, r"^full-20\d\d-\d\d-\d\d-\d{4}$")
+        md = t.read(folder, "summary.md")
+        self.assertTrue(md.startswith("# mixattn benchmark summary — full run"), md[:100])
+        self.assertIn("- run: full run, `bash bench/run.sh --full`", md)
+        self.assertIn(f"- results: bench/results/{folder}/", md)
+        self.assertIn(f"python3 bench/summary.py --record bench/results/{folder}", out)
+        # A second full run keeps the first.
+        rc, out = t.measure("--full")
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(len(t.folders()), 2, t.folders())
+
+    def test_a_filtered_run_writes_bench_results_filtered(self):
+        t = self.tree
+        rc, out = t.measure("--full", "--filter", "gma")
+        self.assertEqual(rc, 0, out)
+        self.assertTrue(t.record_untouched())
+        self.assertEqual(t.folders(), ["filtered"])
+        self.assertIn("- filtered: MIXATTN_BENCH_FILTER='gma'", t.read("filtered", "summary.md"))
+        self.assertNotIn("--record", out)
+
+    def test_no_run_writes_the_record(self):
+        t = self.tree
+        rc, out = t.measure("--results", t.record)
+        self.assertEqual(rc, 2, out)
+        self.assertIn("holds the recorded run", out)
+        rc, out = t.measure("--full", "--results", os.path.join(t.bench, ".", "results"))
+        self.assertEqual(rc, 2, out)
+        rc, out = t.summary("--out", t.record, "--no-plots",
+                            os.path.join(HERE, "results.json"))
+        self.assertEqual(rc, 2, out)
+        self.assertTrue(t.record_untouched())
+        self.assertEqual(t.folders(), [])
+
+    def test_only_a_finished_unfiltered_full_run_becomes_the_record(self):
+        t = self.tree
+        for extra in ((), ("--full", "--filter", "."), ("--full",)):
+            rc, out = t.measure(*extra)
+            self.assertEqual(rc, 0, out)
+        full = next(d for d in t.folders() if d.startswith("full-"))
+        for refused, why in (("latest", "main job"), ("filtered", "it was filtered")):
+            rc, out = t.summary("--record", os.path.join(t.record, refused))
+            self.assertEqual(rc, 1, out)
+            self.assertIn(why, out)
+            self.assertTrue(t.record_untouched())
+        # A full run whose summary fails (a target's benchmark missing) is refused too.
+        broken = os.path.join(t.record, "full-broken")
+        shutil.copytree(os.path.join(t.record, full), broken)
+        for path in glob.glob(os.path.join(broken, "bench_fake.*.json")):
+            with open(path) as f:
+                doc = json.load(f)
+            doc["benchmarks"] = [b for b in doc["benchmarks"] if not b["name"].startswith(
+                "gma_fwd_bwd_causal/")]
+            with open(path, "w") as f:
+                json.dump(doc, f)
+        rc, out = t.summary("--record", broken)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("its summary fails", out)
+        self.assertTrue(t.record_untouched())
+        # Without plots to draw (--no-plots stands for a machine without matplotlib) nor the
+        # run's own to copy, the record's plots would be stale beside its new summary: refused.
+        rc, out = t.summary("--record", os.path.join(t.record, full), "--no-plots")
+        self.assertEqual(rc, 1, out)
+        self.assertIn("plots could not be replaced", out)
+        self.assertTrue(t.record_untouched())
+        # The full run: its summary and plots (the run's own, copied) replace the record's; the
+        # record says where it came from and keeps the run's machine line.
+        for name in PLOTS:
+            with open(os.path.join(t.record, full, name), "w") as f:
+                f.write("the full run's plot\n")
+        rc, out = t.summary("--record", os.path.join(t.record, full), "--no-plots")
+        self.assertEqual(rc, 0, out)
+        md = t.read("summary.md")
+        self.assertTrue(md.startswith("# mixattn benchmark summary — full run"), md[:100])
+        self.assertIn(f"- run: the recorded run: `bash bench/run.sh --full` into "
+                      f"bench/results/{full}/", md)
+        self.assertIn("- compiler: GNU 99.1.0", md)
+        self.assertEqual(md.split("## This run")[1].split("## Runs of")[0].count("- results:"), 0)
+        for name in PLOTS:
+            self.assertEqual(t.read(name), "the full run's plot\n")
+
+    def test_the_machine_line_names_the_isa_flags_that_matter(self):
+        sys.path.insert(0, self.tree.bench)
+        try:
+            import measure
+            import summary
+        finally:
+            sys.path.pop(0)
+        cpuinfo = os.path.join(self.tmp.name, "cpuinfo")
+        with open(cpuinfo, "w") as f:
+            f.write(CPUINFO)
+        m = measure.read_machine(cpuinfo, os_release=os.path.join(self.tmp.name, "none"))
+        self.assertEqual((m["cpu"], m["family"], m["model"]),
+                         ("Intel(R) Xeon(R) Platinum 8480+", "6", "143"))
+        self.assertEqual(m["isa"], {"avx2": True, "avx512f": True, "avx512_bf16": True,
+                                    "amx": True})
+        lines = summary.run_lines({"machine": m, "compiler": {}, "started": "x"}, "full")
+        self.assertIn("- machine: Intel(R) Xeon(R) Platinum 8480+ (family 6, model 143), "
+                      f"{os.cpu_count()} CPUs; ISA: avx2, avx512f, avx512_bf16, amx", lines)
+        with open(cpuinfo, "w") as f:
+            f.write(CPUINFO.replace("avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8",
+                                    ""))
+        m = measure.read_machine(cpuinfo)
+        line = summary.run_lines({"machine": m, "compiler": {}, "started": "x"}, "main")[1]
+        self.assertTrue(line.endswith("ISA: avx2; no avx512f, no avx512_bf16, no amx; "
+                                      + m["os"]) if m["os"] else
+                        line.endswith("ISA: avx2; no avx512f, no avx512_bf16, no amx"), line)
+
+
+PLOTS = ("time_vs_n.png", "memory_vs_n.png")
+
+
+class Recorder:
+    """Stands for a matplotlib Axes (or anything reached from it): records every call."""
+
+    def __getattr__(self, name):
+        return Recorder(self.calls, name)
+
+    def __init__(self, calls=None, name=None):
+        self.calls = [] if calls is None else calls
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((self.name, args, kwargs))
+        return Recorder(self.calls)
+
+    def __getitem__(self, key):
+        return Recorder(self.calls)
+
+
+class Plots(unittest.TestCase):
+    """A series of fewer than 3 points gets no line (two points joined read as a growth rate the
+    run did not measure: the main job has OVQ's forward at N = 4096 and 65536 alone), and a
+    panel without a line gets no slope guides. Drawn on a recorder: no matplotlib needed."""
+
+    def setUp(self):
+        sys.path.insert(0, os.path.dirname(SUMMARY))
+        import summary_plots
+        from summary_data import Quantity
+        sys.path.pop(0)
+        self.plots, self.Quantity = summary_plots, Quantity
+
+    def pts(self, *ns):
+        return [(n, self.Quantity(n * 2e-6, n * 1.9e-6, n * 2.1e-6)) for n in ns]
+
+    def lines(self, calls):
+        """The x values of every line drawn through more than one point, and the bands."""
+        return [c[1][0] for c in calls if c[0] in ("plot", "fill_between") and len(c[1][0]) > 1]
+
+    def test_two_points_are_markers_without_a_line(self):
+        ax = Recorder()
+        self.assertFalse(self.plots.draw_series(ax, self.pts(4096, 65536), "#AA4499"))
+        self.assertEqual(self.lines(ax.calls), [])
+        self.assertEqual([c[1][0] for c in ax.calls if c[0] == "errorbar"], [[4096], [65536]])
+        # Its floor likewise.
+        ax = Recorder()
+        self.assertFalse(self.plots.draw_series(ax, self.pts(4096, 65536), "#AA4499", floor=True))
+        self.assertEqual(self.lines(ax.calls), [])
+
+    def test_three_points_are_a_line(self):
+        ax = Recorder()
+        self.assertTrue(self.plots.draw_series(ax, self.pts(1024, 4096, 16384), "#AA4499"))
+        self.assertIn([1024, 4096, 16384], self.lines(ax.calls))
+
+    def test_slope_guides_only_beside_a_line(self):
+        p = self.plots
+        saved = {f: getattr(p, f) for f in ("guides", "n_axis", "log_y_axis", "end_labels")}
+        asked = []
+        p.guides = lambda ax, log_y, *rest: asked.append(bool(log_y)) or []
+        p.n_axis = p.log_y_axis = p.end_labels = lambda *a, **k: None
+        try:
+            # The main job's forward panel: OVQ at two sizes, GMA at one.
+            points = {("ovq_forward", n, 1): q for n, q in self.pts(4096, 65536)}
+            points.update({("gma_forward_bidir", n, 1): q for n, q in self.pts(4096)})
+            ax = Recorder()
+            self.assertTrue(p.operator_panel(ax, points, None, 2, lambda q: q, True, str))
+            self.assertEqual(self.lines(ax.calls), [])
+            # A full run's: OVQ at four sizes.
+            points.update({("ovq_forward", n, 1): q for n, q in self.pts(1024, 16384)})
+            self.assertTrue(p.operator_panel(Recorder(), points, None, 2, lambda q: q, True, str))
+        finally:
+            for f, fn in saved.items():
+                setattr(p, f, fn)
+        self.assertEqual(asked, [False, True])
 
 
 if __name__ == "__main__":

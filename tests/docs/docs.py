@@ -3,6 +3,8 @@
 
     docs.py check ROOT             links, fences and the blocks that are checked rather than run
     docs.py extract-cpp ROOT OUT   writes the ```cpp blocks as C++ sources and OUT/blocks.cmake
+    docs.py check-outputs ROOT BINDIR
+                                   the results files the pages say the examples write
 
 `check` (ctest doc.check) fails, naming file and line, on:
   - a relative link (of these pages and of bench/results/tuning.md) whose file does not exist,
@@ -22,6 +24,20 @@
     comments and blank lines aside): that is how a CMake block is tied to the consumer project
     the tests build, and a C++ translation unit to the one the tests compile.
 
+`check-outputs` (ctest doc.outputs, with the examples built in BINDIR) runs every command of a
+page that runs an example program (example_*, in a bash/sh block or an inline code span) with
+--out DIR, adding --list-outputs: the program prints the paths it would write and exits
+(examples/common.hpp: prepare_outputs, the function that names the files it writes). On such a
+page it fails, naming the line, on:
+  - a file the page names (a code span or link ending in the extension of a written file, e.g.
+    .csv) that no command of the page writes: neither a path a command prints, nor a file of
+    that name which exists in the repository (the recorded copy, e.g. examples/results/...), nor a
+    bare file name a command writes;
+  - a file a command writes that the page does not name at the path the command prints;
+  - a command that would write over a file of the repository without --force (the program
+    refuses: the docs' commands write elsewhere);
+  - a command whose program is not in BINDIR or that fails.
+
 `extract-cpp` (at CMake configure time, tests/docs/CMakeLists.txt): every ```cpp block of a page
 becomes a test doc.<page>.block<i> (i counts the page's cpp blocks from 1). A block with
 `int main` is a program of its own, doc_<page>_block<i>, built as written; any other block is a
@@ -36,6 +52,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 
 FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})\s*([^\s`]*)\s*$")
@@ -333,6 +350,107 @@ def check(root):
     return 1 if errors else 0
 
 
+# ---- check-outputs -----------------------------------------------------------------------------
+
+EXAMPLE = re.compile(r"^(?:[\w./-]*/)?(example_\w+)$")
+
+
+def example_commands(page):
+    """(line, words) of every command that runs an example program with --out: in bash/sh blocks
+    and in inline code spans."""
+    found = []
+    for block in page.blocks:
+        if block.lang in ("bash", "sh"):
+            try:
+                cmds = commands(block.text)
+            except ValueError:
+                continue  # doc.check reports it
+            found += [(block.line, c) for c in cmds]
+    for lineno, text in page.prose:
+        for m in CODE_SPAN.finditer(text):
+            try:
+                found += [(lineno, c) for c in commands(m.group(2))]
+            except ValueError:
+                continue
+    out = []
+    for lineno, cmd in found:
+        while cmd and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", cmd[0]):
+            cmd = cmd[1:]
+        if cmd and EXAMPLE.match(cmd[0]) and "--out" in cmd[1:]:
+            out.append((lineno, cmd))
+    return out
+
+
+def named_files(page, extensions):
+    """(line, path as written, path from the repository's root or None) of every code span and
+    link target in the prose that ends in one of `extensions`."""
+    here = os.path.dirname(page.rel)
+    out = []
+    for lineno, text in page.prose:
+        for m in CODE_SPAN.finditer(text):
+            for word in m.group(2).split():
+                if word.endswith(extensions) and not word.startswith("-"):
+                    out.append((lineno, word, os.path.normpath(word) if "/" in word else None))
+        scan = CODE_SPAN.sub(lambda m: " " * len(m.group(0)), text)
+        for m in LINK.finditer(scan):
+            target = m.group(1).partition("#")[0]
+            if target.endswith(extensions) and not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target):
+                out.append((lineno, target, os.path.normpath(os.path.join(here, target))))
+    return out
+
+
+def check_outputs(root, bindir):
+    errors, ran = [], 0
+    for page in pages(root):
+        cmds = example_commands(page)
+        if not cmds:
+            continue
+        written = {}  # path as printed -> line of the command
+        for lineno, cmd in cmds:
+            where = f"{page.rel}:{lineno}"
+            exe = os.path.join(bindir, os.path.basename(cmd[0]))
+            if not os.path.isfile(exe):
+                errors.append(f"{where}: '{' '.join(cmd)}': {exe} is not built")
+                continue
+            p = subprocess.run([exe, *cmd[1:], "--list-outputs"], cwd=root, capture_output=True,
+                               text=True, timeout=120)
+            ran += 1
+            if p.returncode != 0:
+                errors.append(f"{where}: '{' '.join(cmd)} --list-outputs' failed "
+                              f"(status {p.returncode}): {p.stderr.strip()}")
+                continue
+            paths = [line.strip() for line in p.stdout.splitlines() if line.strip()]
+            if not paths:
+                errors.append(f"{where}: '{' '.join(cmd)}' writes nothing (--list-outputs)")
+            for path in paths:
+                written.setdefault(os.path.normpath(path), lineno)
+                if os.path.exists(os.path.join(root, path)) and "--force" not in cmd:
+                    errors.append(f"{where}: '{' '.join(cmd)}' would write over {path}, a file "
+                                  f"of the repository (the program refuses without --force): "
+                                  f"write elsewhere")
+        if not written:
+            continue
+        extensions = tuple(sorted({os.path.splitext(w)[1] for w in written}))
+        basenames = {os.path.basename(w) for w in written}
+        named = named_files(page, extensions)
+        for lineno, word, rel in named:
+            ok = (rel in written or (rel is None and word in basenames) or
+                  (rel is not None and os.path.basename(rel) in basenames
+                   and os.path.isfile(os.path.join(root, rel))))
+            if not ok:
+                errors.append(f"{page.rel}:{lineno}: '{word}': no command of the page writes it "
+                              f"(they write {', '.join(sorted(written))})")
+        said = {rel for _, _, rel in named if rel is not None}
+        for path, lineno in written.items():
+            if path not in said:
+                errors.append(f"{page.rel}:{lineno}: the command writes {path}, which the page "
+                              f"does not name")
+    for e in errors:
+        print(e)
+    print(f"{ran} example command(s) asked for their outputs; {len(errors)} problem(s)")
+    return 1 if errors or not ran else 0
+
+
 # ---- extract-cpp -------------------------------------------------------------------------------
 
 
@@ -452,6 +570,8 @@ def extract_cpp(root, out):
 def main(argv):
     if len(argv) == 3 and argv[1] == "check":
         return check(os.path.abspath(argv[2]))
+    if len(argv) == 4 and argv[1] == "check-outputs":
+        return check_outputs(os.path.abspath(argv[2]), os.path.abspath(argv[3]))
     if len(argv) == 4 and argv[1] == "extract-cpp":
         return extract_cpp(os.path.abspath(argv[2]), os.path.abspath(argv[3]))
     print(__doc__.strip(), file=sys.stderr)
