@@ -109,9 +109,11 @@ main() {
     bash cmake/install-deps.sh bench
   stage "configure ($build, Release, benchmarks only)" "~10 s" configure
   mapfile -t targets < <(for f in bench/bench_*.cpp; do basename "$f" .cpp; done)
-  # The PyTorch extension's benchmark runs where PyTorch is installed, unless filtered out.
+  # The PyTorch extension's benchmark runs where /usr/bin/python3 can make the virtual
+  # environment python/venv.sh puts torch 2.13.0 into (cmake/install-deps.sh installs venv),
+  # unless filtered out.
   torch=
-  if "$py" -c "import torch" 2>/dev/null && { [[ -z ${MIXATTN_BENCH_FILTER:-} ]] ||
+  if "$py" -c "import ensurepip, venv" 2>/dev/null && { [[ -z ${MIXATTN_BENCH_FILTER:-} ]] ||
       grep -qE -- "$MIXATTN_BENCH_FILTER" <<<"torch_ext"; }; then
     torch=1
   fi
