@@ -15,9 +15,11 @@
 #      consumer.* projects (they test packaging, not kernels), the examples, and the two-TU
 #      program (its two files set their own -march, so it would be the main pass's again);
 #   3. builds and runs the whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
-#      the threaded tests under ThreadSanitizer, and the PyTorch extension's tests with the
-#      extension built under ASan + UBSan (tests/sanitize.sh);
-#   4. builds the libFuzzer targets and runs them for a bounded time (tests/fuzz/run.sh).
+#      with the libFuzzer targets built in the same tree and their seed corpora replayed by its
+#      ctest, the threaded tests under ThreadSanitizer, and the PyTorch extension's tests with
+#      the extension built under ASan + UBSan (tests/sanitize.sh);
+#   4. runs every fuzz target for a bounded time, a share of one wall-time budget each
+#      (tests/fuzz/run.sh).
 # Environment: MIXATTN_JOBS (default nproc), MIXATTN_FUZZ_TOTAL_SECONDS (the fuzzers' wall time
 # in all, default 120, shared by the targets), MIXATTN_FUZZ_SECONDS (instead, a time per target),
 # MIXATTN_SKIP_ISA=1 / MIXATTN_SKIP_SANITIZERS=1 / MIXATTN_SKIP_FUZZ=1 to skip step 2, 3 or 4,
