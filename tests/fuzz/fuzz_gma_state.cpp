@@ -329,7 +329,11 @@ gma::Grad<double> term_magnitudes(const Case<T>& c) {
   m.k = Matrix<double>::Zero(n, r);
   m.mixture.mean = Matrix<double>::Zero(kc, r);
   m.mixture.var_raw = Matrix<double>::Zero(kc, r);
-  const Vector<double> logpi_terms = (tq.colwise().sum() + tk.colwise().sum()).transpose();
+  // Summed by hand: Eigen's colwise() of a matrix of no rows forms its columns at offsets from a
+  // null data pointer (UBSan), and a piece may hold no tokens.
+  Vector<double> logpi_terms = Vector<double>::Zero(kc);
+  for (Index i = 0; i < n; ++i)
+    for (Index a = 0; a < kc; ++a) logpi_terms[a] += tq(i, a) + tk(i, a);
   for (Index a = 0; a < kc; ++a)
     for (Index b = 0; b < r; ++b) {
       const double w = var_raw(a, b);
