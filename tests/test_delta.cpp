@@ -331,4 +331,462 @@ TEST(DeltaGradient, FiniteDifferencesScaleAndEps) {
   EXPECT_LT(rel_err(gr.k, tw.k), 1e-12);
 }
 
+// ---- float against the twin ------------------------------------------------------------------
+
+// Normwise relative tolerance of float results: float's own arithmetic (eps 6e-8) on the chunk's
+// products, whose sums have C + d terms of O(1) with the wide state between chunks (measured
+// about 2e-7 at N = 1000, d = 32, for outputs and every gradient); 1e-5 leaves a margin of 50.
+constexpr double kFloatTol = 1e-5;
+
+TEST(DeltaFloat, ForwardAndBackwardAgreeWithTheDoubleTwin) {
+  const Index N = 150, dk = 12, dv = 10;
+  const Problem p = random_problem(N, dk, dv, 400, true);
+  const delta::Options opt = options(32, true);
+  const Matrix<double> dO = random_matrix<double>(N, dv, 401);
+  const Matrix<double> dS = random_matrix<double>(dk, dv, 402);
+  const NaiveForward want = naive_forward(p, opt);
+  const NaiveGrad wg = naive_backward(p, opt, dO, dS);
+  delta::State<float> st;
+  delta::Saved<float> saved;
+  const Matrix<float> out = run_forward<float>(p, opt, st, &saved);
+  EXPECT_LT(rel_err(out, want.out), kFloatTol);
+  EXPECT_LT(rel_err(st.S, want.S_end), kFloatTol);
+  const delta::Grad<float> gr = run_backward<float>(p, opt, dO, dS, saved);
+  EXPECT_LT(rel_err(gr.q, wg.q), kFloatTol);
+  EXPECT_LT(rel_err(gr.k, wg.k), kFloatTol);
+  EXPECT_LT(rel_err(gr.v, wg.v), kFloatTol);
+  EXPECT_LT(rel_err(gr.g, wg.g), kFloatTol);
+  EXPECT_LT(rel_err(gr.beta, wg.beta), kFloatTol);
+  EXPECT_LT(rel_err(gr.state.S, wg.S0), kFloatTol);
+}
+
+// ---- pieces, decoding, records ------------------------------------------------------------------
+
+template <class T>
+class DeltaTyped : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(DeltaTyped, Scalars);
+
+/// Pieces (and whole-sequence calls) are the same arithmetic in another order: double to 1e-12,
+/// float to kFloatTol, normwise.
+template <class T>
+double piece_tol() {
+  return std::is_same<T, double>::value ? 1e-12 : kFloatTol;
+}
+
+/// Random cut points: pieces of 1 .. max_piece rows covering [0, n).
+std::vector<Index> random_pieces(Index n, Index max_piece, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<Index> sizes;
+  for (Index done = 0; done < n;) {
+    const Index len = std::min<Index>(n - done, 1 + static_cast<Index>(rng() % max_piece));
+    sizes.push_back(len);
+    done += len;
+  }
+  return sizes;
+}
+
+/// The inputs of a Problem in T.
+template <class T>
+struct Inputs {
+  Matrix<T> q, k, v;
+  Vector<T> g, beta;
+  explicit Inputs(const Problem& p)
+      : q(p.q.cast<T>()),
+        k(p.k.cast<T>()),
+        v(p.v.cast<T>()),
+        g(p.g.cast<T>()),
+        beta(p.beta.cast<T>()) {}
+};
+
+// Forward in pieces (one-row pieces without a record take the token-by-token path; longer ones
+// and pieces with a record the chunked form) gives the one-call outputs and end state.
+TYPED_TEST(DeltaTyped, AnyPiecesGiveTheOneCallOutputsAndState) {
+  using T = TypeParam;
+  const Index N = 150, dk = 7, dv = 5;
+  const Problem p = random_problem(N, dk, dv, 500, true);
+  const Inputs<T> in(p);
+  const delta::Options opt = options(16, true);
+  delta::State<T> whole_state;
+  const Matrix<T> whole = run_forward<T>(p, opt, whole_state);
+  std::vector<std::vector<Index>> splits = {std::vector<Index>(N, 1), {N}, {1, N - 1}, {40, 110}};
+  for (std::uint64_t seed = 0; seed < 4; ++seed) splits.push_back(random_pieces(N, 40, seed));
+  for (const auto& sizes : splits) {
+    for (const bool with_record : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << sizes.size() << " pieces, first " << sizes[0]
+                                        << ", record " << with_record);
+      delta::State<T> st = delta::State<T>::empty(dk, dv);
+      st.S = p.S0.cast<detail::wide_t<T>>();
+      Matrix<T> out(N, dv);
+      Index at = 0;
+      for (const Index n : sizes) {
+        delta::Saved<T> saved;
+        out.middleRows(at, n) = delta::forward<T>(
+            in.q.middleRows(at, n), in.k.middleRows(at, n), in.v.middleRows(at, n),
+            in.g.segment(at, n), in.beta.segment(at, n), opt, &st, with_record ? &saved : nullptr);
+        at += n;
+      }
+      EXPECT_LT(rel_err(out, whole), piece_tol<T>());
+      EXPECT_LT(rel_err(st.S, whole_state.S), piece_tol<T>());
+      EXPECT_EQ(st.tokens_seen, N);
+    }
+  }
+}
+
+// Decoding: forward_into on one row at a time with a reused output, no record, equals the
+// one-call forward, and so does the twin (double).
+TYPED_TEST(DeltaTyped, DecodingTokenByTokenEqualsTheForward) {
+  using T = TypeParam;
+  const Index N = 90, dk = 16, dv = 8;
+  const Problem p = random_problem(N, dk, dv, 510, false);
+  const Inputs<T> in(p);
+  const delta::Options opt;
+  const Matrix<T> whole = delta::forward<T>(in.q, in.k, in.v, in.g, in.beta, opt);
+  delta::State<T> st = delta::State<T>::empty(dk, dv);
+  Matrix<T> row, out(N, dv);
+  for (Index t = 0; t < N; ++t) {
+    delta::forward_into(row, in.q.row(t), in.k.row(t), in.v.row(t), in.g.segment(t, 1),
+                        in.beta.segment(t, 1), opt, &st, nullptr);
+    out.row(t) = row;
+  }
+  EXPECT_LT(rel_err(out, whole), piece_tol<T>());
+  EXPECT_LT(rel_err(out, naive_forward(p, opt).out), piece_tol<T>());
+}
+
+// Backward over pieces: each piece's forward with its own record, the backwards in reverse, each
+// given its successor's grad.state (one Grad reused, grad_state_out = grad.state itself), give the
+// one call's gradients, and the first piece's grad.state is the one call's start-state gradient.
+TYPED_TEST(DeltaTyped, PiecesBackwardGiveTheOneCallGradients) {
+  using T = TypeParam;
+  const Index N = 120, dk = 6, dv = 5;
+  const Problem p = random_problem(N, dk, dv, 520, true);
+  const Inputs<T> in(p);
+  for (const bool keep : {false, true}) {
+    delta::Options opt = options(16, true);
+    opt.keep_states = keep;
+    const Matrix<double> dO = random_matrix<double>(N, dv, 521);
+    const Matrix<T> dOt = dO.cast<T>();
+    const Matrix<double> dS = random_matrix<double>(dk, dv, 522);
+    delta::State<T> st;
+    delta::Saved<T> saved;
+    run_forward<T>(p, opt, st, &saved);
+    const delta::Grad<T> whole = run_backward<T>(p, opt, dO, dS, saved);
+    for (std::uint64_t seed = 0; seed < 3; ++seed) {
+      const std::vector<Index> sizes = random_pieces(N, 45, seed);
+      SCOPED_TRACE(::testing::Message() << sizes.size() << " pieces, keep_states " << keep);
+      st = delta::State<T>::empty(dk, dv);
+      st.S = p.S0.cast<detail::wide_t<T>>();
+      std::vector<delta::Saved<T>> recs(sizes.size());
+      std::vector<Index> at(sizes.size() + 1, 0);
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        at[i + 1] = at[i] + sizes[i];
+        delta::forward<T>(in.q.middleRows(at[i], sizes[i]), in.k.middleRows(at[i], sizes[i]),
+                          in.v.middleRows(at[i], sizes[i]), in.g.segment(at[i], sizes[i]),
+                          in.beta.segment(at[i], sizes[i]), opt, &st, &recs[i]);
+      }
+      delta::Grad<T> gr;
+      gr.state.S = dS.cast<detail::wide_t<T>>();
+      Matrix<T> dq(N, dk), dk_(N, dk), dv_(N, dv);
+      Vector<T> dg(N), db(N);
+      for (std::size_t i = sizes.size(); i-- > 0;) {
+        const Index a = at[i], n = sizes[i];
+        delta::backward_into(gr, in.q.middleRows(a, n), in.k.middleRows(a, n),
+                             in.v.middleRows(a, n), in.g.segment(a, n), in.beta.segment(a, n),
+                             dOt.middleRows(a, n), recs[i], opt, &gr.state);
+        dq.middleRows(a, n) = gr.q;
+        dk_.middleRows(a, n) = gr.k;
+        dv_.middleRows(a, n) = gr.v;
+        dg.segment(a, n) = gr.g;
+        db.segment(a, n) = gr.beta;
+      }
+      EXPECT_LT(rel_err(dq, whole.q), piece_tol<T>());
+      EXPECT_LT(rel_err(dk_, whole.k), piece_tol<T>());
+      EXPECT_LT(rel_err(dv_, whole.v), piece_tol<T>());
+      EXPECT_LT(rel_err(dg, whole.g), piece_tol<T>());
+      EXPECT_LT(rel_err(db, whole.beta), piece_tol<T>());
+      EXPECT_LT(rel_err(gr.state.S, whole.state.S), piece_tol<T>());
+    }
+  }
+}
+
+// keep_states only chooses where the chunks' start states come from: the backward recomputes
+// them with the forward's own operations, so the gradients are the same bits.
+TYPED_TEST(DeltaTyped, KeptAndRecomputedStatesGiveTheSameBits) {
+  using T = TypeParam;
+  const Index N = 200, dk = 8, dv = 8;
+  const Problem p = random_problem(N, dk, dv, 530, true);
+  const Matrix<double> dO = random_matrix<double>(N, dv, 531);
+  const Matrix<double> dS = random_matrix<double>(dk, dv, 532);
+  delta::Grad<T> grads[2];
+  for (const bool keep : {false, true}) {
+    delta::Options opt = options(64, true);
+    opt.keep_states = keep;
+    delta::State<T> st;
+    delta::Saved<T> saved;
+    run_forward<T>(p, opt, st, &saved);
+    EXPECT_EQ(saved.states.rows(), keep ? 4 * dk : 0);
+    grads[keep] = run_backward<T>(p, opt, dO, dS, saved);
+  }
+  EXPECT_TRUE(grads[0].q == grads[1].q && grads[0].k == grads[1].k && grads[0].v == grads[1].v);
+  EXPECT_TRUE(grads[0].g == grads[1].g && grads[0].beta == grads[1].beta);
+  EXPECT_TRUE(grads[0].state.S == grads[1].state.S);
+}
+
+// The value-returning and the _into forms run one body: the same bits, with records reused
+// across calls of other shapes.
+TYPED_TEST(DeltaTyped, IntoFormsEqualValueForms) {
+  using T = TypeParam;
+  const delta::Options opt;
+  Matrix<T> out;
+  delta::Saved<T> saved;
+  delta::Grad<T> grad;
+  for (const Index N : {70, 5, 130}) {
+    const Problem p = random_problem(N, 8, 4, 540 + N, false);
+    const Inputs<T> in(p);
+    const Matrix<T> dO = random_matrix<T>(N, 4, 541);
+    delta::Saved<T> fresh;
+    const Matrix<T> want = delta::forward<T>(in.q, in.k, in.v, in.g, in.beta, opt, nullptr, &fresh);
+    delta::forward_into(out, in.q, in.k, in.v, in.g, in.beta, opt, nullptr, &saved);
+    EXPECT_TRUE(out == want);
+    const delta::Grad<T> wg = delta::backward(in.q, in.k, in.v, in.g, in.beta, dO, fresh, opt);
+    delta::backward_into(grad, in.q, in.k, in.v, in.g, in.beta, dO, saved, opt);
+    EXPECT_TRUE(grad.q == wg.q && grad.k == wg.k && grad.v == wg.v);
+    EXPECT_TRUE(grad.g == wg.g && grad.beta == wg.beta);
+    // a forward without a record gives the same outputs
+    EXPECT_TRUE(delta::forward<T>(in.q, in.k, in.v, in.g, in.beta, opt) == want);
+  }
+}
+
+// N = 0: an empty output, the state unchanged, empty gradients.
+TYPED_TEST(DeltaTyped, EmptySequence) {
+  using T = TypeParam;
+  const Matrix<T> q(0, 4), v(0, 3);
+  const Vector<T> g(0);
+  delta::State<T> st = delta::State<T>::empty(4, 3);
+  st.S.setConstant(0.5);
+  delta::Saved<T> saved;
+  const Matrix<T> out = delta::forward<T>(q, q, v, g, g, {}, &st, &saved);
+  EXPECT_EQ(out.rows(), 0);
+  EXPECT_EQ(out.cols(), 3);
+  EXPECT_TRUE((st.S.array() == 0.5).all());
+  delta::StateGrad<T> gs;
+  gs.S = Matrix<detail::wide_t<T>>::Constant(4, 3, 2.0);
+  const delta::Grad<T> gr = delta::backward(q, q, v, g, g, v, saved, {}, &gs);
+  EXPECT_EQ(gr.q.rows(), 0);
+  EXPECT_EQ(gr.g.size(), 0);
+  EXPECT_TRUE(gr.state.S == gs.S);  // the end state is the start state
+}
+
+// ---- errors ---------------------------------------------------------------------------------------
+
+TEST(DeltaErrors, ShapesAndOptionsAreNamed) {
+  const Index N = 6, dk = 4, dv = 3;
+  const Matrix<double> q = random_matrix<double>(N, dk, 1), v = random_matrix<double>(N, dv, 2);
+  const Vector<double> g = Vector<double>::Constant(N, -0.1), b = Vector<double>::Constant(N, 0.5);
+  const char* fn = "mixattn::delta::forward";
+  const auto fwd = [&](const Matrix<double>& q_, const Matrix<double>& k_, const Matrix<double>& v_,
+                       const Vector<double>& g_, const Vector<double>& b_,
+                       const delta::Options& o = {}) {
+    return [=] { delta::forward<double>(q_, k_, v_, g_, b_, o); };
+  };
+  using IA = std::invalid_argument;
+  expect_throw<IA>(fwd(q, q.topRows(5), v, g, b), {fn, "k is 5 x 4", "q is 6 x 4"});
+  expect_throw<IA>(fwd(q, q.leftCols(3), v, g, b), {fn, "k is 6 x 3"});
+  expect_throw<IA>(fwd(q, q, v.topRows(4), g, b), {fn, "v is 4 x 3", "6 rows"});
+  expect_throw<IA>(fwd(q, q, v, g.head(5), b), {fn, "g has 5 entries", "6 rows"});
+  expect_throw<IA>(fwd(q, q, v, g, b.head(7 - 2)), {fn, "beta has 5 entries"});
+  expect_throw<IA>(fwd(q.leftCols(0), q.leftCols(0), v, g, b), {fn, "q has 0 columns"});
+  delta::Options o;
+  o.chunk = 0;
+  expect_throw<IA>(fwd(q, q, v, g, b, o), {fn, "options.chunk is 0"});
+  o = {};
+  o.scale = -1;
+  expect_throw<IA>(fwd(q, q, v, g, b, o), {fn, "options.scale is -1"});
+  o.scale = std::numeric_limits<double>::quiet_NaN();
+  expect_throw<IA>(fwd(q, q, v, g, b, o), {fn, "options.scale"});
+  o = {};
+  o.norm_eps = 0;
+  expect_throw<IA>(fwd(q, q, v, g, b, o), {fn, "options.norm_eps is 0"});
+  delta::State<double> wrong = delta::State<double>::empty(dk, dv + 1);
+  expect_throw<IA>([&] { delta::forward<double>(q, q, v, g, b, {}, &wrong); },
+                   {fn, "state.S is 4 x 4", "empty(4, 3)"});
+  expect_throw<IA>([] { delta::State<float>::empty(0, 3); }, {"State::empty", "key_dim is 0"});
+  Matrix<double> out;
+  expect_throw<IA>([&] { delta::forward_into(out, q, q, v, g, b.head(2), {}, nullptr, nullptr); },
+                   {"mixattn::delta::forward_into", "beta has 2 entries"});
+}
+
+TEST(DeltaErrors, ValuesOutOfDomainAndNonFinite) {
+  const Index N = 6, dk = 4, dv = 3;
+  const Matrix<float> q = random_matrix<float>(N, dk, 1), v = random_matrix<float>(N, dv, 2);
+  const Vector<float> g = Vector<float>::Constant(N, -0.1f), b = Vector<float>::Constant(N, 0.5f);
+  using DE = std::domain_error;
+  const char* fn = "mixattn::delta::forward";
+  Vector<float> bad = g;
+  bad(3) = 0.25f;
+  expect_throw<DE>([&] { delta::forward<float>(q, q, v, bad, b); }, {fn, "g has 0.25 at row 3"});
+  bad = b;
+  bad(2) = 1.5f;
+  expect_throw<DE>([&] { delta::forward<float>(q, q, v, g, bad); }, {fn, "beta has 1.5 at row 2"});
+  bad(2) = -0.01f;
+  expect_throw<DE>([&] { delta::forward<float>(q, q, v, g, bad); }, {fn, "beta", "row 2"});
+  // beta = 0 and 1 and g = 0 are in the domain
+  Vector<float> edge = b;
+  edge(0) = 0;
+  edge(1) = 1;
+  EXPECT_NO_THROW(delta::forward<float>(q, q, v, Vector<float>::Zero(N), edge));
+  Matrix<float> nan = q;
+  nan(4, 1) = std::numeric_limits<float>::quiet_NaN();
+  expect_throw<DE>([&] { delta::forward<float>(q, nan, v, g, b); },
+                   {fn, "k has a non-finite entry at (4, 1)"});
+  bad = g;
+  bad(1) = -std::numeric_limits<float>::infinity();
+  expect_throw<DE>([&] { delta::forward<float>(q, q, v, bad, b); }, {fn, "g has a non-finite"});
+  delta::Options off;
+  off.check_finite = false;
+  EXPECT_NO_THROW(delta::forward<float>(q, nan, v, g, b, off));
+  // a non-finite state, and the state untouched by a refused call
+  delta::State<float> st = delta::State<float>::empty(dk, dv);
+  delta::forward<float>(q, q, v, g, b, {}, &st);
+  const delta::State<float> before = st;
+  expect_throw<DE>([&] { delta::forward<float>(q, nan, v, g, b, {}, &st); }, {"k"});
+  EXPECT_TRUE(st.S == before.S && st.tokens_seen == before.tokens_seen);
+  delta::State<float> nan_state = st;
+  nan_state.S(1, 1) = std::numeric_limits<double>::infinity();
+  expect_throw<DE>([&] { delta::forward<float>(q, q, v, g, b, {}, &nan_state); },
+                   {fn, "state.S has a non-finite entry at (1, 1)"});
+  // an output that overflows float although every input is finite
+  const Matrix<float> huge = Matrix<float>::Constant(N, dv, 3e38f);
+  expect_throw<DE>([&] { delta::forward<float>(q, q, huge, g, Vector<float>::Ones(N)); },
+                   {fn, "overflows float"});
+}
+
+TEST(DeltaErrors, RecordsAreRefusedForOtherData) {
+  const Index N = 20, dk = 4, dv = 3;
+  const Problem p = random_problem(N, dk, dv, 600, false);
+  const Inputs<double> in(p);
+  const Matrix<double> dO = random_matrix<double>(N, dv, 601);
+  const delta::Options opt = options(8, true);
+  delta::Saved<double> saved;
+  delta::forward<double>(in.q, in.k, in.v, in.g, in.beta, opt, nullptr, &saved);
+  const char* fn = "mixattn::delta::backward";
+  using IA = std::invalid_argument;
+  const auto bwd = [&](const Inputs<double>& x, const delta::Options& o) {
+    return [&, x, o] { delta::backward(x.q, x.k, x.v, x.g, x.beta, dO, saved, o); };
+  };
+  EXPECT_NO_THROW(bwd(in, opt)());
+  const char* names[] = {"q", "k", "v", "g", "beta"};
+  for (int which = 0; which < 5; ++which) {
+    Inputs<double> other = in;
+    switch (which) {
+      case 0: other.q(3, 1) += 1; break;
+      case 1: other.k(3, 1) += 1; break;
+      case 2: other.v(3, 1) += 1; break;
+      case 3: other.g(3) -= 0.5; break;
+      default: other.beta(3) *= 0.5; break;
+    }
+    expect_throw<IA>(bwd(other, opt), {fn, "saved came from other data", names[which]});
+  }
+  delta::Options other_opt = opt;
+  other_opt.chunk = 4;
+  expect_throw<IA>(bwd(in, other_opt), {fn, "saved was made with chunk = 8"});
+  other_opt = opt;
+  other_opt.keep_states = true;
+  expect_throw<IA>(bwd(in, other_opt), {fn, "keep_states = 0"});
+  delta::Saved<double> empty;
+  expect_throw<IA>([&] { delta::backward(in.q, in.k, in.v, in.g, in.beta, dO, empty, opt); },
+                   {fn, "saved was not filled by forward"});
+  expect_throw<IA>(
+      [&] {
+        delta::backward(in.q, in.k, in.v, in.g, in.beta, Matrix<double>(dO.topRows(5)), saved,
+                        opt);
+      },
+      {fn, "grad_out is 5 x 3", "20 x 3"});
+  // a gradient of the end state needs a continued forward, of this state
+  delta::StateGrad<double> gs;
+  gs.S = Matrix<double>::Zero(dk, dv);
+  expect_throw<IA>(
+      [&] { delta::backward(in.q, in.k, in.v, in.g, in.beta, dO, saved, opt, &gs); },
+      {fn, "grad_state_out is given but saved is from a forward without a State"});
+  delta::State<double> st = delta::State<double>::empty(dk, dv);
+  delta::Saved<double> first, second;
+  delta::forward<double>(in.q.topRows(10), in.k.topRows(10), in.v.topRows(10), in.g.head(10),
+                         in.beta.head(10), opt, &st, &first);
+  delta::forward<double>(in.q.bottomRows(10), in.k.bottomRows(10), in.v.bottomRows(10),
+                         in.g.tail(10), in.beta.tail(10), opt, &st, &second);
+  const delta::Grad<double> g2 =
+      delta::backward(in.q.bottomRows(10), in.k.bottomRows(10), in.v.bottomRows(10), in.g.tail(10),
+                      in.beta.tail(10), dO.bottomRows(10), second, opt);
+  EXPECT_NO_THROW(delta::backward(in.q.topRows(10), in.k.topRows(10), in.v.topRows(10),
+                                  in.g.head(10), in.beta.head(10), dO.topRows(10), first, opt,
+                                  &g2.state));
+  // the first piece's own grad.state is the gradient of another state (its start)
+  const delta::Grad<double> g1 =
+      delta::backward(in.q.topRows(10), in.k.topRows(10), in.v.topRows(10), in.g.head(10),
+                      in.beta.head(10), dO.topRows(10), first, opt);
+  expect_throw<IA>(
+      [&] {
+        delta::backward(in.q.topRows(10), in.k.topRows(10), in.v.topRows(10), in.g.head(10),
+                        in.beta.head(10), dO.topRows(10), first, opt, &g1.state);
+      },
+      {fn, "grad_state_out came from other data"});
+  // the record keeps the start state: another start state is other data
+  delta::Saved<double> changed = second;
+  changed.start_S(0, 0) += 1;
+  expect_throw<IA>(
+      [&] {
+        delta::backward(in.q.bottomRows(10), in.k.bottomRows(10), in.v.bottomRows(10),
+                        in.g.tail(10), in.beta.tail(10), dO.bottomRows(10), changed, opt);
+      },
+      {fn, "the start state"});
+}
+
+// ---- steady state ----------------------------------------------------------------------------------
+
+/// Heap allocations made by fn() (0 under the sanitizers, whose runtimes own malloc).
+template <class Fn>
+std::int64_t allocations_of(Fn&& fn) {
+#ifndef MIXATTN_TEST_SANITIZED
+  const std::int64_t before = mixattn::bench::heap_counters().allocs.load();
+  fn();
+  return mixattn::bench::heap_counters().allocs.load() - before;
+#else
+  fn();
+  return 0;
+#endif
+}
+
+// A training step through the _into forms (forward with a record, backward into a reused Grad)
+// and a decoding step allocate nothing once their shapes have been seen, at the default options
+// and with keep_states; d = 128 and N = 1000 (15 full chunks and a partial one) make Eigen's GEMM
+// pack more than 128 KiB where a product is large enough.
+TYPED_TEST(DeltaTyped, SteadyStateAllocatesNothing) {
+  using T = TypeParam;
+  const Index N = 1000, d = 128;
+  const Problem p = random_problem(N, d, d, 700, false);
+  const Inputs<T> in(p);
+  const Matrix<T> dO = random_matrix<T>(N, d, 701);
+  for (const bool keep : {false, true}) {
+    delta::Options opt;
+    opt.keep_states = keep;
+    Matrix<T> out;
+    delta::Saved<T> saved;
+    delta::Grad<T> grad;
+    delta::State<T> st = delta::State<T>::empty(d, d);
+    const auto step = [&] {
+      delta::forward_into(out, in.q, in.k, in.v, in.g, in.beta, opt, &st, &saved);
+      delta::backward_into(grad, in.q, in.k, in.v, in.g, in.beta, dO, saved, opt);
+    };
+    step();
+    EXPECT_EQ(allocations_of(step), 0) << "keep_states " << keep;
+    Matrix<T> row;
+    const auto decode = [&](Index t) {
+      delta::forward_into(row, in.q.row(t), in.k.row(t), in.v.row(t), in.g.segment(t, 1),
+                          in.beta.segment(t, 1), opt, &st, nullptr);
+    };
+    decode(0);
+    EXPECT_EQ(allocations_of([&] { decode(1); }), 0);
+  }
+}
+
 }  // namespace

@@ -63,8 +63,8 @@ void delta_chunk_backward_products(const DeltaInputs<T>& in, const ConstMatrixRe
   product_into<T>(s.e.topRows(n), plain<T>(delta), transposed<T>(s.ds), T(1), false, s.gemm);
   const auto beta = in.beta.segment(c0, n).array();
   s.lhs.topRows(n).array() = s.qk.topRows(n).array().colwise() * s.eg.head(n).array();
-  s.lhs.middleRows(n, n).array() =
-      s.qk.middleRows(n, n).array().colwise() * (-(beta * s.eg.head(n).array()));
+  s.w.head(n).array() = -(beta * s.eg.head(n).array());
+  s.lhs.middleRows(n, n).array() = s.qk.middleRows(n, n).array().colwise() * s.w.head(n).array();
   product_into<T>(s.dsu, transposed<T>(s.lhs.topRows(2 * n)), plain<T>(dd), T(1), false, s.gemm);
   static_cast<void>(dv);
 }
@@ -77,7 +77,7 @@ void delta_chunk_gate_grads(const DeltaInputs<T>& in, const ConstMatrixRef<T>& S
   using W = wide_t<T>;
   const Index dv = in.v.cols();
   auto& dgam = s.dgamma;
-  dgam.setZero(n);
+  dgam.head(n).setZero();
   W tail = 0;  // the [r = C] term
   for (Index r = 0; r < n; ++r) {
     const W br = static_cast<W>(in.beta(c0 + r)), eg = static_cast<W>(s.eg(r));
@@ -139,10 +139,11 @@ void delta_chunk_input_grads(const DeltaInputs<T>& in, Index c0, Index n, DeltaS
   const auto beta = in.beta.segment(c0, n).array();
   const auto eg = s.eg.head(n).array();
   grad.q.middleRows(c0, n) = s.dqk.topRows(n) + (s.z.topRows(n).array().colwise() * eg).matrix();
+  s.w.head(n).array() = beta * eg;
   grad.k.middleRows(c0, n) =
       s.dk.topRows(n) + s.dqk.middleRows(n, n) +
       (s.e.topRows(n).array().colwise() * s.ed.head(n).array()).matrix() -
-      (s.z.middleRows(n, n).array().colwise() * (beta * eg)).matrix();
+      (s.z.middleRows(n, n).array().colwise() * s.w.head(n).array()).matrix();
   grad.v.middleRows(c0, n) = s.dd.middleRows(n, n).array().colwise() * beta;
   s.dsw = std::exp(s.gamma(n - 1)) * s.dsw + s.dsu.template cast<W>();
 }

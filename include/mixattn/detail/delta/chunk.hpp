@@ -65,6 +65,7 @@ void delta_size_chunk_buffers(DeltaScratch<T>& s, Index C, Index dk, Index dv) {
   s.gamma.resize(C);
   s.eg.resize(C);
   s.ed.resize(C);
+  s.w.resize(C);
   s.kd.resize(C, dk);
   s.s.resize(dk, dv);
   s.sw.resize(dk, dv);
@@ -80,8 +81,8 @@ void delta_load_chunk(const DeltaInputs<T>& in, const DeltaConfig& cfg, const Ve
   auto Q = s.qk.topRows(n);
   auto K = s.qk.middleRows(n, n);
   if (cfg.normalize) {
-    Q.array() = in.q.middleRows(c0, n).array().colwise() *
-                (inv_q.segment(c0, n).array() * scale);
+    s.w.head(n) = inv_q.segment(c0, n) * scale;
+    Q.array() = in.q.middleRows(c0, n).array().colwise() * s.w.head(n).array();
     K.array() = in.k.middleRows(c0, n).array().colwise() * inv_k.segment(c0, n).array();
   } else {
     Q = in.q.middleRows(c0, n) * scale;

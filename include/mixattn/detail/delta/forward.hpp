@@ -31,8 +31,9 @@ void delta_chunk_forward(const DeltaInputs<T>& in, Index c0, Index n, MatrixRef<
   const Index dk = in.k.cols(), dv = in.v.cols();
   const auto beta = in.beta.segment(c0, n).array();
   s.rhs.topRows(n).leftCols(dv).array() = in.v.middleRows(c0, n).array().colwise() * beta;
+  s.w.head(n).array() = beta * s.eg.head(n).array();
   s.rhs.topRows(n).rightCols(dk).array() =
-      s.qk.middleRows(n, n).array().colwise() * (beta * s.eg.head(n).array());
+      s.qk.middleRows(n, n).array().colwise() * s.w.head(n).array();
   const ConstMatrixRef<T> tri = s.tri.topLeftCorner(n, n);
   product_into<T>(delta, plain<T>(tri), plain<T>(s.rhs.topRows(n).leftCols(dv)), T(1), false,
                   s.gemm);  // U

@@ -36,6 +36,8 @@ struct DeltaScratch {
   Matrix<W> sw;           // d_k x d_v: the carried state in the wide type
   Vector<W> gamma;        // C: chunk-local cumulative log decay
   Vector<T> eg, ed;       // C: e^gamma, e^(gamma_C - gamma)
+  Vector<T> w;            // C: a row factor formed once (an Eigen expression in a colwise
+                          // product would be evaluated into a fresh temporary)
   // backward
   Matrix<T> states;       // ceil(N / C) d_k x d_v: every chunk's start state (recomputed)
   Matrix<T> dd;           // 2C x d_v: [dO; dR]
