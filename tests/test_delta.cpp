@@ -124,7 +124,7 @@ NaiveGrad naive_backward(const Problem& p, const delta::Options& opt, const Matr
   const NaiveForward f = naive_forward(p, opt);
   const Index N = p.n();
   NaiveGrad gr{Matrix<double>(N, p.dk()), Matrix<double>(N, p.dk()), Matrix<double>(N, p.dv()),
-               Matrix<double>(), Vector<double>(N), Vector<double>(N)};
+               Matrix<double>(),          Vector<double>(N),         Vector<double>(N)};
   Matrix<double> dS = dS_end;
   for (Index t = N - 1; t >= 0; --t) {
     const Vector<double> k = x.k.row(t).transpose(), q = x.q.row(t).transpose();
@@ -200,15 +200,17 @@ delta::Options options(Index chunk, bool normalize) {
 }
 
 // The shapes of the twin comparisons: chunk lengths below, at and above N, one-row chunks, a
-// partial last chunk, d_k != d_v, with and without the normalisation and a start state.
+// partial last chunk, d_k != d_v, with and without the normalisation and a start state; d_k and
+// d_v in whole registers (16, 32, 48) for the register tiles (other widths run Eigen's products),
+// with tiles cut short at the end of a chunk (85 = 64 + 21 rows).
 struct Case {
   Index N, dk, dv, chunk;
   bool normalize, state;
 };
-const Case kCases[] = {{1, 3, 2, 64, true, false},   {37, 5, 4, 8, true, true},
-                       {37, 5, 4, 1, true, true},    {64, 8, 6, 64, true, false},
-                       {100, 6, 9, 16, false, true}, {130, 16, 16, 64, true, true},
-                       {50, 4, 7, 200, false, false}};
+const Case kCases[] = {
+    {1, 3, 2, 64, true, false},    {37, 5, 4, 8, true, true},    {37, 5, 4, 1, true, true},
+    {64, 8, 6, 64, true, false},   {100, 6, 9, 16, false, true}, {130, 16, 16, 64, true, true},
+    {50, 4, 7, 200, false, false}, {85, 32, 48, 64, true, true}, {150, 48, 32, 32, false, true}};
 
 // ---- exactness against the twin, in double ---------------------------------------------------
 
@@ -220,9 +222,9 @@ const Case kCases[] = {{1, 3, 2, 64, true, false},   {37, 5, 4, 8, true, true},
 TEST(DeltaExact, ForwardEqualsRecurrence) {
   std::uint64_t seed = 100;
   for (const Case& c : kCases) {
-    SCOPED_TRACE(::testing::Message() << "N " << c.N << " dk " << c.dk << " dv " << c.dv
-                                      << " chunk " << c.chunk << " normalize " << c.normalize
-                                      << " seed " << seed);
+    SCOPED_TRACE(::testing::Message()
+                 << "N " << c.N << " dk " << c.dk << " dv " << c.dv << " chunk " << c.chunk
+                 << " normalize " << c.normalize << " seed " << seed);
     const Problem p =
         random_problem(c.N, c.dk, c.dv, seed++, c.state, c.normalize ? 1.0 : 1 / std::sqrt(c.dk));
     const delta::Options opt = options(c.chunk, c.normalize);
@@ -246,11 +248,11 @@ TEST(DeltaExact, BackwardEqualsBackpropagationThroughTheRecurrence) {
   std::uint64_t seed = 200;
   for (const Case& c : kCases) {
     for (const bool keep : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "N " << c.N << " dk " << c.dk << " dv " << c.dv
-                                        << " chunk " << c.chunk << " normalize " << c.normalize
-                                        << " keep_states " << keep << " seed " << seed);
-      const Problem p = random_problem(c.N, c.dk, c.dv, seed++, c.state,
-                                       c.normalize ? 1.0 : 1 / std::sqrt(c.dk));
+      SCOPED_TRACE(::testing::Message()
+                   << "N " << c.N << " dk " << c.dk << " dv " << c.dv << " chunk " << c.chunk
+                   << " normalize " << c.normalize << " keep_states " << keep << " seed " << seed);
+      const Problem p =
+          random_problem(c.N, c.dk, c.dv, seed++, c.state, c.normalize ? 1.0 : 1 / std::sqrt(c.dk));
       delta::Options opt = options(c.chunk, c.normalize);
       opt.keep_states = keep;
       const Matrix<double> dO = random_matrix<double>(c.N, c.dv, seed + 50);
@@ -303,8 +305,12 @@ void check_finite_differences(bool normalize, std::uint64_t seed) {
   EXPECT_TRUE(all_close(tw.k, numeric_gradient(p.k, loss), rtol, atol)) << "twin k";
 }
 
-TEST(DeltaGradient, FiniteDifferencesNormalised) { check_finite_differences(true, 300); }
-TEST(DeltaGradient, FiniteDifferencesWithoutNormalisation) { check_finite_differences(false, 310); }
+TEST(DeltaGradient, FiniteDifferencesNormalised) {
+  check_finite_differences(true, 300);
+}
+TEST(DeltaGradient, FiniteDifferencesWithoutNormalisation) {
+  check_finite_differences(false, 310);
+}
 
 // The scale option and the normalisation's eps enter the gradient: a non-default scale and a
 // large eps (where n_x differs from |x|), and a zero key row (k^ = 0, finite).
@@ -413,8 +419,8 @@ TYPED_TEST(DeltaTyped, AnyPiecesGiveTheOneCallOutputsAndState) {
   for (std::uint64_t seed = 0; seed < 4; ++seed) splits.push_back(random_pieces(N, 40, seed));
   for (const auto& sizes : splits) {
     for (const bool with_record : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << sizes.size() << " pieces, first " << sizes[0]
-                                        << ", record " << with_record);
+      SCOPED_TRACE(::testing::Message()
+                   << sizes.size() << " pieces, first " << sizes[0] << ", record " << with_record);
       delta::State<T> st = delta::State<T>::empty(dk, dv);
       st.S = p.S0.cast<detail::wide_t<T>>();
       Matrix<T> out(N, dv);
@@ -577,7 +583,8 @@ TYPED_TEST(DeltaTyped, EmptySequence) {
   EXPECT_TRUE(gr.state.S == gs.S);  // the end state is the start state
 }
 
-// ---- errors ---------------------------------------------------------------------------------------
+// ---- errors
+// ---------------------------------------------------------------------------------------
 
 TEST(DeltaErrors, ShapesAndOptionsAreNamed) {
   const Index N = 6, dk = 4, dv = 3;
@@ -679,11 +686,21 @@ TEST(DeltaErrors, RecordsAreRefusedForOtherData) {
   for (int which = 0; which < 5; ++which) {
     Inputs<double> other = in;
     switch (which) {
-      case 0: other.q(3, 1) += 1; break;
-      case 1: other.k(3, 1) += 1; break;
-      case 2: other.v(3, 1) += 1; break;
-      case 3: other.g(3) -= 0.5; break;
-      default: other.beta(3) *= 0.5; break;
+      case 0:
+        other.q(3, 1) += 1;
+        break;
+      case 1:
+        other.k(3, 1) += 1;
+        break;
+      case 2:
+        other.v(3, 1) += 1;
+        break;
+      case 3:
+        other.g(3) -= 0.5;
+        break;
+      default:
+        other.beta(3) *= 0.5;
+        break;
     }
     expect_throw<IA>(bwd(other, opt), {fn, "saved came from other data", names[which]});
   }
@@ -698,16 +715,14 @@ TEST(DeltaErrors, RecordsAreRefusedForOtherData) {
                    {fn, "saved was not filled by forward"});
   expect_throw<IA>(
       [&] {
-        delta::backward(in.q, in.k, in.v, in.g, in.beta, Matrix<double>(dO.topRows(5)), saved,
-                        opt);
+        delta::backward(in.q, in.k, in.v, in.g, in.beta, Matrix<double>(dO.topRows(5)), saved, opt);
       },
       {fn, "grad_out is 5 x 3", "20 x 3"});
   // a gradient of the end state needs a continued forward, of this state
   delta::StateGrad<double> gs;
   gs.S = Matrix<double>::Zero(dk, dv);
-  expect_throw<IA>(
-      [&] { delta::backward(in.q, in.k, in.v, in.g, in.beta, dO, saved, opt, &gs); },
-      {fn, "grad_state_out is given but saved is from a forward without a State"});
+  expect_throw<IA>([&] { delta::backward(in.q, in.k, in.v, in.g, in.beta, dO, saved, opt, &gs); },
+                   {fn, "grad_state_out is given but saved is from a forward without a State"});
   delta::State<double> st = delta::State<double>::empty(dk, dv);
   delta::Saved<double> first, second;
   delta::forward<double>(in.q.topRows(10), in.k.topRows(10), in.v.topRows(10), in.g.head(10),
@@ -741,7 +756,8 @@ TEST(DeltaErrors, RecordsAreRefusedForOtherData) {
       {fn, "the start state"});
 }
 
-// ---- steady state ----------------------------------------------------------------------------------
+// ---- steady state
+// ----------------------------------------------------------------------------------
 
 /// Heap allocations made by fn() (0 under the sanitizers, whose runtimes own malloc).
 template <class Fn>

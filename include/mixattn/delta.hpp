@@ -95,10 +95,12 @@ void delta_forward(const char* fn, Matrix<T>& out, const DeltaInputs<T>& in,
   if (saved) saved->valid = false;  // until this call has filled it
   DeltaScratch<T>& s = saved ? saved->scratch : value_form_scratch<DeltaScratch<T>>();
   out.resize(N, dv);
-  if (state) s.sw = state->S;
-  else s.sw.setZero(dk, dv);
+  if (state)
+    s.sw = state->S;
+  else
+    s.sw.setZero(dk, dv);
   if (!saved && state && N <= delta_recurrent_rows) {
-    delta_recurrent_forward<T>(in, cfg, out, s.sw, s.kq, s.ab);
+    delta_recurrent_forward<T>(in, cfg, out, s.sw, s.rows);
   } else if (N > 0) {
     Vector<T>& inv_q = saved ? saved->inv_norm_q : s.inv_q;
     Vector<T>& inv_k = saved ? saved->inv_norm_k : s.inv_k;
@@ -160,8 +162,10 @@ void delta_backward(const char* fn, delta::Grad<T>& grad, const DeltaInputs<T>& 
   const Index N = in.q.rows(), dk = in.q.cols(), dv = in.v.cols();
   const DeltaConfig cfg = delta_config(opt, dk);
   DeltaScratch<T>& s = grad.scratch;
-  if (grad_state_out) s.dsw = grad_state_out->S;  // first: it may be grad.state itself
-  else s.dsw.setZero(dk, dv);
+  if (grad_state_out)
+    s.dsw = grad_state_out->S;  // first: it may be grad.state itself
+  else
+    s.dsw.setZero(dk, dv);
   grad.q.resize(N, dk);
   grad.k.resize(N, dk);
   grad.v.resize(N, dv);
@@ -171,10 +175,12 @@ void delta_backward(const char* fn, delta::Grad<T>& grad, const DeltaInputs<T>& 
     const Matrix<T>* states = &saved.states;
     if (!saved.keep_states) {
       delta_size_chunk_buffers<T>(s, std::min(cfg.chunk, N), dk, dv);
-      if (saved.continued) s.sw = saved.start_S;
-      else s.sw.setZero(dk, dv);
-      delta_recompute_states<T>(in, cfg, saved.inv_norm_q, saved.inv_norm_k, saved.delta,
-                                s.states, s);
+      if (saved.continued)
+        s.sw = saved.start_S;
+      else
+        s.sw.setZero(dk, dv);
+      delta_recompute_states<T>(in, cfg, saved.inv_norm_q, saved.inv_norm_k, saved.delta, s.states,
+                                s);
       states = &s.states;
     }
     delta_backward_sweep<T>(in, cfg, saved.inv_norm_q, saved.inv_norm_k, grad_out, saved.delta,
@@ -235,8 +241,8 @@ void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixA
 template <class T, detail::enable_if_supported<T> = 0>
 Matrix<T> forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
                   const ConstMatrixArg<T>& v, const ConstVectorArg<T>& g,
-                  const ConstVectorArg<T>& beta, const Options& opt = {},
-                  State<T>* state = nullptr, Saved<T>* saved = nullptr) {
+                  const ConstVectorArg<T>& beta, const Options& opt = {}, State<T>* state = nullptr,
+                  Saved<T>* saved = nullptr) {
   Matrix<T> out;
   const detail::LentScratch<detail::DeltaScratch<T>> lent(saved ? &saved->scratch : nullptr);
   detail::delta_forward<T>("mixattn::delta::forward", out, {q, k, v, g, beta}, opt, state, saved);
@@ -281,12 +287,12 @@ Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const C
 #ifdef MIXATTN_TEMPLATE_INSTANCE
 // The workers behind every form (core.hpp: compiling the operators once).
 namespace detail {
-#define MIXATTN_DELTA_WORKERS(T)                                                             \
-  MIXATTN_TEMPLATE_INSTANCE void delta_forward<T>(const char*, Matrix<T>&,                   \
-                                                  const DeltaInputs<T>&, const delta::Options&, \
-                                                  delta::State<T>*, delta::Saved<T>*);       \
-  MIXATTN_TEMPLATE_INSTANCE void delta_backward<T>(                                          \
-      const char*, delta::Grad<T>&, const DeltaInputs<T>&, const ConstMatrixRef<T>&,         \
+#define MIXATTN_DELTA_WORKERS(T)                                                                  \
+  MIXATTN_TEMPLATE_INSTANCE void delta_forward<T>(const char*, Matrix<T>&, const DeltaInputs<T>&, \
+                                                  const delta::Options&, delta::State<T>*,        \
+                                                  delta::Saved<T>*);                              \
+  MIXATTN_TEMPLATE_INSTANCE void delta_backward<T>(                                               \
+      const char*, delta::Grad<T>&, const DeltaInputs<T>&, const ConstMatrixRef<T>&,              \
       const delta::Saved<T>&, const delta::Options&, const delta::StateGrad<T>*);
 MIXATTN_FOR_EACH_SCALAR(MIXATTN_DELTA_WORKERS)
 #undef MIXATTN_DELTA_WORKERS

@@ -50,30 +50,37 @@ void delta_chunk_backward_products(const DeltaInputs<T>& in, const ConstMatrixRe
                                    Index c0, Index n, DeltaScratch<T>& s) {
   const Index dv = in.v.cols();
   s.kd.topRows(n).array() = s.qk.middleRows(n, n).array().colwise() * s.ed.head(n).array();
-  product_into<T>(s.u.topRows(n), transposed<T>(s.prod.topLeftCorner(n, n)), plain<T>(d_out),
-                  T(1), false, s.gemm);
-  product_into<T>(s.u.topRows(n), plain<T>(s.kd.topRows(n)), plain<T>(s.ds), T(1), true, s.gemm);
+  delta_product<T>(s.u.topRows(n), delta_lhs<T>(s.prod.topLeftCorner(n, n), true, DeltaTri::upper),
+                   d_out, false, s.gemm);  // P^T dO
+  delta_product<T>(s.u.topRows(n), delta_lhs<T>(s.kd.topRows(n), false), s.ds, true, s.gemm);
   s.dd.topRows(n) = d_out;
-  product_into<T>(s.dd.middleRows(n, n), transposed<T>(s.tri.topLeftCorner(n, n)),
-                  plain<T>(s.u.topRows(n)), T(1), false, s.gemm);
+  delta_product<T>(s.dd.middleRows(n, n),
+                   delta_lhs<T>(s.tri.topLeftCorner(n, n), true, DeltaTri::upper), s.u.topRows(n),
+                   false, s.gemm);  // dR = T^T dDelta
   const ConstMatrixRef<T> dd = s.dd.topRows(2 * n);
-  product_into<T>(s.x.topLeftCorner(2 * n, n), plain<T>(dd), transposed<T>(delta), T(1), false,
-                  s.gemm);
-  product_into<T>(s.z.topRows(2 * n), plain<T>(dd), transposed<T>(S), T(1), false, s.gemm);
-  product_into<T>(s.e.topRows(n), plain<T>(delta), transposed<T>(s.ds), T(1), false, s.gemm);
+  s.dt.leftCols(n) = delta.transpose();
+  s.st = S.transpose();
+  s.dst = s.ds.transpose();
+  const ConstMatrixRef<T> dt = s.dt.leftCols(n);
+  delta_product<T>(s.x.topLeftCorner(n, n), delta_lhs<T>(s.dd.topRows(n), false), dt, false, s.gemm,
+                   true);  // dP's triangle
+  delta_product<T>(s.x.block(n, 0, n, n), delta_lhs<T>(s.dd.middleRows(n, n), false), dt, false,
+                   s.gemm, true);  // -dA's triangle
+  delta_product<T>(s.z.topRows(2 * n), delta_lhs<T>(dd, false), s.st, false, s.gemm);
+  delta_product<T>(s.e.topRows(n), delta_lhs<T>(delta, false), s.dst, false, s.gemm);
   const auto beta = in.beta.segment(c0, n).array();
   s.lhs.topRows(n).array() = s.qk.topRows(n).array().colwise() * s.eg.head(n).array();
   s.w.head(n).array() = -(beta * s.eg.head(n).array());
   s.lhs.middleRows(n, n).array() = s.qk.middleRows(n, n).array().colwise() * s.w.head(n).array();
-  product_into<T>(s.dsu, transposed<T>(s.lhs.topRows(2 * n)), plain<T>(dd), T(1), false, s.gemm);
+  delta_product<T>(s.dsu, delta_lhs<T>(s.lhs.topRows(2 * n), true), dd, false, s.gemm);
   static_cast<void>(dv);
 }
 
 /// dbeta and dg of one chunk (SPEC 9.3) from s.x (before its masks), s.z, s.e, P, A and B, and
 /// with S and dS' for the [r = C] term; writes rows [c0, c0 + n) of dbeta and dg.
 template <class T>
-void delta_chunk_gate_grads(const DeltaInputs<T>& in, const ConstMatrixRef<T>& S, Index c0,
-                            Index n, DeltaScratch<T>& s, Vector<T>& dbeta, Vector<T>& dg) {
+void delta_chunk_gate_grads(const DeltaInputs<T>& in, const ConstMatrixRef<T>& S, Index c0, Index n,
+                            DeltaScratch<T>& s, Vector<T>& dbeta, Vector<T>& dg) {
   using W = wide_t<T>;
   const Index dv = in.v.cols();
   auto& dgam = s.dgamma;
@@ -86,11 +93,11 @@ void delta_chunk_gate_grads(const DeltaInputs<T>& in, const ConstMatrixRef<T>& S
     const W ek = static_cast<W>(s.ed(r)) * static_cast<W>(s.qk.row(n + r).dot(s.e.row(r)));
     const W vr = static_cast<W>(in.v.row(c0 + r).dot(s.dd.row(n + r)));
     W db = vr - eg * zk, hrow = 0;
-    const T* dp = s.x.row(r).data();       // dP_rj (j <= r)
-    const T* da = s.x.row(n + r).data();   // -dA_rj (j < r)
-    const T* p = s.prod.row(r).data();     // P_rj
-    const T* a = s.prod.row(n + r).data(); // A_rj
-    const T* b = s.b.row(r).data();        // B_rj
+    const T* dp = s.x.row(r).data();        // dP_rj (j <= r)
+    const T* da = s.x.row(n + r).data();    // -dA_rj (j < r)
+    const T* p = s.prod.row(r).data();      // P_rj
+    const T* a = s.prod.row(n + r).data();  // A_rj
+    const T* b = s.b.row(r).data();         // B_rj
     for (Index j = 0; j <= r; ++j) {
       W h = static_cast<W>(dp[j]) * static_cast<W>(p[j]);
       if (j < r) {
@@ -131,11 +138,16 @@ void delta_chunk_input_grads(const DeltaInputs<T>& in, Index c0, Index n, DeltaS
     for (Index j = 0; j < r; ++j) m[j] = -br * m[j] * d[j];  // s.x held -dA
     std::fill(m + r, m + n, T(0));
   }
-  const ConstMatrixRef<T> xm = s.x.topLeftCorner(2 * n, n);
-  product_into<T>(s.dqk.topRows(2 * n), plain<T>(xm), plain<T>(s.qk.middleRows(n, n)), T(1), false,
-                  s.gemm);  // [(dP o Gamma) K; M K]
-  product_into<T>(s.dk.topRows(n), transposed<T>(xm), plain<T>(s.qk.topRows(2 * n)), T(1), false,
-                  s.gemm);  // (dP o Gamma)^T Q + M^T K
+  const ConstMatrixRef<T> dpg = s.x.topLeftCorner(n, n), m = s.x.block(n, 0, n, n);
+  const ConstMatrixRef<T> Q = s.qk.topRows(n), K = s.qk.middleRows(n, n);
+  delta_product<T>(s.dqk.topRows(n), delta_lhs<T>(dpg, false, DeltaTri::lower), K, false,
+                   s.gemm);  // (dP o Gamma) K
+  delta_product<T>(s.dqk.middleRows(n, n), delta_lhs<T>(m, false, DeltaTri::lower), K, false,
+                   s.gemm);  // M K
+  delta_product<T>(s.dk.topRows(n), delta_lhs<T>(dpg, true, DeltaTri::upper), Q, false,
+                   s.gemm);  // (dP o Gamma)^T Q
+  delta_product<T>(s.dk.topRows(n), delta_lhs<T>(m, true, DeltaTri::upper), K, true,
+                   s.gemm);  // + M^T K
   const auto beta = in.beta.segment(c0, n).array();
   const auto eg = s.eg.head(n).array();
   grad.q.middleRows(c0, n) = s.dqk.topRows(n) + (s.z.topRows(n).array().colwise() * eg).matrix();
@@ -152,10 +164,10 @@ void delta_chunk_input_grads(const DeltaInputs<T>& in, Index c0, Index n, DeltaS
 /// exit; `states` every chunk's start state. grad.q and grad.k receive the gradients of q~ and
 /// k^ (before the scale and the normalisation).
 template <class T>
-void delta_backward_sweep(const DeltaInputs<T>& in, const DeltaConfig& cfg,
-                          const Vector<T>& inv_q, const Vector<T>& inv_k,
-                          const ConstMatrixRef<T>& grad_out, const Matrix<T>& delta,
-                          const Matrix<T>& states, delta::Grad<T>& grad, DeltaScratch<T>& s) {
+void delta_backward_sweep(const DeltaInputs<T>& in, const DeltaConfig& cfg, const Vector<T>& inv_q,
+                          const Vector<T>& inv_k, const ConstMatrixRef<T>& grad_out,
+                          const Matrix<T>& delta, const Matrix<T>& states, delta::Grad<T>& grad,
+                          DeltaScratch<T>& s) {
   const Index N = in.q.rows(), dk = in.q.cols(), dv = in.v.cols();
   const Index C = std::min(cfg.chunk, N);
   delta_size_chunk_buffers<T>(s, C, dk, dv);
@@ -170,6 +182,9 @@ void delta_backward_sweep(const DeltaInputs<T>& in, const DeltaConfig& cfg,
   s.dk.resize(C, dk);
   s.ds.resize(dk, dv);
   s.dsu.resize(dk, dv);
+  s.dt.resize(dv, C);
+  s.st.resize(dv, dk);
+  s.dst.resize(dv, dk);
   s.dgamma.resize(C);
   const Index chunks = (N + C - 1) / C;
   for (Index c = chunks - 1; c >= 0; --c) {

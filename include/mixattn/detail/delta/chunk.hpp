@@ -9,6 +9,7 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
+#include "mixattn/detail/delta/kernels.hpp"
 #include "mixattn/detail/gemm.hpp"
 
 #include <Eigen/Core>
@@ -43,13 +44,15 @@ inline DeltaConfig delta_config(const delta::Options& opt, Index key_dim) {
   return {opt.chunk, scale, opt.normalize, opt.norm_eps};
 }
 
-/// inv(t) = 1 / sqrt(|x_t|^2 + eps), the norm summed in the wide type (SPEC 9.1).
+/// inv(t) = 1 / sqrt(|x_t|^2 + eps): the squares summed in T (vectorised along the row; a float
+/// sum of d squares carries d eps at worst, below the rounding the norm's use adds), the root in
+/// the wide type.
 template <class T>
 void delta_inverse_norms(const ConstMatrixRef<T>& x, double eps, Vector<T>& inv) {
   using W = wide_t<T>;
   inv.resize(x.rows());
   for (Index t = 0; t < x.rows(); ++t) {
-    const W ss = x.row(t).template cast<W>().squaredNorm();
+    const W ss = static_cast<W>(x.row(t).squaredNorm());
     inv(t) = static_cast<T>(W(1) / std::sqrt(ss + static_cast<W>(eps)));
   }
 }
@@ -61,7 +64,7 @@ void delta_size_chunk_buffers(DeltaScratch<T>& s, Index C, Index dk, Index dv) {
   s.kt.resize(dk, C);
   s.prod.resize(2 * C, C);
   s.decay.resize(C, C);
-  s.tri.resize(C, C);
+  s.tri.resize(C, delta_tri_width<T>(C));
   s.gamma.resize(C);
   s.eg.resize(C);
   s.ed.resize(C);
@@ -130,10 +133,15 @@ template <class T>
 void delta_advance_state(const ConstMatrixRef<T>& delta, Index n, DeltaScratch<T>& s) {
   using W = wide_t<T>;
   s.kd.topRows(n).array() = s.qk.middleRows(n, n).array().colwise() * s.ed.head(n).array();
-  product_into<T>(s.upd, transposed<T>(s.kd.topRows(n)), plain<T>(delta), T(1), false, s.gemm);
+  delta_product<T>(s.upd, delta_lhs<T>(s.kd.topRows(n), true), delta, false, s.gemm);
   const W decay = std::exp(s.gamma(n - 1));
-  s.sw = decay * s.sw + s.upd.template cast<W>();
-  s.s = s.sw.template cast<T>();
+  W* MIXATTN_RESTRICT sw = s.sw.data();  // one pass: sw = decay sw + upd, s = sw in T
+  T* MIXATTN_RESTRICT st = s.s.data();
+  const T* MIXATTN_RESTRICT up = s.upd.data();
+  for (Index i = 0; i < s.sw.size(); ++i) {
+    sw[i] = decay * sw[i] + static_cast<W>(up[i]);
+    st[i] = static_cast<T>(sw[i]);
+  }
 }
 
 /// [Q; K] K^T into s.prod (2n x n), then in place P = lower(Q K^T o Gamma) in its top n rows and
@@ -142,9 +150,11 @@ void delta_advance_state(const ConstMatrixRef<T>& delta, Index n, DeltaScratch<T
 template <class T>
 void delta_chunk_scores(const Eigen::Ref<const Vector<T>>& beta, Index c0, Index n,
                         DeltaScratch<T>& s, Matrix<T>* b) {
-  auto prod = s.prod.topRows(2 * n).leftCols(n);
-  product_into<T>(prod, plain<T>(s.qk.topRows(2 * n)), plain<T>(s.kt.leftCols(n)), T(1), false,
-                  s.gemm);
+  const ConstMatrixRef<T> kt = s.kt.leftCols(n);  // QK^T's and KK^T's lower triangles
+  delta_product<T>(s.prod.topLeftCorner(n, n), delta_lhs<T>(s.qk.topRows(n), false), kt, false,
+                   s.gemm, true);
+  delta_product<T>(s.prod.block(n, 0, n, n), delta_lhs<T>(s.qk.middleRows(n, n), false), kt, false,
+                   s.gemm, true);
   for (Index r = 0; r < n; ++r) {
     T* p = s.prod.row(r).data();
     T* a = s.prod.row(n + r).data();
@@ -163,20 +173,12 @@ void delta_chunk_scores(const Eigen::Ref<const Vector<T>>& beta, Index c0, Index
 }
 
 /// T = (I + A)^-1 (unit lower triangular) into s.tri by forward substitution, row by row:
-/// t_r = e_r - sum_{j<r} A_rj t_j. A is the bottom half of s.prod (delta_chunk_scores).
+/// t_r = e_r - sum_{j<r} A_rj t_j (delta_substitute). A is the bottom half of s.prod
+/// (delta_chunk_scores).
 template <class T>
 void delta_chunk_inverse(Index n, DeltaScratch<T>& s) {
-  for (Index r = 0; r < n; ++r) {
-    T* t = s.tri.row(r).data();
-    std::fill(t, t + n, T(0));
-    t[r] = T(1);
-    const T* a = s.prod.row(n + r).data();
-    for (Index j = 0; j < r; ++j) {
-      const T c = a[j];
-      const T* tj = s.tri.row(j).data();
-      for (Index i = 0; i <= j; ++i) t[i] -= c * tj[i];
-    }
-  }
+  delta_substitute<T>(s.prod.data() + n * s.prod.outerStride(), s.prod.outerStride(), n,
+                      s.tri.data(), s.tri.outerStride());
 }
 
 /// Everything of a chunk that does not depend on the state: loads, decays, P, A and T.

@@ -10,6 +10,7 @@
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
 #include "mixattn/detail/delta/chunk.hpp"
+#include "mixattn/detail/delta/kernels.hpp"
 #include "mixattn/detail/gemm.hpp"
 
 #include <Eigen/Core>
@@ -34,17 +35,16 @@ void delta_chunk_forward(const DeltaInputs<T>& in, Index c0, Index n, MatrixRef<
   s.w.head(n).array() = beta * s.eg.head(n).array();
   s.rhs.topRows(n).rightCols(dk).array() =
       s.qk.middleRows(n, n).array().colwise() * s.w.head(n).array();
-  const ConstMatrixRef<T> tri = s.tri.topLeftCorner(n, n);
-  product_into<T>(delta, plain<T>(tri), plain<T>(s.rhs.topRows(n).leftCols(dv)), T(1), false,
-                  s.gemm);  // U
-  product_into<T>(s.lhs.topRows(n), plain<T>(tri), plain<T>(s.rhs.topRows(n).rightCols(dk)), T(1),
-                  false, s.gemm);  // W
+  const DeltaLhs<T> tri = delta_lhs<T>(s.tri.topLeftCorner(n, n), false, DeltaTri::lower);
+  delta_product<T>(delta, tri, s.rhs.topRows(n).leftCols(dv), false, s.gemm);              // U
+  delta_product<T>(s.lhs.topRows(n), tri, s.rhs.topRows(n).rightCols(dk), false, s.gemm);  // W
   s.lhs.middleRows(n, n).array() = s.qk.topRows(n).array().colwise() * s.eg.head(n).array();
-  product_into<T>(s.y.topRows(2 * n), plain<T>(s.lhs.topRows(2 * n)), plain<T>(s.s), T(1), false,
-                  s.gemm);  // [W S; diag(e^gamma) Q S]
+  delta_product<T>(s.y.topRows(2 * n), delta_lhs<T>(s.lhs.topRows(2 * n), false), s.s, false,
+                   s.gemm);  // [W S; diag(e^gamma) Q S]
   delta -= s.y.topRows(n);
   out = s.y.middleRows(n, n);
-  product_into<T>(out, plain<T>(s.prod.topLeftCorner(n, n)), plain<T>(delta), T(1), true, s.gemm);
+  delta_product<T>(out, delta_lhs<T>(s.prod.topLeftCorner(n, n), false, DeltaTri::lower), delta,
+                   true, s.gemm);  // + P Delta
   delta_advance_state<T>(delta, n, s);
 }
 
@@ -74,36 +74,62 @@ void delta_forward_sweep(const DeltaInputs<T>& in, const DeltaConfig& cfg, const
   }
 }
 
+/// k^_t and q~_t (wide) into the rows `kr` and `qr` (SPEC 9.1).
+template <class T>
+void delta_token_rows(const DeltaInputs<T>& in, const DeltaConfig& cfg, Index t,
+                      Eigen::Ref<Vector<wide_t<T>>> kr, Eigen::Ref<Vector<wide_t<T>>> qr) {
+  using W = wide_t<T>;
+  kr = in.k.row(t).transpose().template cast<W>();
+  qr = in.q.row(t).transpose().template cast<W>();
+  W sk = static_cast<W>(cfg.scale), kk = 1;
+  if (cfg.normalize) {
+    const W eps = static_cast<W>(cfg.norm_eps);
+    kk = W(1) / std::sqrt(kr.squaredNorm() + eps);
+    sk *= W(1) / std::sqrt(qr.squaredNorm() + eps);
+  }
+  kr *= kk;
+  qr *= sk;
+}
+
 /// The recurrence (SPEC 9.1, (9.1)) token by token on the wide state S (d_k x d_v), in place:
-/// per token one read of S for S^T [k^ q~] and one update S = alpha S + k^ delta^T. For short
-/// pieces without a record (decoding); `kq` (2 x d_k) and `ab` (2 x d_v) are wide scratch.
+/// delta_t = beta_t (v_t - alpha_t S^T k^_t), o_t = alpha_t S^T q~_t + (k^_t . q~_t) delta_t,
+/// S = alpha_t S + k^_t delta_t^T, each token's update fused with the next token's read
+/// (delta_state_pass). For short pieces without a record (decoding); `rows` is wide scratch.
 template <class T>
 void delta_recurrent_forward(const DeltaInputs<T>& in, const DeltaConfig& cfg, Matrix<T>& out,
-                             Matrix<wide_t<T>>& S, Matrix<wide_t<T>>& kq, Matrix<wide_t<T>>& ab) {
+                             Matrix<wide_t<T>>& S, Matrix<wide_t<T>>& rows) {
   using W = wide_t<T>;
-  const Index N = in.q.rows(), dk = in.q.cols(), dv = in.v.cols();
-  kq.resize(2, dk);
-  ab.resize(2, dv);
+  const Index N = in.q.rows(), dk = in.q.cols(), dv = in.v.cols(), ld = S.outerStride();
+  rows.resize(6, std::max(dk, dv));
+  W* k_prev = rows.row(0).data();  // the previous token's k^ and delta: its pending update
+  W* d_prev = rows.row(1).data();
+  W* kr = rows.row(2).data();  // this token's k^ and q~
+  W* qr = rows.row(3).data();
+  W* sk = rows.row(4).data();  // S^T k^ and S^T q~
+  W* sq = rows.row(5).data();
+  W alpha_prev = 0;
   for (Index t = 0; t < N; ++t) {
-    kq.row(0) = in.k.row(t).template cast<W>();
-    kq.row(1) = in.q.row(t).template cast<W>();
-    W sk = static_cast<W>(cfg.scale), kk = 1;
-    if (cfg.normalize) {
-      const W eps = static_cast<W>(cfg.norm_eps);
-      kk = W(1) / std::sqrt(static_cast<W>(kq.row(0).squaredNorm()) + eps);
-      sk *= W(1) / std::sqrt(static_cast<W>(kq.row(1).squaredNorm()) + eps);
-    }
-    kq.row(0) *= kk;
-    kq.row(1) *= sk;
-    ab.noalias() = kq * S;  // [S^T k^; S^T q~] as rows
+    delta_token_rows<T>(in, cfg, t, Eigen::Map<Vector<W>>(kr, dk), Eigen::Map<Vector<W>>(qr, dk));
+    W kdotq = 0;
+    for (Index i = 0; i < dk; ++i) kdotq += kr[i] * qr[i];
+    if (t == 0)
+      delta_state_pass<false, true, W>(S.data(), dk, dv, ld, W(0), nullptr, nullptr, kr, qr, sk,
+                                       sq);
+    else
+      delta_state_pass<true, true, W>(S.data(), dk, dv, ld, alpha_prev, k_prev, d_prev, kr, qr, sk,
+                                      sq);
     const W alpha = std::exp(static_cast<W>(in.g(t))), b = static_cast<W>(in.beta(t));
-    const W kdotq = kq.row(0).dot(kq.row(1));
-    // delta = beta (v - alpha S^T k^) in ab's first row; o = alpha S^T q~ + (k^ . q~) delta
-    ab.row(0) = b * (in.v.row(t).template cast<W>() - alpha * ab.row(0));
-    out.row(t) = (alpha * ab.row(1) + kdotq * ab.row(0)).template cast<T>();
-    S *= alpha;
-    S.noalias() += kq.row(0).transpose() * ab.row(0);
+    for (Index j = 0; j < dv; ++j) {
+      const W dj = b * (static_cast<W>(in.v(t, j)) - alpha * sk[j]);
+      d_prev[j] = dj;
+      out(t, j) = static_cast<T>(alpha * sq[j] + kdotq * dj);
+    }
+    std::copy(kr, kr + dk, k_prev);
+    alpha_prev = alpha;
   }
+  if (N > 0)
+    delta_state_pass<true, false, W>(S.data(), dk, dv, ld, alpha_prev, k_prev, d_prev, nullptr,
+                                     nullptr, nullptr, nullptr);
 }
 
 }  // namespace detail
