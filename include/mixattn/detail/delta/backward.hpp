@@ -1,5 +1,6 @@
 // mixattn/detail/delta/backward.hpp — the gated delta rule's backward (SPEC.md §9.3): the chunks'
-// start states (kept or recomputed), one chunk's gradients, and the reverse sweep.
+// start states (kept or recomputed), one chunk's gradients, the reverse sweep, and the body
+// behind the entry points, delta_backward_into.
 //
 // Internal: included by mixattn/delta.hpp.
 #pragma once
@@ -8,7 +9,10 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/delta/checks.hpp"
 #include "mixattn/detail/delta/chunk.hpp"
+#include "mixattn/detail/delta/kernels.hpp"
 #include "mixattn/detail/gemm.hpp"
 
 #include <Eigen/Core>
@@ -212,6 +216,73 @@ void delta_normalize_backward(const ConstMatrixRef<T>& x, const Vector<T>* inv, 
     const W proj = static_cast<W>(x.row(t).dot(dx.row(t))) * static_cast<W>(iv);
     dx.row(t) = (dx.row(t) - static_cast<T>(proj) * iv * x.row(t)) * iv;
   }
+}
+
+/// The gradients of a continued call's start state into grad.state (else empty), and the
+/// finiteness of every gradient (check_finite).
+template <class T>
+void delta_finish_gradients(const char* fn, delta::Grad<T>& grad, const delta::Saved<T>& saved,
+                            const delta::Options& opt, const Matrix<wide_t<T>>& dS0) {
+  if (saved.continued) {
+    grad.state.S = dS0;
+    grad.state.state_fingerprint = saved.fingerprint.start_state;
+  } else {
+    grad.state.S.resize(0, 0);
+    grad.state.state_fingerprint = 0;
+  }
+  if (!opt.check_finite) return;
+  const char* culprit = "q, k, v, grad_out or the state is";
+  require_finite_result(grad.q, fn, "the gradient of q", culprit);
+  require_finite_result(grad.k, fn, "the gradient of k", culprit);
+  require_finite_result(grad.v, fn, "the gradient of v", culprit);
+  require_finite_result(grad.g, fn, "the gradient of g", culprit);
+  require_finite_result(grad.beta, fn, "the gradient of beta", culprit);
+  require_finite_result(grad.state.S, fn, "the gradient of the start state", culprit);
+}
+
+/// backward's body (SPEC 9.3; `fn` names the entry point in messages): validation once, the
+/// chunks' start states (kept by the forward or recomputed), the reverse sweep, then the
+/// gradients through the scale and the normalisation.
+template <class T>
+void delta_backward_into(const char* fn, delta::Grad<T>& grad, const ConstMatrixRef<T>& q,
+                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                         const Eigen::Ref<const Vector<T>>& g,
+                         const Eigen::Ref<const Vector<T>>& beta, const ConstMatrixRef<T>& grad_out,
+                         const delta::Saved<T>& saved, const delta::Options& opt,
+                         const delta::StateGrad<T>* grad_state_out) {
+  const DeltaInputs<T> in{q, k, v, g, beta};
+  delta_check_backward<T>(fn, in, grad_out, saved, opt, grad_state_out);
+  const Index N = q.rows(), dk = q.cols(), dv = v.cols();
+  const DeltaConfig cfg = delta_config(opt, dk);
+  DeltaScratch<T>& s = grad.scratch;
+  if (grad_state_out)
+    s.dsw = grad_state_out->S;  // first: it may be grad.state itself
+  else
+    s.dsw.setZero(dk, dv);
+  grad.q.resize(N, dk);
+  grad.k.resize(N, dk);
+  grad.v.resize(N, dv);
+  grad.g.resize(N);
+  grad.beta.resize(N);
+  if (N > 0) {
+    const Matrix<T>* states = &saved.states;
+    if (!saved.keep_states) {
+      delta_size_chunk_buffers<T>(s, std::min(cfg.chunk, N), dk, dv);
+      if (saved.continued)
+        s.sw = saved.start_S;
+      else
+        s.sw.setZero(dk, dv);
+      delta_recompute_states<T>(in, cfg, saved.inv_norm_q, saved.inv_norm_k, saved.delta, s.states,
+                                s);
+      states = &s.states;
+    }
+    delta_backward_sweep<T>(in, cfg, saved.inv_norm_q, saved.inv_norm_k, grad_out, saved.delta,
+                            *states, grad, s);
+    delta_normalize_backward<T>(q, cfg.normalize ? &saved.inv_norm_q : nullptr,
+                                static_cast<T>(cfg.scale), grad.q);
+    delta_normalize_backward<T>(k, cfg.normalize ? &saved.inv_norm_k : nullptr, T(1), grad.k);
+  }
+  delta_finish_gradients<T>(fn, grad, saved, opt, s.dsw);
 }
 
 }  // namespace detail

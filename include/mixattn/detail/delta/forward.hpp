@@ -1,6 +1,7 @@
 // mixattn/detail/delta/forward.hpp — the gated delta rule's forward (SPEC.md §9.1, 9.2): the
-// chunked sweep (one chunk's state-dependent products after delta_prepare_chunk) and the
-// token-by-token recurrence on the wide state (decoding).
+// chunked sweep (one chunk's state-dependent products after delta_prepare_chunk), the
+// token-by-token recurrence on the wide state (decoding), and the body behind the entry points,
+// delta_forward_into.
 //
 // Internal: included by mixattn/delta.hpp.
 #pragma once
@@ -9,9 +10,13 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
+#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/delta/checks.hpp"
 #include "mixattn/detail/delta/chunk.hpp"
 #include "mixattn/detail/delta/kernels.hpp"
+#include "mixattn/detail/fingerprint.hpp"
 #include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/value_form_scratch.hpp"
 
 #include <Eigen/Core>
 
@@ -130,6 +135,102 @@ void delta_recurrent_forward(const DeltaInputs<T>& in, const DeltaConfig& cfg, M
   if (N > 0)
     delta_state_pass<true, false, W>(S.data(), dk, dv, ld, alpha_prev, k_prev, d_prev, nullptr,
                                      nullptr, nullptr, nullptr);
+}
+
+/// Pieces of up to this many rows continuing a State without a record run the recurrence token
+/// by token on the wide state (SPEC 9.1) instead of the chunked form.
+constexpr Index delta_recurrent_rows = 16;
+
+/// The chunked forward of a call (SPEC 9.2) from the start state in s.sw: the inverse norms and
+/// Delta into the record when there is one (else into scratch), the outputs into out; leaves the
+/// end state in s.sw.
+template <class T>
+void delta_forward_chunked(const DeltaInputs<T>& in, const DeltaConfig& cfg,
+                           const delta::Options& opt, Matrix<T>& out, const delta::State<T>* state,
+                           delta::Saved<T>* saved, DeltaScratch<T>& s) {
+  const Index N = in.q.rows(), dv = in.v.cols();
+  Vector<T>& inv_q = saved ? saved->inv_norm_q : s.inv_q;
+  Vector<T>& inv_k = saved ? saved->inv_norm_k : s.inv_k;
+  if (cfg.normalize) {
+    delta_inverse_norms<T>(in.q, cfg.norm_eps, inv_q);
+    delta_inverse_norms<T>(in.k, cfg.norm_eps, inv_k);
+  } else {
+    inv_q.resize(0);
+    inv_k.resize(0);
+  }
+  if (saved) saved->delta.resize(N, dv);
+  if (saved && state) saved->start_S = state->S;
+  delta_forward_sweep<T>(in, cfg, inv_q, inv_k, out, saved ? &saved->delta : nullptr,
+                         saved && opt.keep_states ? &saved->states : nullptr, s);
+}
+
+/// Completes a record after its forward (SPEC 9.4): the options, the fingerprints of the inputs
+/// and of the start state, and, for a continued call, the start state and the end state's
+/// fingerprint (`end`: the end state).
+template <class T>
+void delta_fill_record(delta::Saved<T>& rec, const DeltaInputs<T>& in, const DeltaConfig& cfg,
+                       const delta::Options& opt, const delta::State<T>* state,
+                       const Matrix<wide_t<T>>& end) {
+  const Index N = in.q.rows();
+  if (N == 0) rec.delta.resize(0, in.v.cols());
+  if (N == 0 || !cfg.normalize) {
+    rec.inv_norm_q.resize(cfg.normalize ? N : 0);
+    rec.inv_norm_k.resize(cfg.normalize ? N : 0);
+  }
+  if (!opt.keep_states) rec.states.resize(0, in.v.cols());
+  rec.chunk = cfg.chunk;
+  rec.scale = cfg.scale;
+  rec.normalize = cfg.normalize;
+  rec.norm_eps = cfg.norm_eps;
+  rec.keep_states = opt.keep_states;
+  delta_fingerprint_inputs<T>(in, rec.fingerprint);
+  rec.continued = state != nullptr;
+  if (state) {
+    if (N == 0) rec.start_S = state->S;
+    rec.fingerprint.start_state = fingerprint(rec.start_S);
+    rec.end_fingerprint = fingerprint(end);
+  } else {
+    rec.start_S.resize(0, 0);
+    rec.fingerprint.start_state = 0;
+    rec.end_fingerprint = 0;
+  }
+  rec.valid = true;
+}
+
+/// forward's body (SPEC 9.1, 9.2; `fn` names the entry point in messages): validation once, then
+/// the token-by-token recurrence (a short continued piece without a record: decoding) or the
+/// chunked sweep; the record completed, the state advanced last (untouched on a throw).
+template <class T>
+void delta_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+                        const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                        const Eigen::Ref<const Vector<T>>& g,
+                        const Eigen::Ref<const Vector<T>>& beta, const delta::Options& opt,
+                        delta::State<T>* state, delta::Saved<T>* saved) {
+  const DeltaInputs<T> in{q, k, v, g, beta};
+  delta_check_inputs<T>(fn, in, opt);
+  const Index N = q.rows(), dk = q.cols(), dv = v.cols();
+  if (state) delta_check_state<T>(fn, *state, dk, dv, N, opt);
+  const DeltaConfig cfg = delta_config(opt, dk);
+  if (saved) saved->valid = false;  // until this call has filled it
+  DeltaScratch<T>& s = saved ? saved->scratch : value_form_scratch<DeltaScratch<T>>();
+  out.resize(N, dv);
+  if (state)
+    s.sw = state->S;
+  else
+    s.sw.setZero(dk, dv);
+  if (!saved && state && N <= delta_recurrent_rows)
+    delta_recurrent_forward<T>(in, cfg, out, s.sw, s.rows);
+  else if (N > 0)
+    delta_forward_chunked<T>(in, cfg, opt, out, state, saved, s);
+  if (opt.check_finite) {
+    require_finite_result(out, fn, "the output", "q, k, v or the state is");
+    if (state) require_finite_result(s.sw, fn, "the end state", "q, k, v or the state is");
+  }
+  if (saved) delta_fill_record<T>(*saved, in, cfg, opt, state, s.sw);
+  if (state) {
+    state->S = s.sw;
+    state->tokens_seen += N;
+  }
 }
 
 }  // namespace detail
