@@ -7,6 +7,7 @@
 #include "test_util.hpp"
 
 #include <mixattn/delta.hpp>
+#include <mixattn/packed.hpp>
 
 #include <gtest/gtest.h>
 
@@ -581,6 +582,176 @@ TYPED_TEST(DeltaTyped, EmptySequence) {
   EXPECT_EQ(gr.q.rows(), 0);
   EXPECT_EQ(gr.g.size(), 0);
   EXPECT_TRUE(gr.state.S == gs.S);  // the end state is the start state
+}
+
+// ---- packed batches
+// -------------------------------------------------------------------------------
+
+/// Gates of a packed call, H x total: log decays in [-1.51, -0.01], beta in [0.05, 0.95].
+template <class T>
+void random_gates(Index heads, Index total, std::uint64_t seed, Matrix<T>& g, Matrix<T>& beta) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  g.resize(heads, total);
+  beta.resize(heads, total);
+  for (Index h = 0; h < heads; ++h)
+    for (Index t = 0; t < total; ++t) {
+      g(h, t) = static_cast<T>(-(0.01 + 1.5 * u(rng)));
+      beta(h, t) = static_cast<T>(0.05 + 0.9 * u(rng));
+    }
+}
+
+// A packed call (cu_seqlens offsets, H heads side by side, the gates H x total) is one call of
+// the single-sequence operator per (sequence, head): the same bits as the separate calls for the
+// outputs, the end states, every gradient and the start states' gradients, with and without
+// states, on one and two threads, empty sequences included.
+TYPED_TEST(DeltaTyped, PackedEqualsSeparateCalls) {
+  using T = TypeParam;
+  using W = detail::wide_t<T>;
+  const Index H = 2, dk = 5, dv = 3;
+  const Offsets off = {0, 37, 37, 100, 101};
+  const Index total = off.back(), B = static_cast<Index>(off.size()) - 1;
+  const Matrix<T> q = random_matrix<T>(total, H * dk, 600),
+                  k = random_matrix<T>(total, H * dk, 601);
+  const Matrix<T> v = random_matrix<T>(total, H * dv, 602),
+                  dO = random_matrix<T>(total, H * dv, 603);
+  Matrix<T> g, beta;
+  random_gates<T>(H, total, 604, g, beta);
+  const delta::Options opt = options(16, true);
+  for (const bool with_states : {false, true}) {
+    for (const int threads : {1, 2}) {
+      SCOPED_TRACE(::testing::Message() << "states " << with_states << " threads " << threads);
+      std::vector<delta::State<T>> states;
+      std::vector<delta::StateGrad<T>> dS(static_cast<std::size_t>(B * H));
+      for (Index i = 0; i < B * H; ++i) {
+        states.push_back(delta::State<T>::empty(dk, dv));
+        states.back().S = random_matrix<W>(dk, dv, 610 + i, 0.5);
+        dS[static_cast<std::size_t>(i)].S = random_matrix<W>(dk, dv, 630 + i);
+      }
+      const std::vector<delta::State<T>> start = states;
+      Matrix<T> out;
+      delta::PackedSaved<T> saved;
+      delta::PackedGrad<T> grad;
+      delta::forward_packed_into(out, H, q, k, v, g, beta, off, opt,
+                                 with_states ? &states : nullptr, &saved, threads);
+      delta::backward_packed_into(grad, H, q, k, v, g, beta, dO, off, saved, opt,
+                                  with_states ? &dS : nullptr, threads);
+      ASSERT_EQ(out.rows(), total);
+      ASSERT_EQ(grad.g.rows(), H);
+      ASSERT_EQ(grad.beta.cols(), total);
+      for (Index b = 0; b < B; ++b) {
+        for (Index h = 0; h < H; ++h) {
+          const std::size_t i = static_cast<std::size_t>(b * H + h);
+          const Index a = off[static_cast<std::size_t>(b)];
+          const Index n = off[static_cast<std::size_t>(b) + 1] - a;
+          delta::State<T> st = start[i];
+          delta::Saved<T> rec;
+          const Matrix<T> o =
+              delta::forward<T>(q.block(a, h * dk, n, dk), k.block(a, h * dk, n, dk),
+                                v.block(a, h * dv, n, dv), g.row(h).segment(a, n),
+                                beta.row(h).segment(a, n), opt, with_states ? &st : nullptr, &rec);
+          EXPECT_TRUE(out.block(a, h * dv, n, dv) == o) << "item " << i;
+          if (with_states) {
+            EXPECT_TRUE(states[i].S == st.S) << "item " << i;
+            EXPECT_EQ(states[i].tokens_seen, n);
+          }
+          const delta::Grad<T> gr = delta::backward<T>(
+              q.block(a, h * dk, n, dk), k.block(a, h * dk, n, dk), v.block(a, h * dv, n, dv),
+              g.row(h).segment(a, n), beta.row(h).segment(a, n), dO.block(a, h * dv, n, dv), rec,
+              opt, with_states ? &dS[i] : nullptr);
+          EXPECT_TRUE(grad.q.block(a, h * dk, n, dk) == gr.q) << "item " << i;
+          EXPECT_TRUE(grad.k.block(a, h * dk, n, dk) == gr.k) << "item " << i;
+          EXPECT_TRUE(grad.v.block(a, h * dv, n, dv) == gr.v) << "item " << i;
+          EXPECT_TRUE(grad.g.row(h).segment(a, n).transpose() == gr.g) << "item " << i;
+          EXPECT_TRUE(grad.beta.row(h).segment(a, n).transpose() == gr.beta) << "item " << i;
+          EXPECT_TRUE(grad.items[i].state.S == gr.state.S) << "item " << i;
+        }
+      }
+    }
+  }
+}
+
+// A packed sequence continued by a second packed call (its states carried) equals one packed
+// call over the whole sequences, up to rounding: the state crosses calls in packed batches too.
+TEST(DeltaPacked, StatesContinueAcrossPackedCalls) {
+  const Index H = 2, dk = 4, dv = 3;
+  const Offsets whole = {0, 30, 80}, first = {0, 12, 40}, second = {0, 18, 40};
+  const Matrix<double> q = random_matrix<double>(80, H * dk, 650);
+  const Matrix<double> k = random_matrix<double>(80, H * dk, 651);
+  const Matrix<double> v = random_matrix<double>(80, H * dv, 652);
+  Matrix<double> g, beta;
+  random_gates<double>(H, 80, 653, g, beta);
+  const delta::Options opt = options(8, true);
+  const auto fresh = [&] {
+    return std::vector<delta::State<double>>(4, delta::State<double>::empty(dk, dv));
+  };
+  std::vector<delta::State<double>> one = fresh(), two = fresh();
+  Matrix<double> out_one, out_a, out_b;
+  delta::forward_packed_into(out_one, H, q, k, v, g, beta, whole, opt, &one, nullptr);
+  // rows of sequence 0: [0, 12) then [12, 30); of sequence 1: [30, 58) then [58, 80)
+  Matrix<double> qa(40, H * dk), ka(40, H * dk), va(40, H * dv), ga(H, 40), ba(H, 40);
+  Matrix<double> qb = qa, kb = ka, vb = va, gb = ga, bb = ba;
+  const auto gather = [&](Index at, Index len, Index dst, Matrix<double>& qq, Matrix<double>& kk,
+                          Matrix<double>& vv, Matrix<double>& gg, Matrix<double>& bt) {
+    qq.middleRows(dst, len) = q.middleRows(at, len);
+    kk.middleRows(dst, len) = k.middleRows(at, len);
+    vv.middleRows(dst, len) = v.middleRows(at, len);
+    gg.middleCols(dst, len) = g.middleCols(at, len);
+    bt.middleCols(dst, len) = beta.middleCols(at, len);
+  };
+  gather(0, 12, 0, qa, ka, va, ga, ba);
+  gather(30, 28, 12, qa, ka, va, ga, ba);
+  gather(12, 18, 0, qb, kb, vb, gb, bb);
+  gather(58, 22, 18, qb, kb, vb, gb, bb);
+  delta::forward_packed_into(out_a, H, qa, ka, va, ga, ba, first, opt, &two, nullptr);
+  delta::forward_packed_into(out_b, H, qb, kb, vb, gb, bb, second, opt, &two, nullptr);
+  EXPECT_LT(rel_err(out_a.topRows(12), out_one.topRows(12)), 1e-12);
+  EXPECT_LT(rel_err(out_b.topRows(18), out_one.middleRows(12, 18)), 1e-12);
+  EXPECT_LT(rel_err(out_a.bottomRows(28), out_one.middleRows(30, 28)), 1e-12);
+  EXPECT_LT(rel_err(out_b.bottomRows(22), out_one.bottomRows(22)), 1e-12);
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_LT(rel_err(two[i].S, one[i].S), 1e-12) << "item " << i;
+    EXPECT_EQ(two[i].tokens_seen, one[i].tokens_seen);
+  }
+}
+
+TEST(DeltaPacked, ErrorsNameTheArgument) {
+  const Index H = 2, dk = 4, dv = 3;
+  const Offsets off = {0, 5, 9};
+  const Matrix<double> q = random_matrix<double>(9, H * dk, 660);
+  const Matrix<double> v = random_matrix<double>(9, H * dv, 661);
+  Matrix<double> g, beta;
+  random_gates<double>(H, 9, 662, g, beta);
+  const char* fn = "mixattn::delta::forward_packed_into";
+  Matrix<double> out;
+  using IA = std::invalid_argument;
+  expect_throw<IA>(
+      [&] {
+        delta::forward_packed_into(out, H, q, q, v, g.topRows(1), beta, off, {}, nullptr, nullptr);
+      },
+      {fn, "g is 1 x 9", "2 x 9"});
+  expect_throw<IA>(
+      [&] {
+        delta::forward_packed_into(out, H, q, q, v, g, beta.leftCols(8), off, {}, nullptr, nullptr);
+      },
+      {fn, "beta is 2 x 8"});
+  std::vector<delta::State<double>> states(3, delta::State<double>::empty(dk, dv));
+  expect_throw<IA>(
+      [&] { delta::forward_packed_into(out, H, q, q, v, g, beta, off, {}, &states, nullptr); },
+      {fn, "states has 3 entries", "need 4"});
+  expect_throw<IA>(
+      [&] {
+        delta::forward_packed_into(out, H, q, q, v, g, beta, {0, 5, 10}, {}, nullptr, nullptr);
+      },
+      {fn, "offsets"});
+  delta::PackedSaved<double> saved;
+  delta::forward_packed_into(out, H, q, q, v, g, beta, off, {}, nullptr, &saved);
+  delta::PackedGrad<double> grad;
+  expect_throw<IA>(
+      [&] {
+        delta::backward_packed_into(grad, H, q, q, v, g, beta, out, {0, 4, 9}, saved, {});
+      },
+      {"mixattn::delta::backward_packed_into", "saved holds"});
 }
 
 // ---- errors

@@ -27,8 +27,7 @@ void delta_check_options(const char* fn, const delta::Options& opt) {
                   static_cast<double>(std::numeric_limits<T>::max()),
           fn, "options.scale is ", opt.scale, "; it must be finite in ", scalar_name<T>(),
           " and >= 0 (0: 1/sqrt(d_k))");
-  require(std::isfinite(opt.norm_eps) && opt.norm_eps > 0 &&
-              static_cast<T>(opt.norm_eps) > T(0) &&
+  require(std::isfinite(opt.norm_eps) && opt.norm_eps > 0 && static_cast<T>(opt.norm_eps) > T(0) &&
               static_cast<double>(static_cast<T>(opt.norm_eps)) <
                   static_cast<double>(std::numeric_limits<T>::max()),
           fn, "options.norm_eps is ", opt.norm_eps, "; it must be > 0 and finite in ",
@@ -53,15 +52,14 @@ void delta_check_gates(const char* fn, const DeltaInputs<T>& in) {
 template <class T>
 void delta_check_inputs(const char* fn, const DeltaInputs<T>& in, const delta::Options& opt) {
   const Index N = in.q.rows();
-  require(in.q.cols() > 0, fn, "q has 0 columns: the key dimension d_k must be at least 1 (q: ",
-          shape_str(in.q), ")");
+  require(in.q.cols() > 0, fn,
+          "q has 0 columns: the key dimension d_k must be at least 1 (q: ", shape_str(in.q), ")");
   require(in.k.rows() == N && in.k.cols() == in.q.cols(), fn, "k is ", shape_str(in.k),
           " but q is ", shape_str(in.q), ": k must be ", N, " x ", in.q.cols());
   require(in.v.rows() == N && in.v.cols() > 0, fn, "v is ", shape_str(in.v), " but q has ", N,
           " rows: v must have ", N, " rows and at least 1 column");
   require(in.g.size() == N, fn, "g has ", in.g.size(), " entries but q has ", N, " rows");
-  require(in.beta.size() == N, fn, "beta has ", in.beta.size(), " entries but q has ", N,
-          " rows");
+  require(in.beta.size() == N, fn, "beta has ", in.beta.size(), " entries but q has ", N, " rows");
   delta_check_options<T>(fn, opt);
   delta_check_gates<T>(fn, in);
   if (!opt.check_finite) return;
@@ -79,9 +77,8 @@ void delta_check_inputs(const char* fn, const DeltaInputs<T>& in, const delta::O
 template <class T>
 void delta_check_state(const char* fn, const delta::State<T>& st, Index dk, Index dv, Index n,
                        const delta::Options& opt) {
-  require(st.S.rows() == dk && st.S.cols() == dv, fn, "state.S is ", shape_str(st.S),
-          " but q has ", dk, " columns and v has ", dv, ": make it with State<T>::empty(", dk,
-          ", ", dv, ")");
+  require(st.S.rows() == dk && st.S.cols() == dv, fn, "state.S is ", shape_str(st.S), " but q has ",
+          dk, " columns and v has ", dv, ": make it with State<T>::empty(", dk, ", ", dv, ")");
   require(st.tokens_seen >= 0 && n <= std::numeric_limits<Index>::max() - st.tokens_seen, fn,
           "state.tokens_seen is ", st.tokens_seen, "; with ", n,
           " more tokens it must stay in [0, max Index]");
@@ -125,9 +122,9 @@ void delta_check_backward(const char* fn, const DeltaInputs<T>& in,
           " but the output is ", N, " x ", dv, " (q rows x v columns)");
   if (opt.check_finite) require_finite(grad_out, fn, "grad_out");
   require(saved.valid, fn, "saved was not filled by forward");
-  require(saved.delta.rows() == N && saved.delta.cols() == dv, fn, "saved is for N = ",
-          saved.delta.rows(), ", d_v = ", saved.delta.cols(), " but the inputs have N = ", N,
-          ", d_v = ", dv);
+  require(saved.delta.rows() == N && saved.delta.cols() == dv, fn,
+          "saved is for N = ", saved.delta.rows(), ", d_v = ", saved.delta.cols(),
+          " but the inputs have N = ", N, ", d_v = ", dv);
   const DeltaConfig cfg = delta_config(opt, dk);
   require(saved.chunk == cfg.chunk && saved.scale == cfg.scale &&
               saved.normalize == cfg.normalize && saved.norm_eps == cfg.norm_eps &&
@@ -135,8 +132,8 @@ void delta_check_backward(const char* fn, const DeltaInputs<T>& in,
           fn, "saved was made with chunk = ", saved.chunk, ", scale = ", saved.scale,
           ", normalize = ", saved.normalize, ", norm_eps = ", saved.norm_eps,
           ", keep_states = ", saved.keep_states, " but the options give chunk = ", cfg.chunk,
-          ", scale = ", cfg.scale, ", normalize = ", cfg.normalize, ", norm_eps = ",
-          cfg.norm_eps, ", keep_states = ", opt.keep_states);
+          ", scale = ", cfg.scale, ", normalize = ", cfg.normalize, ", norm_eps = ", cfg.norm_eps,
+          ", keep_states = ", opt.keep_states);
   typename delta::Saved<T>::Fingerprints now;
   delta_fingerprint_inputs<T>(in, now);
   const typename delta::Saved<T>::Fingerprints& kept = saved.fingerprint;
@@ -152,6 +149,17 @@ void delta_check_backward(const char* fn, const DeltaInputs<T>& in,
           "saved.start_S is ", shape_str(saved.start_S), " but the state is ", dk, " x ", dv);
   if (grad_state_out != nullptr)
     delta_check_state_grad<T>(fn, saved, *grad_state_out, dk, dv, opt.check_finite);
+}
+
+/// The gates of a packed call: g and beta H x total (row h: head h's), read in place.
+template <class T>
+void delta_check_packed_gates(const char* fn, const ConstMatrixRef<T>& g,
+                              const ConstMatrixRef<T>& beta, Index heads, Index total) {
+  require(g.rows() == heads && g.cols() == total, fn, "g is ", shape_str(g), " but ", heads,
+          " heads over ", total, " rows need ", heads, " x ", total, " (row h: head h's gates)");
+  require(beta.rows() == heads && beta.cols() == total, fn, "beta is ", shape_str(beta), " but ",
+          heads, " heads over ", total, " rows need ", heads, " x ", total,
+          " (row h: head h's gates)");
 }
 
 }  // namespace detail
