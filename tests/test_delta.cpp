@@ -367,6 +367,27 @@ TEST(DeltaFloat, ForwardAndBackwardAgreeWithTheDoubleTwin) {
   EXPECT_LT(rel_err(gr.state.S, wg.S0), kFloatTol);
 }
 
+// Normalisation in float of rows whose squares overflow (1e20) or fall below float's normal range
+// (1e-20): the rows normalise to the same unit vectors as at scale 1 (norm_eps = 1e-45, a float
+// subnormal, is 1e-6 of the tiny rows' |x|^2).
+TEST(DeltaFloat, HugeAndTinyRowsNormaliseAsUnitRows) {
+  const Index N = 40, dk = 16, dv = 8;
+  const Problem p = random_problem(N, dk, dv, 410, false);
+  delta::Options opt = options(16, true);
+  opt.norm_eps = 1e-45;
+  Matrix<float> q = p.q.cast<float>(), k = p.k.cast<float>();
+  const Matrix<float> v = p.v.cast<float>();
+  const Vector<float> g = p.g.cast<float>(), b = p.beta.cast<float>();
+  const Matrix<float> want = delta::forward<float>(q, k, v, g, b, opt);
+  for (Index t = 0; t < N; ++t) {
+    const float s = t % 2 == 0 ? 1e20f : 1e-20f;
+    q.row(t) *= s;
+    k.row(t) *= s;
+  }
+  const Matrix<float> got = delta::forward<float>(q, k, v, g, b, opt);
+  EXPECT_LT(rel_err(got, want), kFloatTol);
+}
+
 // ---- pieces, decoding, records ------------------------------------------------------------------
 
 template <class T>

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
@@ -46,13 +47,18 @@ inline DeltaConfig delta_config(const delta::Options& opt, Index key_dim) {
 
 /// inv(t) = 1 / sqrt(|x_t|^2 + eps): the squares summed in T (vectorised along the row; a float
 /// sum of d squares carries d eps at worst, below the rounding the norm's use adds), the root in
-/// the wide type.
+/// the wide type. A row whose sum in T overflows or falls where its squares lose their precision
+/// (below sqrt of T's smallest normal) is summed again in the wide type: a float row of 1e20
+/// still normalises to a unit vector.
 template <class T>
 void delta_inverse_norms(const ConstMatrixRef<T>& x, double eps, Vector<T>& inv) {
   using W = wide_t<T>;
+  const W small = std::sqrt(static_cast<W>(std::numeric_limits<T>::min()));
   inv.resize(x.rows());
   for (Index t = 0; t < x.rows(); ++t) {
-    const W ss = static_cast<W>(x.row(t).squaredNorm());
+    W ss = static_cast<W>(x.row(t).squaredNorm());
+    if (!(ss <= static_cast<W>(std::numeric_limits<T>::max())) || ss < small)
+      ss = x.row(t).template cast<W>().squaredNorm();
     inv(t) = static_cast<T>(W(1) / std::sqrt(ss + static_cast<W>(eps)));
   }
 }
