@@ -997,4 +997,41 @@ TYPED_TEST(DeltaTyped, SteadyStateAllocatesNothing) {
   }
 }
 
+// At the training lengths of the other operators' steady-state checks (N = 2048 and 8192) and
+// the defaults, a repeated training step allocates nothing, one sequence or a packed batch of
+// three with states (one thread).
+TYPED_TEST(DeltaTyped, TrainingLengthsAllocateNothing) {
+  using T = TypeParam;
+  const Index d = 64;
+  for (const Index N : {2048, 8192}) {
+    const Problem p = random_problem(N, d, d, 710 + N, false);
+    const Inputs<T> in(p);
+    const Matrix<T> dO = random_matrix<T>(N, d, 711);
+    const delta::Options opt;
+    Matrix<T> out;
+    delta::Saved<T> saved;
+    delta::Grad<T> grad;
+    const auto step = [&] {
+      delta::forward_into(out, in.q, in.k, in.v, in.g, in.beta, opt, nullptr, &saved);
+      delta::backward_into(grad, in.q, in.k, in.v, in.g, in.beta, dO, saved, opt);
+    };
+    step();
+    EXPECT_EQ(allocations_of(step), 0) << "N " << N;
+    const Offsets off = {0, N / 4, N / 4, N};
+    Matrix<T> g(1, N), beta(1, N);
+    g.row(0) = in.g.transpose();
+    beta.row(0) = in.beta.transpose();
+    std::vector<delta::State<T>> states(3, delta::State<T>::empty(d, d));
+    Matrix<T> pout;
+    delta::PackedSaved<T> psaved;
+    delta::PackedGrad<T> pgrad;
+    const auto packed_step = [&] {
+      delta::forward_packed_into(pout, 1, in.q, in.k, in.v, g, beta, off, opt, &states, &psaved);
+      delta::backward_packed_into(pgrad, 1, in.q, in.k, in.v, g, beta, dO, off, psaved, opt);
+    };
+    packed_step();
+    EXPECT_EQ(allocations_of(packed_step), 0) << "packed, N " << N;
+  }
+}
+
 }  // namespace
