@@ -4,6 +4,7 @@
 #include "mixattn/adam.hpp"
 #include "mixattn/batched.hpp"
 #include "mixattn/core.hpp"
+#include "mixattn/delta.hpp"
 #include "mixattn/diagnostics.hpp"
 #include "mixattn/gma.hpp"
 #include "mixattn/layer.hpp"

@@ -31,6 +31,7 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/delta.hpp"
 #include "mixattn/detail/checks.hpp"
 #include "mixattn/detail/simd.hpp"
 #include "mixattn/gma.hpp"
@@ -663,4 +664,91 @@ void backward_packed_into(PackedGrad<T>& grad, Index kv_heads, const ConstMatrix
 }
 
 }  // namespace ovq
+
+namespace delta {
+
+/// Records of forward_packed_into: one Saved per (sequence b, head h), item b H + h.
+template <class T>
+using PackedSaved = mixattn::detail::PackedRecords<T, Saved<T>>;
+
+/// Gradients of forward_packed_into: dq, dk, dv like q, k, v, dg and dbeta like g and beta
+/// (H x total), and one Grad per item (its `state`: the start state's gradient when the forward
+/// continued states).
+template <class T>
+struct PackedGrad : mixattn::detail::PackedGrads<T, Grad<T>> {
+  Matrix<T> g, beta;
+};
+
+/// Packed gated delta rule (causal: one offsets vector). q, k: total x (H d_k), v: total x (H d_v),
+/// head h in column block h; g, beta: H x total, row h the gates of head h (read in place);
+/// states: null (every sequence starts from zero) or B H states, item b H + h, each continued and
+/// advanced as by forward. out: resized to total x (H d_v). Every (sequence, head) item is one
+/// call of forward_into: the results equal the separate calls bit for bit.
+template <class T>
+void forward_packed_into(Matrix<T>& out, Index heads, const ConstMatrixRef<T>& q,
+                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                         const ConstMatrixRef<T>& g, const ConstMatrixRef<T>& beta,
+                         const Offsets& offsets, const Options& opt,
+                         std::vector<State<typename mixattn::detail::identity<T>::type>>* states,
+                         PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
+                         int threads = 1) {
+  constexpr const char* fn = "mixattn::delta::forward_packed_into";
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(),
+                                    k.rows(), v.rows(), offsets, offsets, threads);
+  mixattn::detail::delta_check_packed_gates<T>(fn, g, beta, heads, q.rows());
+  if (states)
+    detail::require(static_cast<Index>(states->size()) == ph.items(), fn, "states has ",
+                    states->size(), " entries but ", ph.batch, " sequences x ", heads,
+                    " heads need ", ph.items());
+  PackedSaved<T> local;
+  const Index dk = ph.r, dv = ph.d_v;
+  mixattn::detail::packed_forward(
+      out, ph, offsets, offsets, saved ? *saved : local, saved != nullptr, threads, false,
+      [&](const mixattn::detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
+        State<T>* st = states ? &(*states)[static_cast<std::size_t>(p.b * heads + p.h)] : nullptr;
+        forward_into<T>(o, q.block(p.q0, p.h * dk, p.nq, dk), k.block(p.q0, p.h * dk, p.nq, dk),
+                        v.block(p.q0, p.h * dv, p.nq, dv), g.row(p.h).segment(p.q0, p.nq),
+                        beta.row(p.h).segment(p.q0, p.nq), opt, st, s);
+      });
+}
+
+/// Backward of forward_packed_into; grad_out: total x (H d_v). grad_states_out (optional, with
+/// states in the forward): B H gradients of the end states, item b H + h.
+template <class T>
+void backward_packed_into(PackedGrad<T>& grad, Index heads, const ConstMatrixRef<T>& q,
+                          const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                          const ConstMatrixRef<T>& g, const ConstMatrixRef<T>& beta,
+                          const ConstMatrixRef<T>& grad_out, const Offsets& offsets,
+                          const PackedSaved<T>& saved, const Options& opt,
+                          const std::vector<StateGrad<T>>* grad_states_out = nullptr,
+                          int threads = 1) {
+  constexpr const char* fn = "mixattn::delta::backward_packed_into";
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(),
+                                    k.rows(), v.rows(), offsets, offsets, threads);
+  mixattn::detail::delta_check_packed_gates<T>(fn, g, beta, heads, q.rows());
+  mixattn::detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, offsets, offsets, saved);
+  if (grad_states_out)
+    detail::require(static_cast<Index>(grad_states_out->size()) == ph.items(), fn,
+                    "grad_states_out has ", grad_states_out->size(), " entries but ", ph.batch,
+                    " sequences x ", heads, " heads need ", ph.items());
+  const Index dk = ph.r, dv = ph.d_v;
+  grad.g.resize(heads, q.rows());
+  grad.beta.resize(heads, q.rows());
+  mixattn::detail::packed_backward(
+      grad, ph, offsets, offsets, saved, threads, false,
+      [&](const mixattn::detail::PairRows& p, Grad<T>& gr, const Saved<T>& s) {
+        const std::size_t i = static_cast<std::size_t>(p.b * heads + p.h);
+        backward_into<T>(gr, q.block(p.q0, p.h * dk, p.nq, dk), k.block(p.q0, p.h * dk, p.nq, dk),
+                         v.block(p.q0, p.h * dv, p.nq, dv), g.row(p.h).segment(p.q0, p.nq),
+                         beta.row(p.h).segment(p.q0, p.nq),
+                         grad_out.block(p.q0, p.h * dv, p.nq, dv), s, opt,
+                         grad_states_out ? &(*grad_states_out)[i] : nullptr);
+        grad.g.row(p.h).segment(p.q0, p.nq) = gr.g.transpose();
+        grad.beta.row(p.h).segment(p.q0, p.nq) = gr.beta.transpose();
+      });
+}
+
+}  // namespace delta
 MIXATTN_END_NAMESPACE

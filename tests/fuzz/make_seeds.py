@@ -141,6 +141,34 @@ def layer_decode():
     write("fuzz_layer_decode", "bidirectional_refused", [1, 0, 0])
 
 
+def delta():
+    """fuzz_delta: [double, d_k - 1, d_v - 1, n, chunk, scale, normalize, norm_eps, keep_states,
+    check_finite, state, mapped gates, into, mismatch], q, k, v, g, beta, (S0), dout, the cut."""
+    nan_v = [1 << 3, 7, 0, 0, 2, 1, 0]  # v with one NaN
+    for name, t, dk, dv, n, chunk, norm, eps, keep, cf, state, gates, into, mismatch, cuts, v in [
+        ("double_three_pieces", 1, 4, 3, 40, 5, 1, 2, 0, 1, 1, 1, 0, 0, [2, 7, 11], None),
+        ("float_one_token_pieces", 0, 2, 2, 6, 0, 1, 0, 0, 1, 0, 1, 0, 0, [4, 1, 1, 1, 1], None),
+        ("double_into_keep_states", 1, 5, 4, 33, 1, 1, 3, 1, 1, 1, 1, 1, 0, [1, 20], None),
+        ("float_chunk3_state", 0, 8, 8, 48, 3, 1, 2, 0, 1, 1, 1, 1, 0, [2, 10, 30], None),
+        ("double_unnormalised", 1, 3, 2, 20, 2, 0, 0, 0, 1, 1, 1, 0, 0, [1, 9], None),
+        ("raw_gates_refused", 1, 3, 3, 12, 0, 1, 0, 0, 1, 1, 0, 0, 0, [1, 5], None),
+        ("nan_in_v_checked", 0, 3, 2, 10, 0, 1, 0, 0, 1, 0, 1, 0, 0, [1, 4], nan_v),
+        ("nan_in_v_unchecked", 1, 3, 2, 10, 0, 1, 0, 0, 0, 1, 1, 0, 0, [1, 4], nan_v),
+        ("state_of_other_shape", 1, 3, 2, 10, 0, 1, 0, 0, 1, 1, 1, 0, 1, [0], None),
+        ("chunk_zero", 0, 3, 2, 10, 0, 1, 0, 0, 1, 0, 1, 0, 2, [0], None),
+        ("g_of_other_length", 1, 3, 2, 10, 0, 1, 0, 0, 1, 0, 1, 0, 3, [0], None),
+        ("record_other_q", 1, 3, 2, 20, 4, 1, 2, 0, 1, 1, 1, 0, 4, [1, 8], None),
+        ("grad_state_other_state", 1, 3, 2, 20, 4, 1, 2, 0, 1, 1, 1, 0, 5, [1, 8], None),
+        ("grad_state_without_state", 0, 3, 2, 20, 4, 1, 2, 0, 1, 1, 1, 1, 6, [1, 8], None),
+    ]:
+        b = [t, dk - 1, dv - 1, n, chunk, 0, norm, eps, keep, cf, state, gates, into, mismatch]
+        b += mat(61) + mat(62) + (v if v else mat(63)) + mat(64) + mat(65)
+        if state:
+            b += mat(66)
+        b += mat(67) + cuts
+        write("fuzz_delta", name, b)
+
+
 if __name__ == "__main__":
     gma_state()
     into()
@@ -148,3 +176,4 @@ if __name__ == "__main__":
     baselines()
     layer_load()
     layer_decode()
+    delta()
