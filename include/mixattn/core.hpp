@@ -152,6 +152,12 @@ using Vector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
 /// Map over a caller's buffer, or a row block without a copy. T is non-deduced on purpose.
 template <class T>
 using ConstMatrixRef = Eigen::Ref<const Matrix<typename detail::identity<T>::type>>;
+/// Read-only view of a column vector with unit stride. T is non-deduced, as in ConstMatrixRef;
+/// the same spelling in every declaration of a worker also keeps clang's mangling of it one
+/// across translation units (Ref<const Vector<T>> with T deduced came out two ways in clang 14,
+/// and a unit declaring the workers extern then missed the instances' symbols).
+template <class T>
+using ConstVectorRef = Eigen::Ref<const Vector<typename detail::identity<T>::type>>;
 /// Writable view of a row-major matrix, for outputs written in place.
 template <class T>
 using MatrixRef = Eigen::Ref<Matrix<typename detail::identity<T>::type>>;

@@ -104,17 +104,16 @@ void backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixA
 // The workers behind every form, at the default instruction set (core.hpp: compiling the
 // operators once).
 namespace detail {
-#define MIXATTN_DELTA_WORKERS(T)                                                            \
-  MIXATTN_TEMPLATE_INSTANCE void delta_forward_into<T>(                                     \
-      const char*, Matrix<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,          \
-      const ConstMatrixRef<T>&, const Eigen::Ref<const Vector<T>>&,                         \
-      const Eigen::Ref<const Vector<T>>&, const delta::Options&, delta::State<T>*,          \
-      delta::Saved<T>*);                                                                    \
-  MIXATTN_TEMPLATE_INSTANCE void delta_backward_into<T>(                                    \
-      const char*, delta::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,     \
-      const ConstMatrixRef<T>&, const Eigen::Ref<const Vector<T>>&,                         \
-      const Eigen::Ref<const Vector<T>>&, const ConstMatrixRef<T>&, const delta::Saved<T>&, \
-      const delta::Options&, const delta::StateGrad<T>*);
+#define MIXATTN_DELTA_WORKERS(T)                                                        \
+  MIXATTN_TEMPLATE_INSTANCE void delta_forward_into<T>(                                 \
+      const char*, Matrix<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,      \
+      const ConstMatrixRef<T>&, const ConstVectorRef<T>&, const ConstVectorRef<T>&,     \
+      const delta::Options&, delta::State<T>*, delta::Saved<T>*);                       \
+  MIXATTN_TEMPLATE_INSTANCE void delta_backward_into<T>(                                \
+      const char*, delta::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, \
+      const ConstMatrixRef<T>&, const ConstVectorRef<T>&, const ConstVectorRef<T>&,     \
+      const ConstMatrixRef<T>&, const delta::Saved<T>&, const delta::Options&,          \
+      const delta::StateGrad<T>*);
 MIXATTN_FOR_EACH_SCALAR(MIXATTN_DELTA_WORKERS)
 #undef MIXATTN_DELTA_WORKERS
 }  // namespace detail

@@ -246,10 +246,9 @@ void delta_finish_gradients(const char* fn, delta::Grad<T>& grad, const delta::S
 template <class T>
 void delta_backward_into(const char* fn, delta::Grad<T>& grad, const ConstMatrixRef<T>& q,
                          const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                         const Eigen::Ref<const Vector<T>>& g,
-                         const Eigen::Ref<const Vector<T>>& beta, const ConstMatrixRef<T>& grad_out,
-                         const delta::Saved<T>& saved, const delta::Options& opt,
-                         const delta::StateGrad<T>* grad_state_out) {
+                         const ConstVectorRef<T>& g, const ConstVectorRef<T>& beta,
+                         const ConstMatrixRef<T>& grad_out, const delta::Saved<T>& saved,
+                         const delta::Options& opt, const delta::StateGrad<T>* grad_state_out) {
   const DeltaInputs<T> in{q, k, v, g, beta};
   delta_check_backward<T>(fn, in, grad_out, saved, opt, grad_state_out);
   const Index N = q.rows(), dk = q.cols(), dv = v.cols();

@@ -203,9 +203,8 @@ void delta_fill_record(delta::Saved<T>& rec, const DeltaInputs<T>& in, const Del
 template <class T>
 void delta_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                        const Eigen::Ref<const Vector<T>>& g,
-                        const Eigen::Ref<const Vector<T>>& beta, const delta::Options& opt,
-                        delta::State<T>* state, delta::Saved<T>* saved) {
+                        const ConstVectorRef<T>& g, const ConstVectorRef<T>& beta,
+                        const delta::Options& opt, delta::State<T>* state, delta::Saved<T>* saved) {
   const DeltaInputs<T> in{q, k, v, g, beta};
   delta_check_inputs<T>(fn, in, opt);
   const Index N = q.rows(), dk = q.cols(), dv = v.cols();
