@@ -11,8 +11,7 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/refuse.hpp"
+#include "mixattn/detail/common/checks.hpp"
 
 #include <algorithm>
 #include <cmath>

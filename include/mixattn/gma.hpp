@@ -17,22 +17,21 @@
 // included; forward / backward return fresh objects and call them.
 //
 // Every entry point has a defaulted template parameter Arch (the SIMD instruction set the
-// translation unit is compiled for, detail/simd.hpp); callers never write it.
+// translation unit is compiled for, detail/common/simd.hpp); callers never write it.
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/fingerprint.hpp"
-#include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/common/causal_scan.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/entry.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
+#include "mixattn/detail/common/gemm.hpp"
+#include "mixattn/detail/common/simd.hpp"
+#include "mixattn/detail/common/softmax.hpp"
 #include "mixattn/detail/gma_backward.hpp"
 #include "mixattn/detail/gma_common.hpp"
 #include "mixattn/detail/gma_forward.hpp"
-#include "mixattn/detail/gma_scan.hpp"
 #include "mixattn/detail/log_density.hpp"
-#include "mixattn/detail/refuse.hpp"
-#include "mixattn/detail/simd.hpp"
-#include "mixattn/detail/softmax.hpp"
-#include "mixattn/detail/value_form_scratch.hpp"
 #include "mixattn/gma_types.hpp"
 
 #include <Eigen/Core>

@@ -4,10 +4,9 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/common/simd.hpp"
 #include "mixattn/detail/gma_scratch.hpp"
 #include "mixattn/detail/log_density.hpp"
-#include "mixattn/detail/refuse.hpp"
-#include "mixattn/detail/simd.hpp"
 
 #include <Eigen/Core>
 

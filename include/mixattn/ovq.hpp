@@ -24,10 +24,9 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/common/entry.hpp"
 #include "mixattn/detail/ovq_backward.hpp"
 #include "mixattn/detail/ovq_forward.hpp"
-#include "mixattn/detail/refuse.hpp"
-#include "mixattn/detail/value_form_scratch.hpp"
 #include "mixattn/ovq_types.hpp"
 
 #include <algorithm>

@@ -31,8 +31,8 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/simd.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/simd.hpp"
 #include "mixattn/gma.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/parallel.hpp"

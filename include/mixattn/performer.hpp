@@ -9,19 +9,18 @@
 // c is the stabiliser (SPEC 5.2), as in the FAVOR+ reference: per query row the row's largest
 // exponent, for keys one largest exponent over the whole call; it changes the result only
 // through eps. Then it is linear attention (SPEC 4.2)
-// with these features: the read-out, the causal chunked scan (detail/gma_scan.hpp) and the
-// backward to the features are linear.hpp's, shared, not copied. Cost O((N + M) m (r + d_v)).
+// with these features: the read-out, the causal chunked scan (detail/common/causal_scan.hpp) and
+// the backward to the features are linear.hpp's, shared, not copied. Cost O((N + M) m (r + d_v)).
 //
 // Thread safety: every function is reentrant; distinct calls may run concurrently. A forward
 // without `saved` works in this thread's own scratch record (kept for the thread's lifetime).
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/fingerprint.hpp"
-#include "mixattn/detail/refuse.hpp"
-#include "mixattn/detail/value_form_scratch.hpp"
-#include "mixattn/linear.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/entry.hpp"
+#include "mixattn/detail/common/feature_attention.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
 #include "mixattn/performer_types.hpp"
 
 #include <Eigen/Core>
@@ -58,7 +57,7 @@ template <class T>
 void performer_check(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
                      const ConstMatrixRef<T>& v, const performer::Features<T>& f,
                      const performer::Options& opt) {
-  linear_check_inputs<T>(fn, q, k, v, opt);
+  feature_attention_check_inputs<T>(fn, q, k, v, opt);
   require(f.w.rows() > 0 && f.w.cols() == q.cols(), fn, "features.w is ", shape_str(f.w),
           " but q is ", shape_str(q), ": it must be m x ", q.cols(), " with m >= 1");
   require(opt.scale >= 0 && std::isfinite(opt.scale) && std::isfinite(static_cast<T>(opt.scale)),
@@ -195,13 +194,13 @@ void performer_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef
                             performer::Saved<T>* saved) {
   detail::performer_check<T>(fn, q, k, v, features, opt);
   const T s = detail::performer_scale<T>(opt, q.cols());
-  performer::Saved<T>& rec = saved ? *saved : detail::linear_thread_record<performer::Saved<T>>();
+  performer::Saved<T>& rec = saved ? *saved : detail::thread_scratch<performer::Saved<T>>();
   rec.attn.valid = false;  // until this call has filled it
   detail::performer_features_into<T>(q, features.w, s, true, rec.attn.phi_q, &rec.q_at, nullptr,
                                      nullptr, rec.attn.scratch);
   detail::performer_features_into<T>(k, features.w, s, false, rec.attn.phi_k, nullptr, &rec.k_row,
                                      &rec.k_col, rec.attn.scratch);
-  detail::linear_forward_record<T>(fn, out, q, k, v, opt, rec.attn, saved != nullptr);
+  detail::feature_attention_forward<T>(fn, out, q, k, v, opt, rec.attn, saved != nullptr);
   rec.scale = opt.scale;
   if (saved) rec.w_fingerprint = detail::fingerprint(features.w);
 }
@@ -215,7 +214,8 @@ void performer_backward_into(const char* fn, performer::Grad<T>& grad, const Con
                              const performer::Features<T>& features,
                              const performer::Saved<T>& saved, const performer::Options& opt) {
   detail::performer_check<T>(fn, q, k, v, features, opt);
-  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, features.count());
+  detail::feature_attention_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt,
+                                              features.count());
   detail::require(saved.scale == opt.scale && saved.q_at.size() == q.rows(), fn,
                   "saved was made with scale = ", saved.scale,
                   " but options give scale = ", opt.scale);
@@ -223,7 +223,7 @@ void performer_backward_into(const char* fn, performer::Grad<T>& grad, const Con
     detail::raise_other_data(fn, "saved", "features.w");
   const T s = detail::performer_scale<T>(opt, q.cols());
   detail::LinearScratch<T>& x = grad.scratch;
-  detail::linear_backward_features_into<T>(
+  detail::feature_attention_backward<T>(
       fn, q.cols(), k.rows(), v, grad_out, saved.attn, opt, grad.q, grad.k, grad.v, x, [&] {
         detail::performer_feature_backward_into<T>(q, features.w, s, saved.attn.phi_q, x.dphi_q,
                                                    grad.q, x.e, &saved.q_at, 0, 0, x.gemm);

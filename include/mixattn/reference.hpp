@@ -17,13 +17,12 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/fingerprint.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/entry.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
+#include "mixattn/detail/common/gemm.hpp"
+#include "mixattn/detail/common/softmax.hpp"
 #include "mixattn/detail/flash_kernels.hpp"
-#include "mixattn/detail/gemm.hpp"
-#include "mixattn/detail/refuse.hpp"
-#include "mixattn/detail/softmax.hpp"
-#include "mixattn/detail/value_form_scratch.hpp"
 #include "mixattn/reference_types.hpp"
 
 #include <algorithm>

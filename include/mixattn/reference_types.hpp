@@ -4,8 +4,8 @@
 #pragma once
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/common/gemm.hpp"
 #include "mixattn/detail/flash_kernels.hpp"
-#include "mixattn/detail/gemm.hpp"
 
 #include <cstdint>
 

@@ -18,8 +18,7 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/refuse.hpp"
+#include "mixattn/detail/common/checks.hpp"
 
 #include <Eigen/Core>
 

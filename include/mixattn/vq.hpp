@@ -19,11 +19,10 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/fingerprint.hpp"
-#include "mixattn/detail/refuse.hpp"
-#include "mixattn/detail/value_form_scratch.hpp"
-#include "mixattn/linear.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/entry.hpp"
+#include "mixattn/detail/common/feature_attention.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
 #include "mixattn/performer.hpp"
 #include "mixattn/vq_types.hpp"
 
@@ -71,7 +70,7 @@ template <class T>
 void vq_check(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
               const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& codebook,
               const vq::Options& opt) {
-  linear_check_inputs<T>(fn, q, k, v, opt);
+  feature_attention_check_inputs<T>(fn, q, k, v, opt);
   require(codebook.rows() > 0 && codebook.cols() == q.cols(), fn, "codebook is ",
           shape_str(codebook), " but q is ", shape_str(q), ": it must be S x ", q.cols(),
           " with S >= 1");
@@ -189,7 +188,7 @@ void vq_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
                      vq::Saved<T>* saved) {
   detail::vq_check<T>(fn, q, k, v, codebook, opt);
   const T tau = detail::vq_scale<T>(opt, q.cols());
-  vq::Saved<T>& rec = saved ? *saved : detail::linear_thread_record<vq::Saved<T>>();
+  vq::Saved<T>& rec = saved ? *saved : detail::thread_scratch<vq::Saved<T>>();
   linear::Saved<T>& a = rec.attn;
   a.valid = false;  // until this call has filled it
   a.scratch.w = codebook;
@@ -198,7 +197,7 @@ void vq_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
                                      nullptr, a.scratch);
   a.phi_k.setZero(k.rows(), codebook.rows());
   for (Index j = 0; j < k.rows(); ++j) a.phi_k(j, rec.codes[j]) = T(1);
-  detail::linear_forward_record<T>(fn, out, q, k, v, opt, a, saved != nullptr);
+  detail::feature_attention_forward<T>(fn, out, q, k, v, opt, a, saved != nullptr);
   rec.scale = opt.scale;
   if (saved) rec.codebook_fingerprint = detail::fingerprint(codebook);
 }
@@ -211,7 +210,8 @@ void vq_backward_into(const char* fn, vq::Grad<T>& grad, const ConstMatrixRef<T>
                       const ConstMatrixRef<T>& codebook, const ConstMatrixRef<T>& grad_out,
                       const vq::Saved<T>& saved, const vq::Options& opt) {
   detail::vq_check<T>(fn, q, k, v, codebook, opt);
-  detail::linear_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, codebook.rows());
+  detail::feature_attention_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt,
+                                              codebook.rows());
   detail::require(
       saved.scale == opt.scale && saved.q_at.size() == q.rows() && saved.codes.size() == k.rows(),
       fn, "saved was made with scale = ", saved.scale, " but options give scale = ", opt.scale);
@@ -223,7 +223,7 @@ void vq_backward_into(const char* fn, vq::Grad<T>& grad, const ConstMatrixRef<T>
   grad.codebook.setZero(codebook.rows(), codebook.cols());
   const linear::Saved<T>& a = saved.attn;
   const Index d_v = v.cols();
-  detail::linear_backward_features_into<T>(
+  detail::feature_attention_backward<T>(
       fn, q.cols(), k.rows(), v, grad_out, a, opt, grad.q, grad.k, grad.v, x, [&] {
         Matrix<T>& e = x.dphi_q;  // dPhi_Q, then E = dPhi_Q o Phi_Q
         detail::performer_feature_backward_into<T>(q, x.w, tau, a.phi_q, e, grad.q, x.e,

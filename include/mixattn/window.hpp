@@ -9,7 +9,6 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/refuse.hpp"
 #include "mixattn/reference.hpp"
 
 MIXATTN_BEGIN_NAMESPACE

@@ -12,7 +12,7 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/row_tiles.hpp"
+#include "mixattn/detail/common/row_tiles.hpp"
 
 #include <algorithm>
 #include <cmath>

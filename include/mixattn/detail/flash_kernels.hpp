@@ -8,8 +8,8 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/fast_exp.hpp"
-#include "mixattn/detail/softmax.hpp"
+#include "mixattn/detail/common/fast_exp.hpp"
+#include "mixattn/detail/common/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>

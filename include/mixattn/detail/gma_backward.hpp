@@ -8,10 +8,10 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/fingerprint.hpp"
+#include "mixattn/detail/common/causal_scan.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
 #include "mixattn/detail/gma_forward.hpp"
-#include "mixattn/detail/gma_scan.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -133,9 +133,9 @@ void gma_causal_backward_all(const PackedDensityDims<T>& p, const ConstMatrixRef
     grad.state.z.resize(0);
   }
   grad.state.state_fingerprint = saved.continued ? saved.fingerprint.start_state : 0;
-  gma_causal_backward<T, Arch>(saved.gamma_q, saved.gamma_k, v, s.g, s.h, saved.chunk, s.dgq, s.dgk,
-                               grad.v, saved.continued ? &saved.start_S : nullptr,
-                               saved.continued ? &saved.start_z : nullptr, G, u, s.scan);
+  causal_scan_backward<T, Arch>(saved.gamma_q, saved.gamma_k, v, s.g, s.h, saved.chunk, s.dgq,
+                                s.dgk, grad.v, saved.continued ? &saved.start_S : nullptr,
+                                saved.continued ? &saved.start_z : nullptr, G, u, s.scan);
   for (Index i0 = 0; i0 < N; i0 += panel) {
     const Index n = std::min(panel, N - i0);
     gma_density_backward_rows(Arch{}, p, q.data() + i0 * q.outerStride(), q.outerStride(),

@@ -7,8 +7,8 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/fingerprint.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
 #include "mixattn/detail/gma_scratch.hpp"
 #include "mixattn/detail/log_density.hpp"
 #include "mixattn/gma_types.hpp"
@@ -73,19 +73,8 @@ void gma_check_qkv(const char* fn, Index r, const ConstMatrixRef<T>& q, const Co
   require(v.rows() == k.rows(), fn, "v has ", v.rows(), " rows but k has ", k.rows());
   require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
           ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
-  require(!opt.causal || q.rows() == k.rows(), fn,
-          "causal needs as many queries as keys, but q has ", q.rows(), " rows and k has ",
-          k.rows());
-  // eps is applied in T: one that rounds to 0 there (1e-300 in float) would let 0 / 0 through.
-  require(opt.eps > 0 && std::isfinite(opt.eps) && static_cast<T>(opt.eps) > T(0) &&
-              std::isfinite(static_cast<T>(opt.eps)),
-          fn, "options.eps is ", opt.eps, "; it must be positive and finite in the scalar type");
-  require(opt.chunk >= 0, fn, "options.chunk is ", opt.chunk, "; it must be >= 0 (0: default)");
-  if (opt.check_finite && values == InputValues::check) {
-    require_finite(q, fn, "q");
-    require_finite(k, fn, "k");
-    require_finite(v, fn, "v");
-  }
+  check_scan_options<T>(fn, q.rows(), k.rows(), opt.causal, opt.eps, opt.chunk);
+  if (opt.check_finite && values == InputValues::check) require_finite_qkv<T>(fn, q, k, v);
 }
 
 /// body(), a forward without a record whose checks are on but whose inputs were not probed
@@ -172,7 +161,7 @@ GmaGammaWorkspace<T>& gma_gamma_workspace() {
 }
 
 inline Index gma_chunk(const gma::Options& opt) {
-  return opt.chunk > 0 ? opt.chunk : gma_default_chunk;
+  return resolved_chunk(opt.chunk);
 }
 
 /// Gamma of the n rows of x (N x r view) into out (N x K), for a mixture already reduced to its

@@ -8,10 +8,10 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/fingerprint.hpp"
+#include "mixattn/detail/common/causal_scan.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
 #include "mixattn/detail/gma_common.hpp"
-#include "mixattn/detail/gma_scan.hpp"
 #include "mixattn/gma_types.hpp"
 
 #include <algorithm>
@@ -211,9 +211,9 @@ void gma_causal_forward_blocks(const char* fn, GmaForwardScratch<T>& s, const Co
                             "q", &s.scores, b0);
     gma_gamma_into<Arch, T>(s.packed, k.middleRows(b0, n), s.block_k.data(), opt.check_finite, fn,
                             "k", &s.scores, b0);
-    gma_causal_forward<T, Arch>(s.block_q.topRows(n), s.block_k.topRows(n), v.middleRows(b0, n),
-                                static_cast<T>(opt.eps), chunk, out.middleRows(b0, n),
-                                den.segment(b0, n), s.scan.S, s.scan.z, s.scan);
+    causal_scan_forward<T, Arch>(s.block_q.topRows(n), s.block_k.topRows(n), v.middleRows(b0, n),
+                                 static_cast<T>(opt.eps), chunk, out.middleRows(b0, n),
+                                 den.segment(b0, n), s.scan.S, s.scan.z, s.scan);
   }
 }
 
@@ -273,8 +273,8 @@ void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
   if (opt.causal) {
     s.scan.S.setZero(K, d_v);
     s.scan.z.setZero(K);
-    gma_causal_forward<T, Arch>(b.gamma_q, b.gamma_k, v, eps, gma_chunk(opt), out, b.den, s.scan.S,
-                                s.scan.z, s.scan);
+    causal_scan_forward<T, Arch>(b.gamma_q, b.gamma_k, v, eps, gma_chunk(opt), out, b.den, s.scan.S,
+                                 s.scan.z, s.scan);
   } else {
     gma_bidirectional_forward<T>(b.gamma_q, b.gamma_k, v, eps, b.vt, b.z, out, b.den, s);
   }
@@ -356,11 +356,11 @@ void gma_forward_continued(const char* fn, Matrix<T>& out, const PackedDensity<T
   if (N < chunk) {
     Vector<W>& w = gma_decode_scratch<W>();
     w.resize(d_v + 2 * K);
-    gma_causal_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, d_v,
-                         static_cast<T>(opt.eps), st.S, st.z, w, out.data(), d_v, den.data());
+    causal_scan_tokens<T>(gq.data(), gk.data(), v.data(), v.outerStride(), N, K, d_v,
+                          static_cast<T>(opt.eps), st.S, st.z, w, out.data(), d_v, den.data());
   } else {
-    gma_causal_forward<T, Arch>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z,
-                                s.scan);
+    causal_scan_forward<T, Arch>(gq, gk, v, static_cast<T>(opt.eps), chunk, out, den, st.S, st.z,
+                                 s.scan);
   }
   st.tokens_seen += N;
   if (opt.check_finite)

@@ -7,8 +7,8 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/gemm.hpp"
-#include "mixattn/detail/gma_scan.hpp"
+#include "mixattn/detail/common/causal_scan.hpp"
+#include "mixattn/detail/common/gemm.hpp"
 #include "mixattn/detail/log_density.hpp"
 
 #include <algorithm>
@@ -33,7 +33,7 @@ struct GmaForwardScratch {
   // enough to overflow the state, so that an overflow gives the State back untouched.
   Matrix<wide_t<T>> start_S;
   Vector<wide_t<T>> start_z;
-  GmaScanScratch<T> scan;
+  ScanScratch<T> scan;
   GemmSpace<T> gemm;
 };
 
@@ -114,7 +114,7 @@ struct GmaBackwardScratch {
   DensityGradSums<T> sums;
   Matrix<W> G;  // causal: K x d_v, the suffix state dL/dS (when grad.state does not hold it)
   Vector<W> u;  // causal: K, dL/dz
-  GmaScanScratch<T> scan;
+  ScanScratch<T> scan;
   GemmSpace<T> gemm;
 };
 

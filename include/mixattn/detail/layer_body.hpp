@@ -5,9 +5,9 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/common/gemm.hpp"
+#include "mixattn/detail/common/parallel_gemm.hpp"
 #include "mixattn/detail/mixers/table.hpp"
-#include "mixattn/detail/parallel_gemm.hpp"
 #include "mixattn/layer_config.hpp"
 #include "mixattn/layer_types.hpp"
 #include "mixattn/named_block.hpp"

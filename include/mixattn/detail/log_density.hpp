@@ -17,8 +17,8 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/simd.hpp"
-#include "mixattn/detail/softmax.hpp"
+#include "mixattn/detail/common/simd.hpp"
+#include "mixattn/detail/common/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>

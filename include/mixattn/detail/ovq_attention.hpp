@@ -11,9 +11,9 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/gemm.hpp"
-#include "mixattn/detail/row_tiles.hpp"
-#include "mixattn/detail/softmax.hpp"
+#include "mixattn/detail/common/gemm.hpp"
+#include "mixattn/detail/common/row_tiles.hpp"
+#include "mixattn/detail/common/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>

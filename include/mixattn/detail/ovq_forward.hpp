@@ -7,8 +7,8 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/fingerprint.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
 #include "mixattn/ovq_types.hpp"  // and detail/ovq_scratch.hpp, after the state it builds on
 
 #include <algorithm>

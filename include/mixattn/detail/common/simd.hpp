@@ -1,4 +1,4 @@
-// mixattn/detail/simd.hpp — the SIMD shim: which instruction set the kernels are built for.
+// mixattn/detail/common/simd.hpp — the SIMD shim: which instruction set the kernels are built for.
 //
 // Every SIMD kernel is a template on (Arch, T) over xsimd::batch<T, Arch> with a scalar tail, and
 // the public entry points carry `Arch = detail::simd_arch` as a defaulted template parameter.
@@ -86,8 +86,12 @@ constexpr int simd_registers() {
 class FlushSubnormals {
  public:
 #if defined(__SSE2__) || defined(_M_X64)
-  FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
-  ~FlushSubnormals() { _mm_setcsr(saved_); }
+  FlushSubnormals() : saved_(_mm_getcsr()) {
+    _mm_setcsr(saved_ | 0x8040u);
+  }
+  ~FlushSubnormals() {
+    _mm_setcsr(saved_);
+  }
 
  private:
   unsigned saved_;

@@ -1,8 +1,8 @@
-// mixattn/detail/gma_scan.hpp — chunk-wise causal read/write of GMA (SPEC 1.4, 1.5), the one
-// causal linear-attention scan of the library: with non-negative features f_q, f_k (rows of
-// N x K matrices) it computes out_i = (f_q,i^T sum_{j<=i} f_k,j v_j^T) / (f_q,i . sum_{j<=i}
-// f_k,j + eps) and its backward to f_q, f_k and v. GMA passes the responsibilities (K
-// components), linear attention (linear.hpp, SPEC 4) the elu + 1 features of q and k (K = r).
+// mixattn/detail/common/causal_scan.hpp — the one chunk-wise causal linear-attention scan of the
+// library (SPEC 1.4, 1.5, 4.2): with non-negative features f_q, f_k (rows of N x K matrices) it
+// computes out_i = (f_q,i^T sum_{j<=i} f_k,j v_j^T) / (f_q,i . sum_{j<=i} f_k,j + eps) and its
+// backward to f_q, f_k and v. GMA passes its responsibilities (K components); linear attention,
+// Performer and VQ attention their feature maps (detail/common/feature_attention.hpp).
 //
 // Inside a chunk of C tokens the C x C lower-triangular block of Gamma_Q Gamma_K^T is formed
 // explicitly; across chunks one running state [S | z] (K x d_v and K) carries the prefix. The
@@ -13,10 +13,11 @@
 
 #include "mixattn/detail/internal_header_check.hpp"
 
+#include "mixattn/common_types.hpp"
 #include "mixattn/core.hpp"
-#include "mixattn/detail/row_tiles.hpp"
-#include "mixattn/detail/simd.hpp"
-#include "mixattn/detail/softmax.hpp"
+#include "mixattn/detail/common/row_tiles.hpp"
+#include "mixattn/detail/common/simd.hpp"
+#include "mixattn/detail/common/softmax.hpp"
 
 #include <Eigen/Core>
 
@@ -27,34 +28,28 @@ namespace detail {
 
 /// Default chunk length: small chunks waste less of the masked C x C block; below 32 the GEMMs get
 /// too thin to gain (the sweep: bench/results/tuning.md, "GMA causal chunk length").
-constexpr Index gma_default_chunk = 32;
+constexpr Index default_scan_chunk = 32;
 
-/// Scratch of the causal scans, reused across calls (capacity kept when shapes repeat).
+/// An option's chunk length, 0 meaning the default.
+constexpr Index resolved_chunk(Index chunk) {
+  return chunk > 0 ? chunk : default_scan_chunk;
+}
+
+/// Sizes the scan's T buffers (the wide states are set by the callers); the forward and the
+/// backward size them alike, so that a scratch shared by both keeps its memory.
 template <class T>
-struct GmaScanScratch {
-  Matrix<wide_t<T>> S;      // K x d_v: a whole-sequence forward's state; backward's prefix state
-  Vector<wide_t<T>> z;      // K
-  Matrix<T> s_t, update;    // K x d_v: the state in T, one chunk's contribution
-  Vector<T> z_t, z_update;  // K
-  Matrix<T> a_buf, b_buf;   // chunk x padded chunk (padded_to_vectors)
-  Matrix<T> gkt;            // K x padded chunk: a chunk's Gamma_K transposed (SIMD)
-  Matrix<T> vt;             // d_v x padded chunk: a chunk's V transposed (SIMD backward)
-  Matrix<T> st;             // d_v x K: a state transposed, in T (SIMD backward)
-  /// Sizes the T buffers (the wide states are set by the callers); the forward and the backward
-  /// size them alike, so that a scratch shared by both keeps its memory.
-  void reset(Index K, Index d_v, Index chunk) {
-    const Index padded = padded_to_vectors<T>(chunk);
-    s_t.resize(K, d_v);
-    update.resize(K, d_v);
-    z_t.resize(K);
-    z_update.resize(K);
-    a_buf.resize(chunk, padded);
-    b_buf.resize(chunk, padded);
-    gkt.resize(K, padded);
-    vt.resize(d_v, padded);
-    st.resize(d_v, K);
-  }
-};
+void reset_scan_scratch(ScanScratch<T>& s, Index K, Index d_v, Index chunk) {
+  const Index padded = padded_to_vectors<T>(chunk);
+  s.s_t.resize(K, d_v);
+  s.update.resize(K, d_v);
+  s.z_t.resize(K);
+  s.z_update.resize(K);
+  s.a_buf.resize(chunk, padded);
+  s.b_buf.resize(chunk, padded);
+  s.gkt.resize(K, padded);
+  s.vt.resize(d_v, padded);
+  s.st.resize(d_v, K);
+}
 
 /// Causal forward (SPEC 1.4). gq, gk: N x K responsibilities; v: N x d_v. [S | z] (K x d_v, K,
 /// wide) is the prefix state before the first token on entry (zero for a whole sequence) and
@@ -63,14 +58,14 @@ struct GmaScanScratch {
 /// tiles (the state and the chunk's values stream through L1, nothing is packed); the scalar
 /// build, and the C x C block in both, use Eigen's products.
 template <class T, class Arch = simd_arch>
-void gma_causal_forward(const ConstMatrixRef<T>& gq, const ConstMatrixRef<T>& gk,
-                        const ConstMatrixRef<T>& v, T eps, Index chunk, MatrixRef<T> out,
-                        Eigen::Ref<Vector<T>> den, Matrix<wide_t<T>>& S, Vector<wide_t<T>>& z,
-                        GmaScanScratch<T>& scratch) {
+void causal_scan_forward(const ConstMatrixRef<T>& gq, const ConstMatrixRef<T>& gk,
+                         const ConstMatrixRef<T>& v, T eps, Index chunk, MatrixRef<T> out,
+                         Eigen::Ref<Vector<T>> den, Matrix<wide_t<T>>& S, Vector<wide_t<T>>& z,
+                         ScanScratch<T>& scratch) {
   using W = wide_t<T>;
   const Index N = gq.rows(), K = gq.cols(), d_v = v.cols(), ldo = out.outerStride();
   const Index ldq = gq.outerStride(), ldk = gk.outerStride();
-  scratch.reset(K, d_v, chunk);
+  reset_scan_scratch(scratch, K, d_v, chunk);
   Matrix<T>& s_t = scratch.s_t;
   Matrix<T>& update = scratch.update;
   Vector<T>& z_t = scratch.z_t;
@@ -130,9 +125,9 @@ void gma_causal_forward(const ConstMatrixRef<T>& gq, const ConstMatrixRef<T>& gk
 /// No T copy of the state: the decode path, where a chunk's GEMMs would be 1 x K.
 /// w: wide scratch of at least d_v + 2K. Writes out (n x d_v, stride ldo) and den (n).
 template <class T>
-void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n, Index K, Index d_v,
-                       T eps, Matrix<wide_t<T>>& S, Vector<wide_t<T>>& z, Vector<wide_t<T>>& w,
-                       T* out, Index ldo, T* den) {
+void causal_scan_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n, Index K,
+                        Index d_v, T eps, Matrix<wide_t<T>>& S, Vector<wide_t<T>>& z,
+                        Vector<wide_t<T>>& w, T* out, Index ldo, T* den) {
   using W = wide_t<T>;
   constexpr int B = 16;
   using Block = Eigen::Matrix<W, B, 1>;
@@ -176,10 +171,10 @@ void gma_causal_tokens(const T* gq, const T* gk, const T* v, Index ldv, Index n,
 /// The query side of the causal backward (SPEC 1.5) through Eigen's products, prefix order:
 /// dgamma_q,i = S_i g_i + h_i z_i, with [S | z] from the start state (S0, z0; null: zero).
 template <class T>
-void gma_causal_backward_query_eigen(const Matrix<T>& gk, const ConstMatrixRef<T>& v,
-                                     const Matrix<T>& g, const Vector<T>& h, Index chunk,
-                                     Matrix<T>& dgq, const Matrix<wide_t<T>>* S0,
-                                     const Vector<wide_t<T>>* z0, GmaScanScratch<T>& scratch) {
+void causal_scan_query_eigen(const Matrix<T>& gk, const ConstMatrixRef<T>& v, const Matrix<T>& g,
+                             const Vector<T>& h, Index chunk, Matrix<T>& dgq,
+                             const Matrix<wide_t<T>>* S0, const Vector<wide_t<T>>* z0,
+                             ScanScratch<T>& scratch) {
   using W = wide_t<T>;
   const Index N = gk.rows(), K = gk.cols(), d_v = v.cols();
   Matrix<W>& S = scratch.S;
@@ -218,11 +213,10 @@ void gma_causal_backward_query_eigen(const Matrix<T>& gk, const ConstMatrixRef<T
 /// The key side through Eigen's products, suffix order: dgamma_k,j = G_j v_j + u_j, dv_j = G_j^T
 /// gamma_k,j, with [G | u] the gradient of the end state on entry, of the start state on exit.
 template <class T>
-void gma_causal_backward_key_eigen(const Matrix<T>& gq, const Matrix<T>& gk,
-                                   const ConstMatrixRef<T>& v, const Matrix<T>& g,
-                                   const Vector<T>& h, Index chunk, Matrix<T>& dgk, Matrix<T>& dv,
-                                   Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u,
-                                   GmaScanScratch<T>& scratch) {
+void causal_scan_key_eigen(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
+                           const Matrix<T>& g, const Vector<T>& h, Index chunk, Matrix<T>& dgk,
+                           Matrix<T>& dv, Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u,
+                           ScanScratch<T>& scratch) {
   using W = wide_t<T>;
   const Index N = gq.rows();
   Matrix<T>& g_t = scratch.s_t;
@@ -301,7 +295,7 @@ inline void causal_block(const T* x, Index ldx, const T* yt, Index ld, Index d, 
 /// then S^T += V^T Gamma_K and z += Gamma_K^T 1. The prefix state is kept transposed (d_v x K:
 /// wide in s.S, in T in s.st), so that every product streams rows of its operands.
 template <class Arch, class T>
-inline void causal_backward_query_chunk(const CausalChunk<T>& ch, GmaScanScratch<T>& s, T* dq,
+inline void causal_backward_query_chunk(const CausalChunk<T>& ch, ScanScratch<T>& s, T* dq,
                                         Index lddq) {
   using W = wide_t<T>;
   const Index c = ch.c, K = ch.K, d_v = ch.d_v, ld = ch.template ld<Arch>();
@@ -328,7 +322,7 @@ inline void causal_backward_query_chunk(const CausalChunk<T>& ch, GmaScanScratch
 /// d_v x K), one for each of the two products that read it.
 template <class Arch, class T>
 inline void causal_backward_key_chunk(const CausalChunk<T>& ch, Matrix<wide_t<T>>& G,
-                                      Vector<wide_t<T>>& u, GmaScanScratch<T>& s, T* dk, Index lddk,
+                                      Vector<wide_t<T>>& u, ScanScratch<T>& s, T* dk, Index lddk,
                                       T* dv, Index lddv) {
   using W = wide_t<T>;
   static const T one = T(1);
@@ -362,11 +356,12 @@ inline void causal_backward_key_chunk(const CausalChunk<T>& ch, Matrix<wide_t<T>
 /// The causal backward on register tiles (SIMD builds): the query side's chunks in prefix order,
 /// then the key side's in suffix order, each chunk's products read while its rows are in L1.
 template <class Arch, class T>
-void gma_causal_backward_tiles(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
-                               const Matrix<T>& g, const Vector<T>& h, Index chunk, Matrix<T>& dgq,
-                               Matrix<T>& dgk, Matrix<T>& dv, const Matrix<wide_t<T>>* S0,
-                               const Vector<wide_t<T>>* z0, Matrix<wide_t<T>>& G,
-                               Vector<wide_t<T>>& u, GmaScanScratch<T>& scratch) {
+void causal_scan_backward_tiles(const Matrix<T>& gq, const Matrix<T>& gk,
+                                const ConstMatrixRef<T>& v, const Matrix<T>& g, const Vector<T>& h,
+                                Index chunk, Matrix<T>& dgq, Matrix<T>& dgk, Matrix<T>& dv,
+                                const Matrix<wide_t<T>>* S0, const Vector<wide_t<T>>* z0,
+                                Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u,
+                                ScanScratch<T>& scratch) {
   const Index N = gq.rows(), K = gq.cols(), d_v = v.cols();
   if (S0 != nullptr) {
     scratch.S = S0->transpose();
@@ -410,23 +405,24 @@ void gma_causal_backward_tiles(const Matrix<T>& gq, const Matrix<T>& gk, const C
 /// start state (SPEC 1.5, pieces). In a chunk, B_ij = [j <= i] (g_i . v_j + h_i) gives
 /// dGamma_Q += B Gamma_K and dGamma_K += B^T Gamma_Q. dgq, dgk (N x K) and dv (N x d_v) are
 /// sized by the caller. SIMD builds run each chunk on row_tiles.hpp's register tiles
-/// (gma_causal_backward_tiles); the scalar build (and Arch = scalar_arch, its twin in the tests)
+/// (causal_scan_backward_tiles); the scalar build (and Arch = scalar_arch, its twin in the tests)
 /// on Eigen's products. Both keep the running states wide (see the top of this file).
 template <class T, class Arch = simd_arch>
-void gma_causal_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
-                         const Matrix<T>& g, const Vector<T>& h, Index chunk, Matrix<T>& dgq,
-                         Matrix<T>& dgk, Matrix<T>& dv, const Matrix<wide_t<T>>* S0,
-                         const Vector<wide_t<T>>* z0, Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u,
-                         GmaScanScratch<T>& scratch) {
-  scratch.reset(gq.cols(), v.cols(), chunk);
+void causal_scan_backward(const Matrix<T>& gq, const Matrix<T>& gk, const ConstMatrixRef<T>& v,
+                          const Matrix<T>& g, const Vector<T>& h, Index chunk, Matrix<T>& dgq,
+                          Matrix<T>& dgk, Matrix<T>& dv, const Matrix<wide_t<T>>* S0,
+                          const Vector<wide_t<T>>* z0, Matrix<wide_t<T>>& G, Vector<wide_t<T>>& u,
+                          ScanScratch<T>& scratch) {
+  reset_scan_scratch(scratch, gq.cols(), v.cols(), chunk);
 #if MIXATTN_HAS_SIMD
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
-    gma_causal_backward_tiles<Arch, T>(gq, gk, v, g, h, chunk, dgq, dgk, dv, S0, z0, G, u, scratch);
+    causal_scan_backward_tiles<Arch, T>(gq, gk, v, g, h, chunk, dgq, dgk, dv, S0, z0, G, u,
+                                        scratch);
     return;
   }
 #endif
-  gma_causal_backward_query_eigen<T>(gk, v, g, h, chunk, dgq, S0, z0, scratch);
-  gma_causal_backward_key_eigen<T>(gq, gk, v, g, h, chunk, dgk, dv, G, u, scratch);
+  causal_scan_query_eigen<T>(gk, v, g, h, chunk, dgq, S0, z0, scratch);
+  causal_scan_key_eigen<T>(gq, gk, v, g, h, chunk, dgk, dv, G, u, scratch);
 }
 
 }  // namespace detail

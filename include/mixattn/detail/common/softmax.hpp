@@ -1,4 +1,4 @@
-// mixattn/detail/softmax.hpp — one softmax row and its backward, shared by every operator
+// mixattn/detail/common/softmax.hpp — one softmax row and its backward, shared by every operator
 // (SPEC 1.2's responsibilities, 2.2's OVQ tile, 3's naive, flash and decoding reference).
 //
 //   p_j = exp(s_j - max_l s_l) / sum_l exp(s_l - max_l s_l)
@@ -22,8 +22,8 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/fast_exp.hpp"
-#include "mixattn/detail/simd.hpp"
+#include "mixattn/detail/common/fast_exp.hpp"
+#include "mixattn/detail/common/simd.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-// mixattn/detail/gemm.hpp — matrix products whose packing buffers are owned by the caller.
+// mixattn/detail/common/gemm.hpp — matrix products whose packing buffers are owned by the caller.
 //
 // Eigen's GEMM packs panels of both operands into buffers of kc x mc and kc x nc scalars, sized
 // from the cache sizes. Below EIGEN_STACK_ALLOCATION_LIMIT (128 KiB) they live on the stack;
@@ -11,40 +11,13 @@
 
 #include "mixattn/detail/internal_header_check.hpp"
 
+#include "mixattn/common_types.hpp"
 #include "mixattn/core.hpp"
 
 #include <Eigen/Core>
 
-#include <vector>
-
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
-
-/// Reusable packing buffers for gemm(). Not shareable between concurrent calls; copying one
-/// copies its buffers (the pointers are set again by every product).
-template <class T>
-class GemmSpace : public Eigen::internal::level3_blocking<T, T> {
- public:
-  /// Blocking for a row-major rows x cols destination and the given depth: Eigen computes the
-  /// transposed (column-major) product, so its m is our cols and its n our rows.
-  void plan(Index rows, Index cols, Index depth) {
-    Index kc = depth, mc = cols, nc = rows;
-    Eigen::internal::computeProductBlockingSizes<T, T, 1, Index>(kc, mc, nc, Index(1));
-    this->m_kc = kc;
-    this->m_mc = mc;
-    this->m_nc = nc;
-    grow(a_, kc * mc);
-    grow(b_, kc * nc);
-    this->m_blockA = a_.data();
-    this->m_blockB = b_.data();
-  }
-
- private:
-  static void grow(std::vector<T, Eigen::aligned_allocator<T>>& v, Index n) {
-    if (static_cast<Index>(v.size()) < n) v.resize(static_cast<std::size_t>(n));
-  }
-  std::vector<T, Eigen::aligned_allocator<T>> a_, b_;
-};
 
 /// One operand of gemm(): a row-major block (rows x cols, row stride `stride`) or the transpose
 /// of one (then `row_major` is false and the storage is column-major with that stride).

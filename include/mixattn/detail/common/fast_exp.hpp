@@ -1,5 +1,5 @@
-// mixattn/detail/fast_exp.hpp — exp on registers of float for the softmax passes of the tiled
-// kernels, where the arguments are shifted logits x = s - max <= 0.
+// mixattn/detail/common/fast_exp.hpp — exp on registers of float for the softmax passes of the
+// tiled kernels, where the arguments are shifted logits x = s - max <= 0.
 //
 // Internal: included by the kernels that need it.
 #pragma once
@@ -7,7 +7,7 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/simd.hpp"
+#include "mixattn/detail/common/simd.hpp"
 
 #include <cstdint>
 #include <type_traits>

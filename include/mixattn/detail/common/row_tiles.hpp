@@ -1,4 +1,4 @@
-// mixattn/detail/row_tiles.hpp — register-tiled rank updates and read-outs over a K x d_v
+// mixattn/detail/common/row_tiles.hpp — register-tiled rank updates and read-outs over a K x d_v
 // memory, the write and read of the linear-attention family (SPEC 1.3, 1.4):
 //
 //   write:  M[k, :] += sum_i g_ik v_i           (M = Gamma_K^T V, a chunk's state update)
@@ -18,8 +18,8 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/simd.hpp"
-#include "mixattn/detail/softmax.hpp"
+#include "mixattn/detail/common/simd.hpp"
+#include "mixattn/detail/common/softmax.hpp"
 
 #include <algorithm>
 #include <cmath>

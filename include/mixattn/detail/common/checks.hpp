@@ -1,5 +1,6 @@
-// mixattn/detail/checks.hpp — the argument checks every operator shares: the q, k, v shapes and
-// the finiteness of inputs and results (probes that cost a fraction of a read).
+// mixattn/detail/common/checks.hpp — the argument checks every operator shares: the q, k, v shapes,
+// the causal scan's options, the finiteness of inputs and results (probes that cost a fraction
+// of a read).
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"
@@ -27,6 +28,20 @@ void check_qkv_shapes(const char* fn, const ConstMatrixRef<T>& q, const ConstMat
           " (k: ", shape_str(k), ", v: ", shape_str(v), ")");
   require(!(q.rows() > 0 && k.rows() == 0), fn, "k has 0 rows but q has ", q.rows(),
           ": every query needs at least one key (q: ", shape_str(q), ", k: ", shape_str(k), ")");
+}
+
+/// The options of every operator on the causal scan (GMA, linear attention, Performer, VQ): a
+/// causal call's shapes (as many queries as keys), eps, chunk.
+template <class T>
+void check_scan_options(const char* fn, Index queries, Index keys, bool causal, double eps,
+                        Index chunk) {
+  require(!causal || queries == keys, fn, "causal needs as many queries as keys, but q has ",
+          queries, " rows and k has ", keys);
+  // eps is applied in T: one that rounds to 0 there (1e-300 in float) would let 0 / 0 through.
+  require(eps > 0 && std::isfinite(eps) && static_cast<T>(eps) > T(0) &&
+              std::isfinite(static_cast<T>(eps)),
+          fn, "options.eps is ", eps, "; it must be positive and finite in the scalar type");
+  require(chunk >= 0, fn, "options.chunk is ", chunk, "; it must be >= 0 (0: default)");
 }
 
 /// The sum of x * 0 over n contiguous scalars: 0 when every one is finite, NaN otherwise (inf * 0
@@ -76,6 +91,15 @@ inline void require_finite(const Eigen::DenseBase<Derived>& x, const char* fn, c
       if (!std::isfinite(static_cast<double>(x(i, j))))
         raise_domain_error(concat(fn, ": ", arg, " has a non-finite entry at (", i, ", ", j,
                                   ") of ", rows, " x ", cols));
+}
+
+/// q, k and v finite, checked in that order.
+template <class T>
+void require_finite_qkv(const char* fn, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                        const ConstMatrixRef<T>& v) {
+  require_finite(q, fn, "q");
+  require_finite(k, fn, "k");
+  require_finite(v, fn, "v");
 }
 
 /// "float" or "double", for messages.

@@ -1,5 +1,5 @@
-// mixattn/detail/fingerprint.hpp — the position-sensitive fingerprint that ties a backward's record
-// to the data its forward was given, and the error raised when they differ.
+// mixattn/detail/common/fingerprint.hpp — the position-sensitive fingerprint that ties a backward's
+// record to the data its forward was given, and the error raised when they differ.
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"
@@ -178,6 +178,15 @@ class Fingerprint {
 template <class X>
 std::uint64_t fingerprint(const X& x) {
   return Fingerprint().add(x).value();
+}
+
+/// The fingerprints of q, k and v, in out[0..2].
+template <class T>
+void qkv_fingerprints(const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                      const ConstMatrixRef<T>& v, std::uint64_t* out) {
+  out[0] = fingerprint(q);
+  out[1] = fingerprint(k);
+  out[2] = fingerprint(v);
 }
 
 /// The error every backward raises for a record filled from other data.

@@ -1,4 +1,4 @@
-// mixattn/detail/parallel_gemm.hpp — a list of GEMMs run as tasks on the library's pool.
+// mixattn/detail/common/parallel_gemm.hpp — a list of GEMMs run as tasks on the library's pool.
 //
 // The layer's projections are a handful of large products (N x d_model by d_model x H·r and the
 // like) that would otherwise run on the calling thread while the pool's workers wait. A GemmTask
@@ -12,7 +12,7 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/common/gemm.hpp"
 #include "mixattn/parallel.hpp"
 
 #include <atomic>
