@@ -276,13 +276,6 @@ constexpr bool refuse_arguments() {
 /// out, so that nothing of its body is compiled for that T: the message is the diagnostic.
 template <class T>
 using enable_if_supported = std::enable_if_t<refuse_arguments<T>() && supported_scalar<T>, int>;
-/// Selects the catch-all overloads layer.hpp still declares: T is not supported or an argument
-/// would be copied.
-template <class T, class... A>
-using enable_if_refused =
-    std::enable_if_t<(is_eigen<A> && ...) && (!supported_scalar<T> || any_copied_layout<T, A...>),
-                     int>;
-
 /// The type of every public entry point's matrix inputs (ConstMatrixArg<T>): a ConstMatrixRef<T>
 /// (by inheritance, so the workers take it as one) whose converting constructor refuses, where
 /// the argument binds, what would be copied on every call (a column-major or strided matrix)
@@ -301,18 +294,11 @@ class InputRef : public Eigen::Ref<const Matrix<T>> {
   }
 };
 
-/// For entry points whose T is written explicitly or deduced from the arguments (reference::,
-/// diagnostics::): T = void means "deduce from the first argument".
-template <class T, class A>
-using scalar_of = std::conditional_t<std::is_void<T>::value, typename A::Scalar, T>;
-template <class T, class... A>
-using enable_if_deduced_or_refused =
-    std::enable_if_t<(is_eigen<A> && ...) && (std::is_void<T>::value || !supported_scalar<T> ||
-                                              any_copied_layout<T, A...>),
-                     int>;
-/// Whether a deduced call may go on to the main overload (otherwise the static_asserts fired).
-template <class S, class... A>
-constexpr bool accepted = supported_scalar<S> && !any_copied_layout<S, A...>;
+/// The overloads that take T from their first matrix argument (reference::naive_forward(q, k, v),
+/// diagnostics::mean_usage(gamma)): any Eigen arguments, passed on to the ConstMatrixArg<T> form
+/// with T their scalar type, where they bind or are refused.
+template <class... A>
+using enable_if_deduced = std::enable_if_t<(is_eigen<A> && ...), int>;
 
 }  // namespace detail
 

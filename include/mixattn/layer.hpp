@@ -143,7 +143,7 @@ class MultiHeadAttention {
 
   /// Y = concat_h(mixer_h(X W_Q, X W_K, X W_V)) W_O.  x: N x d_model (N >= 1); returns
   /// N x d_model. With a cache, fills it for backward; without, keeps nothing.
-  Matrix<T> forward(const ConstMatrixRef<T>& x, Cache<T>* cache = nullptr) const {
+  Matrix<T> forward(const ConstMatrixArg<T>& x, Cache<T>* cache = nullptr) const {
     Matrix<T> y;
     Cache<T> local;
     Cache<T>& c = cache ? *cache : local;
@@ -180,7 +180,7 @@ class MultiHeadAttention {
   /// A throw for x (shape, non-finite values, or projections that overflow T) leaves
   /// `state` unchanged; after any other (a mismatched state, a non-finite parameter, an output
   /// that overflowed T), begin_decoding() again.
-  Matrix<T> decode(const ConstMatrixRef<T>& x, DecodeState<T>& state) const {
+  Matrix<T> decode(const ConstMatrixArg<T>& x, DecodeState<T>& state) const {
     constexpr const char* fn = "mixattn::layer::MultiHeadAttention::decode";
     ::mixattn::detail::check_layer_input<T>(p_.cfg, fn, x);
     ::mixattn::detail::require(
@@ -217,7 +217,7 @@ class MultiHeadAttention {
   /// forward into a caller-owned y (resized to N x d_model) and cache (filled for backward);
   /// both keep their capacity, so with threads = 1 a training step whose shapes repeat
   /// performs no heap allocation.
-  void forward_into(Matrix<T>& y, const ConstMatrixRef<T>& x, Cache<T>& cache) const {
+  void forward_into(Matrix<T>& y, const ConstMatrixArg<T>& x, Cache<T>& cache) const {
     cache.offsets.assign({0, x.rows()});
     ::mixattn::detail::layer_run_forward(p_, "mixattn::layer::MultiHeadAttention::forward_into", y,
                                          x, cache, true);
@@ -228,7 +228,7 @@ class MultiHeadAttention {
   /// all rows; the mixers run per (sequence, head) pair, largest first on Config::threads
   /// threads, each pair equal to the layer's forward on that sequence alone bit for bit.
   /// backward_into takes the same cache (it holds the offsets).
-  void forward_packed_into(Matrix<T>& y, const ConstMatrixRef<T>& x, const Offsets& offsets,
+  void forward_packed_into(Matrix<T>& y, const ConstMatrixArg<T>& x, const Offsets& offsets,
                            Cache<T>& cache) const {
     constexpr const char* fn = "mixattn::layer::MultiHeadAttention::forward_packed_into";
     ::mixattn::detail::check_offsets(fn, "offsets", offsets, x.rows());
@@ -241,7 +241,7 @@ class MultiHeadAttention {
 
   /// Gradients of a scalar loss L given dY = ∂L/∂Y. x: N x d_model, the forward's input;
   /// grad_y: N x d_model; cache: filled by forward(x, &cache) with the current parameters.
-  Gradients<T> backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& grad_y,
+  Gradients<T> backward(const ConstMatrixArg<T>& x, const ConstMatrixArg<T>& grad_y,
                         const Cache<T>& cache) const {
     Gradients<T> g;
     ::mixattn::detail::layer_run_backward(p_, "mixattn::layer::MultiHeadAttention::backward", g, x,
@@ -251,59 +251,19 @@ class MultiHeadAttention {
 
   /// backward into caller-owned gradients: names and blocks are filled once, matrices resized
   /// (no-op when shapes repeat) and the per-head records reused.
-  void backward_into(Gradients<T>& g, const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& grad_y,
+  void backward_into(Gradients<T>& g, const ConstMatrixArg<T>& x, const ConstMatrixArg<T>& grad_y,
                      const Cache<T>& cache) const {
     ::mixattn::detail::layer_run_backward(p_, "mixattn::layer::MultiHeadAttention::backward_into",
                                           g, x, grad_y, cache);
   }
 
   /// Head h's query responsibilities Γ_Q = γ(X W_Q,h) (N x K) — for diagnostics (GMA only).
-  Matrix<T> query_responsibilities(const ConstMatrixRef<T>& x, Index h) const {
+  Matrix<T> query_responsibilities(const ConstMatrixArg<T>& x, Index h) const {
     return head_responsibilities("query_responsibilities", x, h, p_.w_q);
   }
   /// Head h's key responsibilities Γ_K = γ(X W_K,h) (N x K) — for diagnostics (GMA only).
-  Matrix<T> key_responsibilities(const ConstMatrixRef<T>& x, Index h) const {
+  Matrix<T> key_responsibilities(const ConstMatrixArg<T>& x, Index h) const {
     return head_responsibilities("key_responsibilities", x, h, p_.w_k);
-  }
-
-  // Compile-time refusal (core.hpp, refuse_arguments): a column-major or strided x or grad_y
-  // would be copied on every call; these overloads exist only for the static_assert's message.
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  Matrix<T> forward(const X&, Cache<T>* = nullptr) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-    return {};
-  }
-  template <class X, class G, ::mixattn::detail::enable_if_refused<T, X, G> = 0>
-  Gradients<T> backward(const X&, const G&, const Cache<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X, G>();
-    return {};
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  void forward_into(Matrix<T>&, const X&, Cache<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  void forward_packed_into(Matrix<T>&, const X&, const Offsets&, Cache<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-  }
-  template <class X, class G, ::mixattn::detail::enable_if_refused<T, X, G> = 0>
-  void backward_into(Gradients<T>&, const X&, const G&, const Cache<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X, G>();
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  Matrix<T> decode(const X&, DecodeState<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-    return {};
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  Matrix<T> query_responsibilities(const X&, Index) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-    return {};
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  Matrix<T> key_responsibilities(const X&, Index) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-    return {};
   }
 
   /// Writes every parameter to `path` (format: save_parameters).

@@ -400,10 +400,10 @@ struct PackedGrad : detail::PackedGrads<T, Grad<T>> {
 /// k: total_k x (H r), v: total_k x (H d_v); q_offsets, k_offsets: B + 1 entries each (the same
 /// vector for self-attention; causal needs equal lengths per sequence). out: resized to
 /// total_q x (H d_v). saved (optional) is filled for backward_packed_into.
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 void forward_packed_into(Matrix<T>& out, const std::vector<Mixture<T>>& mixtures,
-                         const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                         const ConstMatrixRef<T>& v, const Offsets& q_offsets,
+                         const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                         const ConstMatrixArg<T>& v, const Offsets& q_offsets,
                          const Offsets& k_offsets, const Options& opt,
                          PackedSaved<typename detail::identity<T>::type>* saved, int threads = 1) {
   constexpr const char* fn = "mixattn::gma::forward_packed_into";
@@ -425,10 +425,10 @@ void forward_packed_into(Matrix<T>& out, const std::vector<Mixture<T>>& mixtures
 
 /// Packed GMA backward; grad_out: total_q x (H d_v); saved from forward_packed_into with the
 /// same inputs, offsets and options.
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 void backward_packed_into(PackedGrad<T>& grad, const std::vector<Mixture<T>>& mixtures,
-                          const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                          const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                          const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                          const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                           const Offsets& q_offsets, const Offsets& k_offsets,
                           const PackedSaved<T>& saved, const Options& opt, int threads = 1) {
   constexpr const char* fn = "mixattn::gma::backward_packed_into";
@@ -513,10 +513,10 @@ using PackedGrad = mixattn::detail::PackedGrads<T, Grad<T>>;
 /// Packed tiled softmax attention with grouped-query heads. q: total_q x (H_q r), k:
 /// total_k x (H_kv r), v: total_k x (H_kv d_v), H_kv = kv_heads dividing H_q = heads; offsets as
 /// at the top of this file. out: resized to total_q x (H_q d_v).
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 void flash_forward_packed_into(Matrix<T>& out, Index heads, Index kv_heads,
-                               const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                               const ConstMatrixRef<T>& v, const Offsets& q_offsets,
+                               const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                               const ConstMatrixArg<T>& v, const Offsets& q_offsets,
                                const Offsets& k_offsets, const Options& opt,
                                PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
                                int threads = 1) {
@@ -535,10 +535,10 @@ void flash_forward_packed_into(Matrix<T>& out, Index heads, Index kv_heads,
 }
 
 /// Backward of flash_forward_packed_into; grad_out: total_q x (H_q d_v).
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 void flash_backward_packed_into(PackedGrad<T>& grad, Index heads, Index kv_heads,
-                                const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                                const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                                const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                                const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                                 const Offsets& q_offsets, const Offsets& k_offsets,
                                 const PackedSaved<T>& saved, const Options& opt, int threads = 1) {
   constexpr const char* fn = "mixattn::reference::flash_backward_packed_into";
@@ -576,9 +576,9 @@ struct PackedGrad : mixattn::detail::PackedGrads<T, Grad<T>> {
 /// q: total x (H_q r), k: total x (H_kv r), v: total x (H_kv d_v); beta: H_q scale factors;
 /// states: B H_q states, item b H_q + h, each continued and updated as by forward (in and out).
 /// out: resized to total x (H_q d_v).
-template <class T>
-void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixRef<T>& q,
-                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+template <class T, detail::enable_if_supported<T> = 0>
+void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixArg<T>& q,
+                         const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
                          const std::vector<T>& beta, const Offsets& offsets, const Options& opt,
                          std::vector<State<T>>& states,
                          PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
@@ -602,10 +602,10 @@ void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixRef<T>
 }
 
 /// Backward of forward_packed_into; grad_out: total x (H_q d_v).
-template <class T>
-void backward_packed_into(PackedGrad<T>& grad, Index kv_heads, const ConstMatrixRef<T>& q,
-                          const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                          const std::vector<T>& beta, const ConstMatrixRef<T>& grad_out,
+template <class T, detail::enable_if_supported<T> = 0>
+void backward_packed_into(PackedGrad<T>& grad, Index kv_heads, const ConstMatrixArg<T>& q,
+                          const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                          const std::vector<T>& beta, const ConstMatrixArg<T>& grad_out,
                           const Offsets& offsets, const PackedSaved<T>& saved, const Options& opt,
                           int threads = 1) {
   constexpr const char* fn = "mixattn::ovq::backward_packed_into";

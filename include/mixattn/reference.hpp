@@ -449,51 +449,20 @@ Matrix<T> decode(KvCache<T>& cache, const ConstMatrixArg<T>& q, const ConstMatri
   return out;
 }
 
-// Deduced and refused calls. naive_forward(q, k, v) with plain matrices deduces T from q (T is
-// non-deduced in the overloads above, which take it written: naive_forward<float>(q, k, v));
-// an unsupported scalar type or a column-major or strided argument that would be copied on
-// every call stops at the static_assert of core.hpp's refuse_arguments.
-template <class T = void, class Q, class K, class V,
-          mixattn::detail::enable_if_deduced_or_refused<T, Q, K, V> = 0>
-Matrix<mixattn::detail::scalar_of<T, Q>> naive_forward(
-    const Q& q, const K& k, const V& v, const Options& opt = {},
-    Saved<mixattn::detail::scalar_of<T, Q>>* saved = nullptr) {
-  using S = mixattn::detail::scalar_of<T, Q>;
-  mixattn::detail::refuse_arguments<S, Q, K, V>();
-  if constexpr (mixattn::detail::accepted<S, Q, K, V>) return naive_forward<S>(q, k, v, opt, saved);
-  return {};
+// Deduced calls: naive_forward(q, k, v) with plain matrices takes T from q (the forms above take
+// it written, naive_forward<float>(q, k, v); the backwards take it from `saved`). The arguments
+// then bind to the ConstMatrixArg<T> parameters above, which refuse what they would copy.
+template <class Q, class K, class V, mixattn::detail::enable_if_deduced<Q, K, V> = 0>
+Matrix<typename Q::Scalar> naive_forward(const Q& q, const K& k, const V& v,
+                                         const Options& opt = {},
+                                         Saved<typename Q::Scalar>* saved = nullptr) {
+  return naive_forward<typename Q::Scalar>(q, k, v, opt, saved);
 }
-template <class T = void, class Q, class K, class V,
-          mixattn::detail::enable_if_deduced_or_refused<T, Q, K, V> = 0>
-Matrix<mixattn::detail::scalar_of<T, Q>> flash_forward(
-    const Q& q, const K& k, const V& v, const Options& opt = {},
-    Saved<mixattn::detail::scalar_of<T, Q>>* saved = nullptr) {
-  using S = mixattn::detail::scalar_of<T, Q>;
-  mixattn::detail::refuse_arguments<S, Q, K, V>();
-  if constexpr (mixattn::detail::accepted<S, Q, K, V>) return flash_forward<S>(q, k, v, opt, saved);
-  return {};
-}
-template <class T = void, class Q, class K, class V, class G,
-          mixattn::detail::enable_if_deduced_or_refused<T, Q, K, V, G> = 0>
-Grad<mixattn::detail::scalar_of<T, Q>> naive_backward(
-    const Q& q, const K& k, const V& v, const G& grad_out,
-    const Saved<mixattn::detail::scalar_of<T, Q>>& saved, const Options& opt = {}) {
-  using S = mixattn::detail::scalar_of<T, Q>;
-  mixattn::detail::refuse_arguments<S, Q, K, V, G>();
-  if constexpr (mixattn::detail::accepted<S, Q, K, V, G>)
-    return naive_backward<S>(q, k, v, grad_out, saved, opt);
-  return {};
-}
-template <class T = void, class Q, class K, class V, class G,
-          mixattn::detail::enable_if_deduced_or_refused<T, Q, K, V, G> = 0>
-Grad<mixattn::detail::scalar_of<T, Q>> flash_backward(
-    const Q& q, const K& k, const V& v, const G& grad_out,
-    const Saved<mixattn::detail::scalar_of<T, Q>>& saved, const Options& opt = {}) {
-  using S = mixattn::detail::scalar_of<T, Q>;
-  mixattn::detail::refuse_arguments<S, Q, K, V, G>();
-  if constexpr (mixattn::detail::accepted<S, Q, K, V, G>)
-    return flash_backward<S>(q, k, v, grad_out, saved, opt);
-  return {};
+template <class Q, class K, class V, mixattn::detail::enable_if_deduced<Q, K, V> = 0>
+Matrix<typename Q::Scalar> flash_forward(const Q& q, const K& k, const V& v,
+                                         const Options& opt = {},
+                                         Saved<typename Q::Scalar>* saved = nullptr) {
+  return flash_forward<typename Q::Scalar>(q, k, v, opt, saved);
 }
 
 }  // namespace reference
