@@ -1,4 +1,4 @@
-// mixattn/detail/flash_kernels.hpp — tiled softmax attention with an online softmax
+// mixattn/detail/reference/flash.hpp — tiled softmax attention with an online softmax
 // (FlashAttention-2 schedule), forward and backward. SPEC.md §3.
 //
 // Internal: included by mixattn/reference.hpp, which validates every argument first. The kernels
@@ -10,6 +10,7 @@
 #include "mixattn/core.hpp"
 #include "mixattn/detail/common/fast_exp.hpp"
 #include "mixattn/detail/common/softmax.hpp"
+#include "mixattn/reference_types.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -38,21 +39,6 @@ struct FlashTiles {
   static constexpr Index forward_keys = std::is_same<T, double>::value ? 256 : 512;
   static constexpr Index backward_queries = 64;
   static constexpr Index backward_keys = std::is_same<T, double>::value ? 128 : 256;
-};
-
-/// Working memory of the tiled kernels, reused across calls (capacity kept when shapes repeat).
-template <class T>
-struct FlashScratch {
-  Matrix<T> qs;       // forward: scale * one query tile; backward: scale * q (N x r)
-  Matrix<T> s, dp;    // one score / probability tile and its gradient
-  Vector<T> row_max;  // forward: per row of a query tile
-  Vector<mixattn::detail::wide_t<T>> row_sum;  // forward: per row of a query tile
-  Vector<T> delta;                             // backward: D_i = dO_i . O_i (N)
-  // SIMD forward only: K^T (r x ldk) and, when d_v is not a whole number of registers, V padded
-  // with zero dims, both laid out once per call; the output tile and the rescale of each row.
-  Matrix<T> kt, vp, o;
-  Vector<T> alpha, next_max;
-  Matrix<T> lane_max;  // per row of a query tile, one register of lane maxima of its scores
 };
 
 /// Columns c of a score tile whose key j0 + c lies after query i (causal mask, inclusive j <= i)
