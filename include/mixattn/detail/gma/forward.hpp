@@ -1,4 +1,4 @@
-// mixattn/detail/gma_forward.hpp — GMA's forward (SPEC.md §1.2–1.4): the bidirectional read-out,
+// mixattn/detail/gma/forward.hpp — GMA's forward (SPEC.md §1.2–1.4): the bidirectional read-out,
 // the record for backward, the whole-sequence body and the continued (State) body with its
 // one-token path.
 //
@@ -11,7 +11,7 @@
 #include "mixattn/detail/common/causal_scan.hpp"
 #include "mixattn/detail/common/checks.hpp"
 #include "mixattn/detail/common/fingerprint.hpp"
-#include "mixattn/detail/gma_common.hpp"
+#include "mixattn/detail/gma/common.hpp"
 #include "mixattn/gma_types.hpp"
 
 #include <algorithm>
@@ -219,9 +219,9 @@ void gma_causal_forward_blocks(const char* fn, GmaForwardScratch<T>& s, const Co
 
 /// forward_into's body; `fn` names the public entry point in messages.
 template <class Arch, class T>
-void gma_forward(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
-                 const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                 const gma::Options& opt, gma::Saved<T>* saved) {
+void gma_forward_into(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
+                      const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                      const ConstMatrixRef<T>& v, const gma::Options& opt, gma::Saved<T>* saved) {
   // With a record, one pass over each input takes its fingerprint and probes it (before anything
   // of the record changes, so that a throw leaves it as it was). Without one, the fused
   // bidirectional forward leaves the probes to the kernels (gma_probe_on_failure); the other
@@ -421,10 +421,10 @@ const GmaPreparedMixture<T>& gma_prepare_mixture(GmaPreparedMixture<T>& c,
 /// state last saw it prepared (prepared again when it changed), with the checks, in their order,
 /// of the overloads that prepared it on every call.
 template <class Arch, class T>
-void gma_forward_mixture_continued(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
-                                   const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                                   const ConstMatrixRef<T>& v, const gma::Options& opt,
-                                   gma::State<T>& st, gma::Saved<T>* saved) {
+void gma_forward_state_into(const char* fn, Matrix<T>& out, const gma::Mixture<T>& mix,
+                            const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                            const ConstMatrixRef<T>& v, const gma::Options& opt, gma::State<T>& st,
+                            gma::Saved<T>* saved) {
   GmaPreparedMixture<T>& c = std::is_same<Arch, simd_arch>::value
                                  ? st.prepared_mixture
                                  : gma_thread_prepared_mixture<Arch, T>();
@@ -436,6 +436,19 @@ void gma_forward_mixture_continued(const char* fn, Matrix<T>& out, const gma::Mi
     c.fingerprinted = true;
   }
   gma_forward_continued<Arch, T>(fn, out, c.packed, q, k, v, opt, st, saved, c.fingerprint);
+}
+
+/// The Prepared overloads of the continued forward: gma_forward_continued on a mixture prepared
+/// once (gma::Prepared, `prep`), after the checks of q, k, v and the state.
+template <class Arch, class T, class Prepared>
+void gma_forward_prepared_into(const char* fn, Matrix<T>& out, const Prepared& prep,
+                               const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                               const ConstMatrixRef<T>& v, const gma::Options& opt,
+                               gma::State<T>& st, gma::Saved<T>* saved) {
+  gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
+  gma_check_state(fn, st, prep.components(), v.cols(), q.rows(), opt);
+  gma_forward_continued<Arch, T>(fn, out, prep.packed(), q, k, v, opt, st, saved,
+                                 prep.mixture_fingerprint());
 }
 
 }  // namespace detail

@@ -1,4 +1,4 @@
-// mixattn/detail/gma_common.hpp — what GMA's forward and backward share: the fingerprints, the
+// mixattn/detail/gma/common.hpp — what GMA's forward and backward share: the fingerprints, the
 // argument checks, the responsibilities and density-gradient passes, the mixture's gradient.
 //
 // Internal: part of mixattn/gma.hpp; the records it works on are in mixattn/gma_types.hpp.
@@ -7,10 +7,12 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/common/causal_scan.hpp"
 #include "mixattn/detail/common/checks.hpp"
 #include "mixattn/detail/common/fingerprint.hpp"
-#include "mixattn/detail/gma_scratch.hpp"
-#include "mixattn/detail/log_density.hpp"
+#include "mixattn/detail/common/gemm.hpp"
+#include "mixattn/detail/gma/blocks.hpp"
+#include "mixattn/detail/gma/log_density.hpp"
 #include "mixattn/gma_types.hpp"
 
 #include <algorithm>

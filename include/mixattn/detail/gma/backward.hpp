@@ -1,4 +1,4 @@
-// mixattn/detail/gma_backward.hpp — GMA's backward (SPEC.md §1.5): the checks of a backward call,
+// mixattn/detail/gma/backward.hpp — GMA's backward (SPEC.md §1.5): the checks of a backward call,
 // the causal and the bidirectional backward side by side, and the entry point's body
 // (gma_backward).
 //
@@ -11,7 +11,7 @@
 #include "mixattn/detail/common/causal_scan.hpp"
 #include "mixattn/detail/common/checks.hpp"
 #include "mixattn/detail/common/fingerprint.hpp"
-#include "mixattn/detail/gma_forward.hpp"
+#include "mixattn/detail/gma/forward.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -305,11 +305,11 @@ bool gma_bidirectional_backward(const char* fn, const PackedDensityDims<T>& p,
 
 /// backward_into's body; `fn` names the public entry point in messages.
 template <class Arch, class T>
-void gma_backward(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix,
-                  const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                  const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
-                  const gma::Saved<T>& saved, const gma::Options& opt,
-                  const gma::StateGrad<T>* grad_state_out) {
+void gma_backward_into(const char* fn, gma::Grad<T>& grad, const gma::Mixture<T>& mix,
+                       const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                       const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                       const gma::Saved<T>& saved, const gma::Options& opt,
+                       const gma::StateGrad<T>* grad_state_out) {
   gma_check_backward(fn, mix, q, k, v, grad_out, saved, opt, grad_state_out,
                      opt.causal ? InputValues::check : InputValues::skip);
   const FlushSubnormals flush;

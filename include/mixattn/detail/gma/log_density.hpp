@@ -1,4 +1,4 @@
-// mixattn/detail/log_density.hpp — Gaussian log-densities and responsibilities (SPEC 1.2).
+// mixattn/detail/gma/log_density.hpp — Gaussian log-densities and responsibilities (SPEC 1.2).
 //
 //   s_k(x) = log pi_k - 1/2 sum_m log var_km - 1/2 sum_m (x_m - mu_km)^2 / var_km,  gamma = softmax
 //   s
@@ -19,6 +19,7 @@
 #include "mixattn/core.hpp"
 #include "mixattn/detail/common/simd.hpp"
 #include "mixattn/detail/common/softmax.hpp"
+#include "mixattn/gma_types.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -142,15 +143,6 @@ inline W log_sum(const W* x, Index n) {
          tail;
 }
 
-/// Per-call constants of a mixture (SPEC 1.1), computed in the wide type W.
-template <class W>
-struct MixtureConstants {
-  Matrix<W> var;     // K x r, softplus(var_raw) + var_floor
-  Vector<W> log_pi;  // K, log_softmax(prior_logit)
-  Vector<W> offset;  // K, log pi_k - 1/2 sum_m log var_km
-  Matrix<W> scale;   // K x r, 1 / sqrt(2 var): the kernels' a (density_coefficients)
-};
-
 /// Fills c in place (its capacity is reused when the mixture's shape repeats).
 template <class W, class T>
 void mixture_constants_into(MixtureConstants<W>& c, const Matrix<T>& var_raw,
@@ -177,15 +169,6 @@ MixtureConstants<W> mixture_constants(const Matrix<T>& mean, const Matrix<T>& va
   mixture_constants_into(c, var_raw, prior_logit, var_floor);
   return c;
 }
-
-/// Mixture constants packed for the kernel of Arch: components padded to a multiple of the
-/// register width (padding has a = b = 0 and offset -inf, so it gets zero responsibility).
-template <class T>
-struct PackedDensity {
-  Index components = 0, dim = 0, padded = 0, width = 1;
-  std::vector<T> ab;      // [m][kv][a(W) | b(W)]: for a fixed m, all component vectors contiguous
-  std::vector<T> offset;  // padded
-};
 
 /// The kernel's coefficients of component k, dimension m: a = 1/sqrt(2 var), b = mean a, so that
 /// (x a - b)^2 = (x - mean)^2 / (2 var). One definition for pack_density and pack_density_dims:
@@ -666,14 +649,6 @@ inline Index responsibilities_into(Arch arch, const PackedDensity<T>& p, const T
 // (MUL), the dx FMA and the t^2 FMA on the FMA pipes plus one ADD: the same FMA-pipe work as the
 // two GEMMs dS [P | P mu] and dS^T [x | x.x] of the expanded form.
 
-/// a and b laid out for the backward kernel: K x padded_dim each, row-major, zero beyond dim
-/// (zero a and b give t = 0, so padded dims contribute nothing).
-template <class T>
-struct PackedDensityDims {
-  Index components = 0, dim = 0, padded_dim = 0;
-  std::vector<T> a, b;
-};
-
 /// Same a and b values as pack_density (bit for bit), so the backward sees the forward's t.
 template <class Arch, class T, class W>
 void pack_density_dims_into(PackedDensityDims<T>& p, const Matrix<T>& mean,
@@ -703,40 +678,6 @@ PackedDensityDims<T> pack_density_dims(const Matrix<T>& mean, const MixtureConst
 /// in-register sums over a panel, then (panels shorter than this) their running sum over panels
 /// in T. As long as the 256-row panels of 32-register builds, which fold once a panel.
 constexpr Index density_grad_fold_tokens = 256;
-
-/// Token sums of the backward (see above), in the wide type W = wide_t<T>: they run over all
-/// N + M tokens, and a float running sum of that length drifts by O(N eps) relative. The kernel
-/// sums in T over at most density_grad_fold_tokens tokens (part_wt, part_wtt: its panels' sums
-/// added in T, a load, an add and a store a register, where widening each 32-row panel's sums
-/// took ~10% of the kernel's time on AVX2), then fold() adds them here.
-template <class T>
-struct DensityGradSums {
-  using W = wide_t<T>;
-  Matrix<W> wt;   // K x padded_dim: sum_i w_ik t_ikm
-  Matrix<W> wtt;  // K x padded_dim: sum_i w_ik t_ikm^2
-  Vector<W> w;    // K: sum_i w_ik
-  std::vector<T> part_wt, part_wtt;  // K x padded_dim each: the terms not yet in wt and wtt
-  Index part_tokens = 0;             // tokens summed into part_wt and part_wtt since the last fold
-  void reset(Index K, Index padded_dim) {
-    wt.setZero(K, padded_dim);
-    wtt.setZero(K, padded_dim);
-    w.setZero(K);
-    part_wt.assign(static_cast<std::size_t>(K * padded_dim), T(0));
-    part_wtt.assign(static_cast<std::size_t>(K * padded_dim), T(0));
-    part_tokens = 0;
-  }
-  /// The T sums into the wide ones, and the T sums cleared.
-  void fold() {
-    if (part_tokens == 0) return;
-    const Index n = wt.size();
-    Eigen::Map<Vector<T>> pwt(part_wt.data(), n), pwtt(part_wtt.data(), n);
-    Eigen::Map<Vector<W>>(wt.data(), n) += pwt.template cast<W>();
-    Eigen::Map<Vector<W>>(wtt.data(), n) += pwtt.template cast<W>();
-    pwt.setZero();
-    pwtt.setZero();
-    part_tokens = 0;
-  }
-};
 
 #if MIXATTN_HAS_SIMD
 /// TK components (from k0) by TM registers of dims (from m0) over n tokens:
@@ -931,9 +872,8 @@ void density_grad_finish(const MixtureConstants<W>& c, DensityGradSums<T>& sums,
   // sigmoid(w) = (w >= 0 ? 1 : e) / (1 + e) with e = exp(-|w|) in (0, 1]: no overflow either side
   const auto w = var_raw->template cast<W>().array();
   dvar.array() = (-w.abs()).exp();
-  dvar.array() = (w >= W(0)).select(W(1), dvar.array()) / ((W(1) + dvar.array()) *
-                                                              (W(2) * c.var.array())) *
-                 two_wtt_w;
+  dvar.array() = (w >= W(0)).select(W(1), dvar.array()) /
+                 ((W(1) + dvar.array()) * (W(2) * c.var.array())) * two_wtt_w;
 }
 
 }  // namespace detail
