@@ -1,12 +1,14 @@
 // mixattn/common_types.hpp — the records several operators share: the working memory their
-// Saved and Grad keep (the GEMMs' packing buffers, the causal scan's buffers), data only; the
-// kernels that use it are in detail/common/.
+// Saved and Grad keep (the GEMMs' packing buffers, the causal scan's buffers), data only, and
+// Workspace, the handle of working memory whose type a records header does not see; the kernels
+// that use them are in detail/common/.
 #pragma once
 
 #include "mixattn/core.hpp"
 
 #include <Eigen/Core>
 
+#include <utility>
 #include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
@@ -49,6 +51,50 @@ struct ScanScratch {
   Matrix<T> gkt;            // K x padded chunk: a chunk's Gamma_K transposed (SIMD)
   Matrix<T> vt;             // d_v x padded chunk: a chunk's V transposed (SIMD backward)
   Matrix<T> st;             // d_v x K: a state transposed, in T (SIMD backward)
+};
+
+/// Working memory a record keeps whose type its records header does not define (S is made of a
+/// kernel's objects, e.g. OVQ's dictionary machinery, defined in detail/<op>/): an owning handle,
+/// empty until the first get(), which is instantiated where S is complete and supplies the
+/// copy and the destruction. Copies copy S; a swap (the value forms' lending) moves no S.
+template <class S>
+class Workspace {
+ public:
+  Workspace() = default;
+  Workspace(const Workspace& o) : ops_(o.ops_), p_(o.p_ ? o.ops_->copy(o.p_) : nullptr) {}
+  Workspace(Workspace&& o) noexcept : ops_(o.ops_), p_(std::exchange(o.p_, nullptr)) {}
+  Workspace& operator=(Workspace o) noexcept {
+    swap(*this, o);
+    return *this;
+  }
+  ~Workspace() {
+    if (p_ != nullptr) ops_->destroy(p_);
+  }
+  friend void swap(Workspace& a, Workspace& b) noexcept {
+    std::swap(a.ops_, b.ops_);
+    std::swap(a.p_, b.p_);
+  }
+
+  /// The working memory, made (value-initialised) on first use.
+  S& get() {
+    if (p_ == nullptr) {
+      static constexpr Ops ops{&copy_of, &destroy};
+      p_ = new S();
+      ops_ = &ops;
+    }
+    return *p_;
+  }
+
+ private:
+  struct Ops {
+    S* (*copy)(const S*);
+    void (*destroy)(S*);
+  };
+  static S* copy_of(const S* s) { return new S(*s); }
+  static void destroy(S* s) { delete s; }
+
+  const Ops* ops_ = nullptr;
+  S* p_ = nullptr;
 };
 
 }  // namespace detail

@@ -1,14 +1,15 @@
-// mixattn/detail/ovq_scratch.hpp — OVQ's working memory: the dictionary loan, the block absorber
+// mixattn/detail/ovq/scratch.hpp — OVQ's working memory: the dictionary loan, the block absorber
 // and the forward and backward scratch kept in Saved and Grad for reuse.
 //
-// Internal: included by mixattn/ovq.hpp after its state types, before its records.
+// Internal: part of mixattn/ovq.hpp; the records hold the scratch through a Workspace.
 #pragma once
 
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/dictionary.hpp"
-#include "mixattn/detail/ovq_attention.hpp"
+#include "mixattn/detail/ovq/attention.hpp"
+#include "mixattn/detail/ovq/dictionary.hpp"
+#include "mixattn/ovq_types.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -116,7 +117,7 @@ class Absorber {
 
 /// A forward call's working memory (kept in Saved for reuse; capacity kept when shapes repeat).
 template <class T>
-struct ForwardScratch {
+struct OvqForwardScratch {
   Dictionary<T> dict;    // the working dictionary when the end state goes to another State
   Matrix<T> kn, vn, qh;  // one block's call tokens: normalised keys, values; normalised queries
   Vector<T> logc;
@@ -126,7 +127,7 @@ struct ForwardScratch {
 
 /// A backward call's working memory (kept in Grad for reuse).
 template <class T>
-struct BackwardScratch {
+struct OvqBackwardScratch {
   std::vector<Dictionary<T>> checkpoints, snaps;
   Dictionary<T> work;
   MeanUpdate<T> update;

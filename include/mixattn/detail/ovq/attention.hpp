@@ -1,4 +1,4 @@
-// mixattn/detail/ovq_attention.hpp — one query tile of OVQ attention, forward and backward
+// mixattn/detail/ovq/attention.hpp — one query tile of OVQ attention, forward and backward
 // (SPEC.md §2.2, §2.4). Internal: included by mixattn/ovq.hpp.
 //
 // A tile is m consecutive queries of one block, the first at block position p0, so query l sees

@@ -1,4 +1,4 @@
-// mixattn/detail/ovq_forward.hpp — OVQ's forward (SPEC.md §2.2–2.3): validation, the block loop,
+// mixattn/detail/ovq/forward.hpp — OVQ's forward (SPEC.md §2.2–2.3): validation, the block loop,
 // the record for backward, the overflow check.
 //
 // Internal: part of mixattn/ovq.hpp; the records it works on are in mixattn/ovq_types.hpp.
@@ -8,8 +8,10 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/entry.hpp"
 #include "mixattn/detail/common/fingerprint.hpp"
-#include "mixattn/ovq_types.hpp"  // and detail/ovq_scratch.hpp, after the state it builds on
+#include "mixattn/detail/ovq/scratch.hpp"
+#include "mixattn/ovq_types.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -266,7 +268,7 @@ void forward_blocks(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
                     const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T s,
                     const ovq::Options& opt, const ovq::State<T>& start, const Blocks& blocks,
                     Index capacity, Dictionary<T>& dict, DictionaryLoan<T>* loan,
-                    ForwardScratch<T>& w, ovq::Saved<T>* saved) {
+                    OvqForwardScratch<T>& w, ovq::Saved<T>* saved) {
   const Index t_start = start.tokens_seen - blocks.p0;  // tokens absorbed before the call
   log_counts(dict, w.logc);
   for (Index u = 0; u < blocks.count; ++u) {
@@ -307,7 +309,7 @@ void forward_blocks(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
 /// call's (no block absorbed), or the last partial block's tokens (capacity kept when its shapes
 /// repeat). `next` may be `start`.
 template <class T>
-void store_pending(const ForwardScratch<T>& w, const ovq::State<T>& start, const Blocks& blocks,
+void store_pending(const OvqForwardScratch<T>& w, const ovq::State<T>& start, const Blocks& blocks,
                    Index tn, ovq::State<T>& next) {
   const Index pending = blocks.total - blocks.complete * blocks.c, p0 = blocks.p0;
   if (blocks.complete > 0) {
@@ -364,10 +366,10 @@ void ovq_check_overflow(const char* fn, const Matrix<T>& out, const Dictionary<T
 /// state's values are vouched for (by the first query's attention, or by a scan when there is
 /// no query or a record to fill).
 template <class T>
-void ovq_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
-                 const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T beta,
-                 const ovq::Options& opt, const ovq::State<T>& start, ovq::State<T>& next,
-                 ovq::Saved<T>* saved) {
+void ovq_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
+                      const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T beta,
+                      const ovq::Options& opt, const ovq::State<T>& start, ovq::State<T>& next,
+                      ovq::Saved<T>* saved) {
   const T s = ovq_check_forward<T>(fn, q, k, v, beta, opt, start);
   const Index r = start.keys.cols(), d_v = start.values.cols(), tn = q.rows();
   if (opt.check_finite && (tn == 0 || saved != nullptr)) ovq_check_state_values(start, fn);
@@ -378,8 +380,8 @@ void ovq_forward(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
   const Index rows_new = std::min(c, std::max<Index>(tn, 1));  // call tokens of one block
   const Index tokens_after = start.tokens_seen + tn;
 
-  thread_local ForwardScratch<T> thread_scratch;  // calls without `saved`
-  ForwardScratch<T>& w = saved != nullptr ? saved->scratch : thread_scratch;
+  OvqForwardScratch<T>& w =  // calls without `saved` work in this thread's
+      saved != nullptr ? saved->scratch.get() : thread_scratch<OvqForwardScratch<T>>();
   if (saved != nullptr) begin_record(*saved, start, opt, blocks, tn, beta);
   w.kn.resize(rows_new, r);
   w.vn.resize(rows_new, d_v);

@@ -1,4 +1,4 @@
-// mixattn/detail/ovq_backward.hpp — OVQ's backward (SPEC.md §2.4): the running-mean backward
+// mixattn/detail/ovq/backward.hpp — OVQ's backward (SPEC.md §2.4): the running-mean backward
 // (through_update), one block's backward (block_backward), the checkpoint replayer (reverse_blocks)
 // and the entry point's body (ovq_backward).
 //
@@ -8,7 +8,7 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/ovq_forward.hpp"
+#include "mixattn/detail/ovq/forward.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -55,7 +55,7 @@ void ovq_check_backward(const char* fn, const ConstMatrixRef<T>& q, const ConstM
 
 /// Sizes the backward's scratch (no allocation when the shapes repeat).
 template <class T>
-void prepare_backward(BackwardScratch<T>& w, Index groups, Index snaps, Index capacity, Index c,
+void prepare_backward(OvqBackwardScratch<T>& w, Index groups, Index snaps, Index capacity, Index c,
                       Index r, Index d_v) {
   w.checkpoints.resize(static_cast<std::size_t>(groups));
   w.snaps.resize(static_cast<std::size_t>(snaps));
@@ -110,7 +110,7 @@ void ovq_check_state_grad(const char* fn, const ovq::StateGrad<T>& gs, const ovq
 /// dictionary's n_end rows, dpk, dpv take d pending_T. Reads gs before grad.state (which gs may
 /// be) is overwritten.
 template <class T>
-void load_end_grad(BackwardScratch<T>& w, const ovq::StateGrad<T>* gs, Index n_end, Index r,
+void load_end_grad(OvqBackwardScratch<T>& w, const ovq::StateGrad<T>* gs, Index n_end, Index r,
                    Index d_v) {
   if (gs == nullptr) {
     w.dpk.resize(0, r);
@@ -127,7 +127,7 @@ void load_end_grad(BackwardScratch<T>& w, const ovq::StateGrad<T>* gs, Index n_e
 /// state's pending rows copy: sequence positions [complete C, P0 + T), the start's own pending
 /// tokens below P0 (only when no block completed), the call's rows (normalised keys) above.
 template <class T>
-void begin_state_grad(ovq::Grad<T>& g, const BackwardScratch<T>& w, const ovq::State<T>& st,
+void begin_state_grad(ovq::Grad<T>& g, const OvqBackwardScratch<T>& w, const ovq::State<T>& st,
                       const Blocks& blocks) {
   g.state.keys.setZero(st.keys.rows(), st.keys.cols());
   g.state.values.setZero(st.values.rows(), st.values.cols());
@@ -150,7 +150,7 @@ void begin_state_grad(ovq::Grad<T>& g, const BackwardScratch<T>& w, const ovq::S
 /// receives dD_new[n] / c_new (the start state's pending tokens into grad.state); a surviving
 /// row keeps (c_old / c_new) dD_new[n]; rows the block opened did not exist before it.
 template <class T>
-void through_update(BackwardScratch<T>& w, const Dictionary<T>& d, const ovq::Saved<T>& saved,
+void through_update(OvqBackwardScratch<T>& w, const Dictionary<T>& d, const ovq::Saved<T>& saved,
                     const Blocks& blocks, Index u, ovq::Grad<T>& g) {
   using W = wide_t<T>;
   const Index c = saved.block, n = d.size, b0 = blocks.begin(u);
@@ -184,7 +184,7 @@ void through_update(BackwardScratch<T>& w, const Dictionary<T>& d, const ovq::Sa
 /// at the dictionary nothing passes a block's update, and only block 0's reads of the start
 /// dictionary are differentiated (the start state is an input of the call).
 template <class T>
-void block_backward(BackwardScratch<T>& w, const Dictionary<T>& d, const ConstMatrixRef<T>& q,
+void block_backward(OvqBackwardScratch<T>& w, const Dictionary<T>& d, const ConstMatrixRef<T>& q,
                     const ConstMatrixRef<T>& grad_out, const ovq::Saved<T>& saved,
                     const ovq::Options& opt, const Blocks& blocks, Index u, T s, wide_t<T>& ds,
                     ovq::Grad<T>& g) {
@@ -226,10 +226,11 @@ void block_backward(BackwardScratch<T>& w, const Dictionary<T>& d, const ConstMa
 /// the end, the group's dictionaries are rebuilt from its checkpoint and its blocks are
 /// differentiated in reverse.
 template <class T>
-void reverse_blocks(BackwardScratch<T>& w, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                    const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
-                    const ovq::Saved<T>& saved, const ovq::Options& opt, const Blocks& blocks,
-                    Index group, T s, wide_t<T>& ds, ovq::Grad<T>& g) {
+void reverse_blocks(OvqBackwardScratch<T>& w, const ConstMatrixRef<T>& q,
+                    const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                    const ConstMatrixRef<T>& grad_out, const ovq::Saved<T>& saved,
+                    const ovq::Options& opt, const Blocks& blocks, Index group, T s, wide_t<T>& ds,
+                    ovq::Grad<T>& g) {
   const ovq::State<T>& st = saved.start;
   const Index groups = (blocks.count + group - 1) / group;
   // Loads block u's normalised keys and values (the start state's pending ones first).
@@ -270,10 +271,10 @@ void reverse_blocks(BackwardScratch<T>& w, const ConstMatrixRef<T>& q, const Con
 
 /// backward_into's body; gs: dL/d(end state), or null when the end state has no further use.
 template <class T>
-void ovq_backward(const char* fn, ovq::Grad<T>& g, const ConstMatrixRef<T>& q,
-                  const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T beta,
-                  const ConstMatrixRef<T>& grad_out, const ovq::Saved<T>& saved,
-                  const ovq::Options& opt, const ovq::StateGrad<T>* gs) {
+void ovq_backward_into(const char* fn, ovq::Grad<T>& g, const ConstMatrixRef<T>& q,
+                       const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, T beta,
+                       const ConstMatrixRef<T>& grad_out, const ovq::Saved<T>& saved,
+                       const ovq::Options& opt, const ovq::StateGrad<T>* gs) {
   using W = wide_t<T>;
   ovq_check_backward<T>(fn, q, k, v, beta, grad_out, saved, opt);
   const Index r = saved.start.keys.cols(), d_v = saved.start.values.cols(), tn = saved.tokens;
@@ -289,7 +290,7 @@ void ovq_backward(const char* fn, ovq::Grad<T>& g, const ConstMatrixRef<T>& q,
   const Index capacity = std::max<Index>(n_final, 1);
   const Index group = std::max<Index>(
       1, static_cast<Index>(std::ceil(std::sqrt(static_cast<double>(blocks.count)))));
-  BackwardScratch<T>& w = g.scratch;
+  OvqBackwardScratch<T>& w = g.scratch.get();
   prepare_backward(w, (blocks.count + group - 1) / group, std::min(group, blocks.count), capacity,
                    c, r, d_v);
   load_end_grad(w, gs, n_final, r, d_v);

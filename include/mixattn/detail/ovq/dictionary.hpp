@@ -1,6 +1,6 @@
-// mixattn/detail/dictionary.hpp — the OVQ dictionary and its online k-means step (SPEC.md §2.3):
-// growth schedule, dispersion seeding, nearest-centroid assignment and the exact running-mean
-// update. Internal: included by mixattn/ovq.hpp, which validates every argument first.
+// mixattn/detail/ovq/dictionary.hpp — the OVQ dictionary and its online k-means step (SPEC.md
+// §2.3): growth schedule, dispersion seeding, nearest-centroid assignment and the exact
+// running-mean update. Internal: included by mixattn/ovq.hpp, which validates every argument first.
 //
 // Determinism matters more than usual here: streaming (SPEC §2.5) promises the same final state
 // however a sequence is split, so a block's update must be a function of the block's normalised
