@@ -54,7 +54,7 @@ class PerformerMixer final : public Mixer<T> {
   InputGrads<T> backward(const MixerItem<T>& it, const ConstMatrixRef<T>& dout,
                          const OwnedRecords& saved, OwnedRecords& grads) const override {
     performer::Grad<T>& g = grads.as<Grads>()->items[it.index];
-    performer::backward_into<T>(g, it.q, it.k, it.v, dout, head(it),
+    performer::backward_into<T>(g, it.q, it.k, it.v, head(it), dout,
                                 saved.as<Saved>()->items[it.index], opt_);
     return {&g.q, &g.k, &g.v};
   }
