@@ -15,9 +15,12 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// One object of type X per thread, kept for the thread's lifetime: the working memory the
-/// value-returning forms lend, and the record of a forward that was given none.
-template <class X>
+/// One object of type X per thread and per Owner, kept for the thread's lifetime: the working
+/// memory the value-returning forms lend, and the record of a forward that was given none. Two
+/// bodies that keep the same type with buffers of different shapes name themselves as Owner
+/// (the reference's naive and tiled forwards): sharing one object, each would reallocate what
+/// the other had sized at every alternate call.
+template <class X, class Owner = void>
 X& thread_scratch() {
   thread_local X x;
   return x;

@@ -21,6 +21,12 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
 
+// The owners of the forwards' per-thread working memory: the naive form keeps scale * q (N x r)
+// and the N x M probabilities in it, the tiled form one query tile and the log-sum-exps, so each
+// keeps its own (thread_scratch).
+struct NaiveForwardScratch;
+struct FlashForwardScratch;
+
 /// naive_forward_into's body (`fn` names the entry point in messages).
 template <class T>
 void naive_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& q,
@@ -30,7 +36,7 @@ void naive_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>&
   const Index n = q.rows(), m = k.rows();
   // Working memory is this thread's; P is copied into `saved` (capacity reused) only
   // once the call has succeeded, so a throwing call leaves `saved` untouched.
-  reference::Saved<T>& rec = thread_scratch<reference::Saved<T>>();
+  reference::Saved<T>& rec = thread_scratch<reference::Saved<T>, NaiveForwardScratch>();
   // S = (scale Q) K^T, associated as flash_forward does: with an extreme scale, Q K^T alone could
   // overflow or underflow where the scaled product does not. Materialised so that the scalar is
   // not folded into the GEMM's alpha (applied after the products).
@@ -73,7 +79,7 @@ void flash_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>&
   using Tiles = FlashTiles<T>;
   // Working memory is this thread's; the log-sum-exps are copied into `saved` only once the
   // call has succeeded, so a throwing call leaves `saved` untouched.
-  reference::Saved<T>& rec = thread_scratch<reference::Saved<T>>();
+  reference::Saved<T>& rec = thread_scratch<reference::Saved<T>, FlashForwardScratch>();
   out.resize(q.rows(), v.cols());
   rec.lse.resize(q.rows());
   flash_forward_tiles<T, Tiles::forward_queries, Tiles::forward_keys>(
