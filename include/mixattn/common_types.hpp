@@ -12,6 +12,10 @@
 #include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
+
+/// Row offsets of a packed batch of B sequences (B + 1 entries; packed.hpp).
+using Offsets = std::vector<Index>;
+
 namespace detail {
 
 /// Reusable packing buffers for gemm(). Not shareable between concurrent calls; copying one

@@ -47,9 +47,6 @@
 
 MIXATTN_BEGIN_NAMESPACE
 
-/// Row offsets of a packed batch (B + 1 entries).
-using Offsets = std::vector<Index>;
-
 namespace detail {
 
 /// Checks that `offsets` describes `rows` rows: B + 1 >= 2 entries, 0 first, nondecreasing,
@@ -322,13 +319,14 @@ void packed_forward(Matrix<T>& out, const PackedHeads& ph, const Offsets& q_offs
   rec.finite_checked = false;
   out.resize(q_offsets.back(), ph.heads * ph.d_v);
   const bool stream = static_cast<std::size_t>(out.size()) * sizeof(T) >= packed_stream_bytes;
-  packed_items(ph, q_offsets, k_offsets, threads, quadratic, rec.order,
-               [&](const PairRows& p, std::size_t i, Index w) {
-                 Matrix<T>& o = rec.outs[work_slot(ph, p, w)];
-                 item(p, o, keep ? &rec.items[i] : nullptr);
-                 copy_block_into<simd_arch>(out, p.q0, p.h * ph.d_v, o, stream);
-               },
-               true);
+  packed_items(
+      ph, q_offsets, k_offsets, threads, quadratic, rec.order,
+      [&](const PairRows& p, std::size_t i, Index w) {
+        Matrix<T>& o = rec.outs[work_slot(ph, p, w)];
+        item(p, o, keep ? &rec.items[i] : nullptr);
+        copy_block_into<simd_arch>(out, p.q0, p.h * ph.d_v, o, stream);
+      },
+      true);
 }
 
 /// Checks a packed backward's grad_out and records against the call.

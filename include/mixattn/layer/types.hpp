@@ -1,16 +1,14 @@
-// mixattn/layer_types.hpp — the records of layer::MultiHeadAttention (layer.hpp): what forward
+// mixattn/layer/types.hpp — the records of layer::MultiHeadAttention (layer.hpp): what forward
 // keeps for backward (Cache), the gradients (Gradients) and a sequence's decoding state
 // (DecodeState). Each holds its mixer's per-item records behind the mixer interface
-// (detail/mixers/mixer.hpp).
+// (layer/mixer.hpp).
 #pragma once
 
+#include "mixattn/common_types.hpp"
 #include "mixattn/core.hpp"
-#include "mixattn/detail/common/gemm.hpp"
 #include "mixattn/detail/common/parallel_gemm.hpp"
-#include "mixattn/detail/mixers/table.hpp"
-#include "mixattn/layer_config.hpp"
+#include "mixattn/layer/mixer.hpp"
 #include "mixattn/named_block.hpp"
-#include "mixattn/packed.hpp"
 
 #include <array>
 #include <cstdint>
@@ -19,14 +17,6 @@
 
 MIXATTN_BEGIN_NAMESPACE
 namespace layer {
-
-/// The mixer's name as written in MixerKind ("gma", "ovq", "softmax", "linear", "performer",
-/// "vq"), for messages.
-inline const char* mixer_name(MixerKind kind) {
-  for (const ::mixattn::detail::MixerName& e : ::mixattn::detail::mixer_names)
-    if (e.kind == kind) return e.name;
-  return "unknown";
-}
 
 /// What forward keeps for backward: the projections, the concatenated head outputs and each
 /// (sequence, head) item's record of the layer's mixer. O(N (H·(2r + 2 d_v))) plus what the

@@ -1,17 +1,17 @@
-// mixattn/detail/layer_body.hpp — the bodies of layer::MultiHeadAttention (layer.hpp): its
-// Config checks, the forward and backward over (sequence, head) items through the mixer
-// interface, the gradients' blocks and the parameters' fingerprint.
+// mixattn/layer/body.hpp — the bodies of layer::MultiHeadAttention (layer.hpp): its Config
+// checks, the forward and backward over (sequence, head) items through the mixer interface, the
+// gradients' blocks and the parameters' fingerprint.
 #pragma once
-#include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
 #include "mixattn/detail/common/gemm.hpp"
 #include "mixattn/detail/common/parallel_gemm.hpp"
-#include "mixattn/detail/mixers/table.hpp"
-#include "mixattn/layer_config.hpp"
-#include "mixattn/layer_types.hpp"
+#include "mixattn/layer/config.hpp"
+#include "mixattn/layer/mixer.hpp"
+#include "mixattn/layer/table.hpp"
+#include "mixattn/layer/types.hpp"
 #include "mixattn/named_block.hpp"
-#include "mixattn/packed.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/rope.hpp"
 
@@ -34,9 +34,7 @@ void check_layer_config(const layer::Config& cfg) {
   require(cfg.threads >= 0, fn, "config.threads must be >= 0, got ", cfg.threads);
   const MixerEntry<T>* mixer = find_mixer<T>(cfg.mixer);
   require(mixer != nullptr, fn, "config.mixer is not one of MixerKind's enumerators");
-  mixer->check(fn, cfg);
-  require(std::isfinite(cfg.gma_mean_scale), fn, "config.gma_mean_scale must be finite, got ",
-          cfg.gma_mean_scale);
+  mixer->check(fn, cfg, cfg);
   if (cfg.rope) {  // SPEC 8.3, before any call
     require(cfg.key_dim % 2 == 0, fn, "config.key_dim is ", cfg.key_dim,
             ": config.rope rotates column pairs (2i, 2i + 1) and needs an even key_dim");
@@ -71,9 +69,7 @@ void check_projections(const layer::Config& cfg, const char* fn, const Matrix<T>
 
 template <class T>
 void check_layer_input(const layer::Config& cfg, const char* fn, const ConstMatrixRef<T>& x) {
-  require(x.rows() >= 1 && x.cols() == cfg.model_dim, fn, "x is ", shape_str(x),
-          " but the layer needs N x ", cfg.model_dim, " with N >= 1");
-  if (cfg.check_finite) require_finite(x, fn, "x");
+  check_layer_input<T>(fn, x, cfg.model_dim, cfg.check_finite);
 }
 
 /// RoPE's options with the layer's check_finite.

@@ -1,18 +1,21 @@
-// mixattn/detail/mixers/mixer.hpp — the one interface through which layer::MultiHeadAttention
-// runs its heads' sequence mixer (one file per mixer beside this one, listed in table.hpp).
+// mixattn/layer/mixer.hpp — the one interface through which layer::MultiHeadAttention runs its
+// heads' sequence mixer (one file per mixer in layer/mixers/, listed in layer/table.hpp), and the
+// base that keeps every mixer's per-item records.
 //
-// A mixer owns its per-head parameters and constants, lists them as HeadBlocks, and runs one
-// (sequence, head) item at a time, forward and backward, into records it keeps in the layer's
-// Cache, Gradients and DecodeState (MixerRecords, made and recognised by the mixer itself).
-// Calls are virtual once per item (a whole sequence's work), never inside a kernel.
+// A mixer owns its per-head parameters and constants and its slice of the layer's Config, lists
+// its parameters as HeadBlocks, and runs one (sequence, head) item at a time, forward and
+// backward, into records it keeps in the layer's Cache, Gradients and DecodeState (MixerRecords,
+// made and recognised by the mixer itself). Calls are virtual once per item (a whole sequence's
+// work), never inside a kernel.
 #pragma once
-#include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/layer_config.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/rope_types.hpp"
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <random>
 #include <string>
@@ -20,6 +23,34 @@
 #include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
+namespace layer {
+
+/// The shape and behaviour of a MultiHeadAttention layer that every mixer shares: the part of its
+/// Config (layer/config.hpp) that is no mixer's own.
+struct CommonConfig {
+  Index model_dim = 0;  ///< d_model: columns of X and Y
+  Index heads = 1;      ///< H
+  Index key_dim = 0;    ///< r: routing/key dimension per head
+  Index value_dim = 0;  ///< d_v: value dimension per head
+  /// Token i sees only j <= i. Decides for every mixer (the `causal` fields of the mixers'
+  /// options are overridden by it); OVQ is causal by construction and requires true.
+  bool causal = false;
+  int threads = 1;           ///< threads over heads (0: all cores)
+  std::uint64_t seed = 0;    ///< initialisation seed (weights and every mixer's per-head values)
+  bool check_finite = true;  ///< reject NaN/Inf in X and dY with std::domain_error
+  /// Rotate every head's queries and keys by RoPE (SPEC §8, 8.4) before its mixer: row n of a
+  /// sequence is at position n (positions restart at each sequence of a packed batch; decode
+  /// continues at DecodeState::tokens_seen). Needs an even key_dim. Works with any mixer (it is
+  /// how the sliding-window softmax layers of OVQ's hybrids, softmax.window = w, see order); no
+  /// parameters and no gradient of its own.
+  bool rope = false;
+  /// base of the rotation angles (10000); its check_finite is ignored: config.check_finite
+  /// decides.
+  rope::Options rope_options;
+};
+
+}  // namespace layer
+
 namespace detail {
 
 /// One per-head parameter of a mixer, or its gradient: "head<h>.<suffix>", rows x cols,
@@ -125,6 +156,9 @@ class Mixer {
     return 0;
   }
 
+  /// The mixer's name as written in MixerKind, for messages.
+  virtual const char* kind_name() const = 0;
+
   /// Whether the mixer keeps a streaming state (begin_decoding / decode).
   virtual bool decodes() const { return false; }
   /// Fresh per-head decoding states for `heads` heads.
@@ -144,6 +178,45 @@ class Mixer {
   virtual void decode(Eigen::Ref<Matrix<T>> out, const MixerItem<T>& item,
                       OwnedRecords& state) const {
     (void)out, (void)item, (void)state;
+  }
+};
+
+/// The bookkeeping every mixer shares, with one record of its operator per (sequence, head) item
+/// in the layer's Cache (SavedItem) and Gradients (GradItem): making, counting and finding them,
+/// and the copy. Derived is the mixer.
+template <class T, class Derived, class SavedItem, class GradItem>
+class ItemMixer : public Mixer<T> {
+ public:
+  std::unique_ptr<Mixer<T>> clone() const override {
+    return std::make_unique<Derived>(static_cast<const Derived&>(*this));
+  }
+  void prepare_forward(OwnedRecords& saved, std::size_t items) const override {
+    saved.make<Saved>().items.resize(items);
+  }
+  std::size_t saved_items(const OwnedRecords& saved) const override {
+    return saved.as<Saved>() ? saved.as<Saved>()->items.size() : 0;
+  }
+  void prepare_backward(OwnedRecords& grads, std::size_t items) const override {
+    grads.make<Grads>().items.resize(items);
+  }
+
+ protected:
+  using Saved = ItemRecords<SavedItem>;
+  using Grads = ItemRecords<GradItem>;
+  /// The item's saved record, or nullptr when the forward keeps none.
+  static SavedItem* saved_item(OwnedRecords& saved, const MixerItem<T>& it, bool keep) {
+    return keep ? &saved.as<Saved>()->items[it.index] : nullptr;
+  }
+  static const SavedItem& saved_item(const OwnedRecords& saved, const MixerItem<T>& it) {
+    return saved.as<Saved>()->items[it.index];
+  }
+  static GradItem& grad_item(const OwnedRecords& grads, std::size_t index) {
+    return grads.as<Grads>()->items[index];
+  }
+  /// How many heads' decoding states of type Decoding `state` holds (0: none, or another's).
+  template <class Decoding>
+  static std::size_t decoding_items(const OwnedRecords& state) {
+    return state.as<Decoding>() ? state.as<Decoding>()->items.size() : 0;
   }
 };
 
@@ -168,6 +241,27 @@ inline void check_mixer_scale(const char* fn, const char* field, double scale, b
 }
 inline void check_mixer_chunk(const char* fn, const char* field, Index chunk) {
   require(chunk >= 0, fn, "config.", field, ".chunk must be >= 0 (0: the default), got ", chunk);
+}
+
+/// The layer's input: N x model_dim with N >= 1, and finite with check_finite.
+template <class T>
+void check_layer_input(const char* fn, const ConstMatrixRef<T>& x, Index model_dim,
+                       bool check_finite) {
+  require(x.rows() >= 1 && x.cols() == model_dim, fn, "x is ", shape_str(x),
+          " but the layer needs N x ", model_dim, " with N >= 1");
+  if (check_finite) require_finite(x, fn, "x");
+}
+
+/// The layer's mixer as M, for head h of the accessors of M's per-head state; otherwise
+/// std::invalid_argument naming fn, the mixer the layer has and its heads.
+template <class M, class Layer>
+M& mixer_head(const Layer& layer, Index h, const char* fn) {
+  M* m = layer.template mixer_as<M>();
+  const Index heads = layer.config().heads;
+  require(m && h >= 0 && h < heads, fn, "exists for heads 0..H-1 of a ", M::name,
+          " layer; asked for head ", h, " of a ", layer.mixer().kind_name(), " layer of ", heads,
+          " heads");
+  return *m;
 }
 
 /// N(0, stddev²) entries from rng, drawn in row-major order.
