@@ -33,7 +33,7 @@ constexpr Index kR = 64;
 constexpr Index kDv = 64;
 constexpr Index kMaxN = 65536;
 // The floor uses the chunk the operator uses by default (options.chunk = 0).
-constexpr Index kChunk = mixattn::detail::gma_default_chunk;
+constexpr Index kChunk = mixattn::detail::default_scan_chunk;
 
 struct Inputs : mb::QkvInputs {
   gma::Mixture<float> mix;

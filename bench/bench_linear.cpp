@@ -112,7 +112,7 @@ void run_performer(benchmark::State& state, bool causal, bool backward) {
     benchmark::DoNotOptimize(out.data());
     if (backward) {
       performer::Grad<float> g =
-          performer::backward<float>(in.q, in.k, in.v, in.d_out, features, saved, opt);
+          performer::backward<float>(in.q, in.k, in.v, features, in.d_out, saved, opt);
       benchmark::DoNotOptimize(g.q.data());
     }
   });

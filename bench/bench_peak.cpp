@@ -15,7 +15,7 @@
 #include "bench_common.hpp"
 
 #include <mixattn/core.hpp>
-#include <mixattn/detail/simd.hpp>
+#include <mixattn/detail/common/simd.hpp>
 
 #include <array>
 #include <cmath>

@@ -168,7 +168,7 @@ struct Performer : Records<mixattn::performer::Saved<float>, mixattn::performer:
   }
   void backward(std::size_t i, const ConstMatrixRef<float>& q, const ConstMatrixRef<float>& k,
                 const ConstMatrixRef<float>& v, const ConstMatrixRef<float>& d_out) {
-    mixattn::performer::backward_into(grad[i], q, k, v, d_out, features[i], saved[i], opt);
+    mixattn::performer::backward_into(grad[i], q, k, v, features[i], d_out, saved[i], opt);
   }
   static double forward_flops(Index n, bool c) {
     return mb::linear_floor::performer_flops(n, c, false);

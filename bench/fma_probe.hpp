@@ -10,7 +10,7 @@
 #pragma once
 
 #include <mixattn/core.hpp>
-#include <mixattn/detail/simd.hpp>
+#include <mixattn/detail/common/simd.hpp>
 
 #include <benchmark/benchmark.h>
 

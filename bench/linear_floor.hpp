@@ -11,7 +11,7 @@
 // r = d_v = 64, m = 256, S = 64, the causal chunk GMA's.
 #pragma once
 
-#include <mixattn/linear.hpp>  // detail::gma_default_chunk, the causal chunk linear attention uses
+#include <mixattn/linear.hpp>  // detail::default_scan_chunk, the causal chunk linear attention uses
 
 #include "gma_floor.hpp"
 
@@ -19,7 +19,7 @@ namespace mixattn::bench::linear_floor {
 
 constexpr Index kR = 64;
 constexpr Index kDv = 64;
-constexpr Index kChunk = mixattn::detail::gma_default_chunk;
+constexpr Index kChunk = mixattn::detail::default_scan_chunk;
 constexpr Index kFeatures = 256;  // Performer's m
 constexpr Index kCodes = 64;      // VQ attention's S
 

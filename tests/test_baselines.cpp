@@ -3,6 +3,7 @@
 // from the definitions, the random draw's properties, the quantisation, every backward against
 // central differences in double (the straight-through key gradient against differences in the
 // quantised keys), argument validation.
+#include <mixattn/linear.hpp>
 #include <mixattn/performer.hpp>
 #include <mixattn/vq.hpp>
 
@@ -287,7 +288,7 @@ TEST(PerformerBackward, MatchesCentralDifferences) {
       const performer::Options o = options(s, eps);
       performer::Saved<double> saved;
       performer::forward<double>(q, k, v, f, o, &saved);
-      const performer::Grad<double> gr = performer::backward<double>(q, k, v, g, f, saved, o);
+      const performer::Grad<double> gr = performer::backward<double>(q, k, v, f, g, saved, o);
       const auto loss = [&] {
         return performer::forward<double>(q, k, v, f, o).cwiseProduct(g).sum();
       };
@@ -316,11 +317,38 @@ TEST(PerformerBackward, FloatAgreesWithDouble) {
     performer::forward<float>(qf, kf, vf, ff, o, &sf);
     const Matrix<double> qd = qf.cast<double>(), kd = kf.cast<double>(), vd = vf.cast<double>();
     performer::forward<double>(qd, kd, vd, fd, o, &sd);
-    const auto a = performer::backward<float>(qf, kf, vf, gf, ff, sf, o);
-    const auto b = performer::backward<double>(qd, kd, vd, gf.cast<double>(), fd, sd, o);
+    const auto a = performer::backward<float>(qf, kf, vf, ff, gf, sf, o);
+    const auto b = performer::backward<double>(qd, kd, vd, fd, gf.cast<double>(), sd, o);
     EXPECT_TRUE(all_close(a.q, b.q, 2e-4, 2e-5)) << "causal " << causal;
     EXPECT_TRUE(all_close(a.k, b.k, 2e-4, 2e-5)) << "causal " << causal;
     EXPECT_TRUE(all_close(a.v, b.v, 2e-4, 2e-5)) << "causal " << causal;
+  }
+}
+
+// The earlier order of backward's arguments (features after grad_out), deprecated and kept for
+// one release, gives the new order's gradients bit for bit, value form and _into form.
+TEST(PerformerBackward, EarlierArgumentOrderGivesTheSameGradients) {
+  const Matrix<double> q = random_matrix<double>(12, 4, 31), k = random_matrix<double>(12, 4, 32);
+  const Matrix<double> v = random_matrix<double>(12, 3, 33), g = random_matrix<double>(12, 3, 34);
+  const auto f = performer::Features<double>::random(8, 4, 35);
+  for (bool causal : {false, true}) {
+    performer::Options o;
+    o.causal = causal;
+    performer::Saved<double> s;
+    performer::forward<double>(q, k, v, f, o, &s);
+    const auto now = performer::backward<double>(q, k, v, f, g, s, o);
+    performer::Grad<double> now_into, before_into;
+    performer::backward_into<double>(now_into, q, k, v, f, g, s, o);
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    const auto before = performer::backward<double>(q, k, v, g, f, s, o);
+    performer::backward_into<double>(before_into, q, k, v, g, f, s, o);
+#pragma GCC diagnostic pop
+    EXPECT_TRUE(before.q == now.q && before.k == now.k && before.v == now.v) << "causal " << causal;
+    EXPECT_TRUE(before_into.q == now_into.q && before_into.k == now_into.k &&
+                before_into.v == now_into.v)
+        << "causal " << causal;
+    EXPECT_TRUE(now_into.q == now.q && now_into.k == now.k && now_into.v == now.v);
   }
 }
 
@@ -332,14 +360,14 @@ TEST(PerformerEdges, EmptySequences) {
     o.causal = causal;
     performer::Saved<double> s;
     EXPECT_EQ(performer::forward<double>(none, none, v0, f, o, &s).rows(), 0);
-    const auto g = performer::backward<double>(none, none, v0, Matrix<double>(0, 2), f, s, o);
+    const auto g = performer::backward<double>(none, none, v0, f, Matrix<double>(0, 2), s, o);
     EXPECT_EQ(g.q.rows(), 0);
     EXPECT_EQ(g.k.cols(), 3);
   }
   const Matrix<double> k = random_matrix<double>(4, 3, 1), v = random_matrix<double>(4, 2, 2);
   performer::Saved<double> s;
   EXPECT_EQ(performer::forward<double>(none, k, v, f, {}, &s).rows(), 0);
-  const auto g = performer::backward<double>(none, k, v, Matrix<double>(0, 2), f, s);
+  const auto g = performer::backward<double>(none, k, v, f, Matrix<double>(0, 2), s);
   EXPECT_TRUE(g.k == Matrix<double>::Zero(4, 3) && g.v == Matrix<double>::Zero(4, 2));
 }
 
@@ -399,25 +427,25 @@ TEST_F(PerformerErrors, NonFiniteInputs) {
 TEST_F(PerformerErrors, BackwardRecordMismatches) {
   performer::Saved<double> saved, empty;
   performer::forward<double>(q, k, v, f, {}, &saved);
-  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g, f, empty); },
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, f, g, empty); },
                    {bwd, "saved was not filled"});
   performer::Features<double> other = f;
   other.redraw(99);
-  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g, other, saved); },
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, other, g, saved); },
                    {bwd, "saved came from other data: features.w is different"});
   performer::Options scaled;
   scaled.scale = 0.5;
-  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g, f, saved, scaled); },
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, f, g, saved, scaled); },
                    {bwd, "scale = 0 but options give scale = 0.5"});
   const auto more = performer::Features<double>::random(5, 3, 6);
-  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g, more, saved); },
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, more, g, saved); },
                    {bwd, "saved is for", "features = 4", "features = 5"});
   Matrix<double> k2 = k;
   k2(0, 0) += 1;
-  expect_throw<IA>([&] { performer::backward<double>(q, k2, v, g, f, saved); },
+  expect_throw<IA>([&] { performer::backward<double>(q, k2, v, f, g, saved); },
                    {bwd, "saved came from other data: k is different"});
   const Matrix<double> g3 = random_matrix<double>(6, 3, 9);
-  expect_throw<IA>([&] { performer::backward<double>(q, k, v, g3, f, saved); },
+  expect_throw<IA>([&] { performer::backward<double>(q, k, v, f, g3, saved); },
                    {bwd, "grad_out is 6 x 3"});
 }
 
@@ -672,7 +700,7 @@ TEST(BaselineIntoForms, RejectBadShapesAndEmptyRecordsWithTheirNames) {
   performer::Grad<double> pg;
   expect_throw<IA>([&] { performer::forward_into<double>(out, q, k5, v, f, {}, &ps); },
                    {"mixattn::performer::forward_into", wide});
-  expect_throw<IA>([&] { performer::backward_into<double>(pg, q, k, v, g, f, ps, {}); },
+  expect_throw<IA>([&] { performer::backward_into<double>(pg, q, k, v, f, g, ps, {}); },
                    {"mixattn::performer::backward_into", empty});
 
   vq::Saved<double> vs;

@@ -1,7 +1,7 @@
-// The causal scan's backward (detail/gma_scan.hpp, SPEC 1.5): the register-tiled SIMD path and
-// its Eigen twin (Arch = scalar_arch) against the direct O(N^2) formula in long double, on shapes
-// with ragged chunk tails, N below or not a multiple of the chunk, K and d_v not multiples of
-// the register width, a chunk that is not one either, and a continued state (start state S0, z0
+// The causal scan's backward (detail/common/causal_scan.hpp, SPEC 1.5): the register-tiled SIMD
+// path and its Eigen twin (Arch = scalar_arch) against the direct O(N^2) formula in long double, on
+// shapes with ragged chunk tails, N below or not a multiple of the chunk, K and d_v not multiples
+// of the register width, a chunk that is not one either, and a continued state (start state S0, z0
 // and the gradient of the end state), float and double.
 #include <mixattn/gma.hpp>
 
@@ -98,13 +98,13 @@ ScanGrads scan_backward(const ScanCase<T>& c, Index chunk) {
   Matrix<T> dq(n, K), dk(n, K), dvv(n, dv);
   Matrix<W> G = c.continued ? c.G_end : Matrix<W>(Matrix<W>::Zero(K, dv));
   Vector<W> u = c.continued ? c.u_end : Vector<W>(Vector<W>::Zero(K));
-  detail::GmaScanScratch<T> scratch;
+  detail::ScanScratch<T> scratch;
   for (int rep = 0; rep < 2; ++rep) {  // a second call on the used scratch gives the same
     G = c.continued ? c.G_end : Matrix<W>(Matrix<W>::Zero(K, dv));
     u = c.continued ? c.u_end : Vector<W>(Vector<W>::Zero(K));
-    detail::gma_causal_backward<T, Arch>(c.gq, c.gk, c.v, c.g, c.h, chunk, dq, dk, dvv,
-                                         c.continued ? &c.S0 : nullptr,
-                                         c.continued ? &c.z0 : nullptr, G, u, scratch);
+    detail::causal_scan_backward<T, Arch>(c.gq, c.gk, c.v, c.g, c.h, chunk, dq, dk, dvv,
+                                          c.continued ? &c.S0 : nullptr,
+                                          c.continued ? &c.z0 : nullptr, G, u, scratch);
   }
   return ScanGrads{dq.template cast<LD>(), dk.template cast<LD>(), dvv.template cast<LD>(),
                    G.template cast<LD>(), MatL(u.template cast<LD>())};

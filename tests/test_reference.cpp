@@ -267,9 +267,9 @@ TYPED_TEST(Reference, FlashBackwardMatchesNaive) {
     }
 }
 
-// The one softmax row and its backward (detail/softmax.hpp) that every operator uses, SIMD and
-// scalar, against the formulas in long double, at lengths that cover the vector body, the scalar
-// tail and rows shorter than one register, with masked (-inf) logits inside the row.
+// The one softmax row and its backward (detail/common/softmax.hpp) that every operator uses, SIMD
+// and scalar, against the formulas in long double, at lengths that cover the vector body, the
+// scalar tail and rows shorter than one register, with masked (-inf) logits inside the row.
 template <class Arch, class T>
 void check_softmax_kernels(Arch arch, std::uint64_t seed) {
   namespace d = mixattn::detail;
@@ -366,11 +366,11 @@ double ulps_from(float got, double want) {
   return std::abs(double(got) - want) / spacing;
 }
 
-// The flash forward's exp (detail/fast_exp.hpp) against exp in double, on a dense sweep of the
-// shifted logits' range x <= 0 (normal results, the subnormal range x in [-103.3, -87.3] and the
-// underflow to 0 below -103.97), the positive range up to overflow for fast_exp, and the special
-// values. 2 ulps: the polynomial is good to 0.2 ulp and its Horner steps and the reduction round
-// about 1 ulp in all (the FMA-less SSE2 build rounds each multiply-add twice).
+// The flash forward's exp (detail/common/fast_exp.hpp) against exp in double, on a dense sweep of
+// the shifted logits' range x <= 0 (normal results, the subnormal range x in [-103.3, -87.3] and
+// the underflow to 0 below -103.97), the positive range up to overflow for fast_exp, and the
+// special values. 2 ulps: the polynomial is good to 0.2 ulp and its Horner steps and the reduction
+// round about 1 ulp in all (the FMA-less SSE2 build rounds each multiply-add twice).
 TEST(FastExp, MatchesExpWithinTwoUlps) {
   for (bool nonpositive : {true, false}) {
     SCOPED_TRACE(nonpositive ? "fast_exp_nonpositive" : "fast_exp");
@@ -434,7 +434,7 @@ double rel_eps(double got, long double want) {
                              (std::fabs(want) * std::numeric_limits<double>::epsilon()));
 }
 
-// The mixture constants' double exp and log1p (detail/fast_exp.hpp) against long double, on
+// The mixture constants' double exp and log1p (detail/common/fast_exp.hpp) against long double, on
 // dense sweeps of their domains (exp: x in [-708, 0], the clamp below; log1p: u = 0 and normal u
 // up to 1, both sides of the branch at sqrt 2 - 1, and tiny u where log1p(u) = u; softplus
 // gives it u = exp(-|w|) >= exp(-708)). 2 eps relative: exp's

@@ -239,7 +239,7 @@ TYPED_TEST(SteadyStateTyped, BaselineStepsAllocateNothing) {
     };
     const auto performer_step = [&] {
       performer::forward_into<T>(out_p, q, k, v, features, po, &saved_p);
-      performer::backward_into<T>(grad_p, q, k, v, dout, features, saved_p, po);
+      performer::backward_into<T>(grad_p, q, k, v, features, dout, saved_p, po);
     };
     const auto vq_step = [&] {
       vq::forward_into<T>(out_v, q, k, v, codebook, vo, &saved_v);
@@ -263,7 +263,7 @@ TYPED_TEST(SteadyStateTyped, BaselineStepsAllocateNothing) {
     expect_same_qkv(grad_l, gl);
     performer::Saved<T> rp;
     EXPECT_EQ(out_p, performer::forward<T>(q, k, v, features, po, &rp));
-    const performer::Grad<T> gp = performer::backward<T>(q, k, v, dout, features, rp, po);
+    const performer::Grad<T> gp = performer::backward<T>(q, k, v, features, dout, rp, po);
     expect_same_qkv(grad_p, gp);
     vq::Saved<T> rv;
     EXPECT_EQ(out_v, vq::forward<T>(q, k, v, codebook, vo, &rv));
@@ -561,7 +561,7 @@ TYPED_TEST(SteadyStateTyped, FlashAndBaselinesAtTrainingLengthsAllocateNothing) 
       expect_steady(
           [&] {
             performer::forward_into<T>(out_p, q, k, v, features, po, &saved_p);
-            performer::backward_into<T>(grad_p, q, k, v, dout, features, saved_p, po);
+            performer::backward_into<T>(grad_p, q, k, v, features, dout, saved_p, po);
           },
           "performer, " + at);
       vq::Options vo;

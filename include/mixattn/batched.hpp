@@ -8,7 +8,6 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/refuse.hpp"
 #include "mixattn/gma.hpp"
 #include "mixattn/parallel.hpp"
 

@@ -20,11 +20,10 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
+#include "mixattn/detail/common/entry.hpp"
 #include "mixattn/detail/delta/backward.hpp"
-#include "mixattn/detail/delta/entry.hpp"
 #include "mixattn/detail/delta/forward.hpp"
 #include "mixattn/detail/delta/vector_arg.hpp"
-#include "mixattn/detail/refuse.hpp"
 
 #include <Eigen/Core>
 
@@ -50,9 +49,8 @@ Matrix<T> forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
                   const ConstMatrixArg<T>& v, const ConstVectorArg<T>& g,
                   const ConstVectorArg<T>& beta, const Options& opt = {}, State<T>* state = nullptr,
                   Saved<T>* saved = nullptr) {
-  return detail::delta_returned_forward<T>(&detail::delta_forward_into<T>,
-                                           "mixattn::delta::forward", saved, q, k, v, g, beta, opt,
-                                           state);
+  return detail::returned_forward<T>(&detail::delta_forward_into<T>, "mixattn::delta::forward",
+                                     saved, q, k, v, g, beta, opt, state);
 }
 
 /// forward into a caller-owned `out` (resized to N x d_v) and record: the result of
@@ -80,7 +78,7 @@ Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const C
                  const ConstVectorArg<T>& g, const ConstVectorArg<T>& beta,
                  const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt = {},
                  const StateGrad<typename detail::identity<T>::type>* grad_state_out = nullptr) {
-  return detail::delta_returned_backward<T>(&detail::delta_backward_into<T>,
+  return detail::returned_backward<Grad<T>>(&detail::delta_backward_into<T>,
                                             "mixattn::delta::backward", q, k, v, g, beta, grad_out,
                                             saved, opt, grad_state_out);
 }

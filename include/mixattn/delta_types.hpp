@@ -5,7 +5,7 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/common/gemm.hpp"
 
 #include <cstdint>
 

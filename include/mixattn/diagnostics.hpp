@@ -11,8 +11,7 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/refuse.hpp"
+#include "mixattn/detail/diagnostics/checks.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -22,50 +21,12 @@
 #include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
-namespace detail {
-
-/// Shared validation: Γ must be non-empty, finite and non-negative.
-template <class T>
-void check_responsibilities(const ConstMatrixRef<T>& gamma, const char* fn, const char* arg) {
-  detail::require(gamma.rows() > 0 && gamma.cols() > 0, fn, arg,
-                  " must have at least one row and one column, got ", detail::shape_str(gamma));
-  detail::require_finite(gamma, fn, arg);
-  detail::require(gamma.minCoeff() >= T(0), fn, arg, " has a negative entry (", gamma.minCoeff(),
-                  "); responsibilities lie on the simplex");
-}
-
-/// Shannon entropy (nats) of a count histogram with total n; 0 log 0 = 0.
-inline double entropy_of_counts(const std::vector<std::int64_t>& counts, double n) {
-  double h = 0;
-  for (std::int64_t c : counts)
-    if (c > 0) {
-      const double p = static_cast<double>(c) / n;
-      h -= p * std::log(p);
-    }
-  return h;
-}
-
-/// Maps arbitrary integer labels to 0..L-1 (order of first sorted appearance); returns L.
-template <class Label>
-Index compact_labels(const std::vector<Label>& labels, std::vector<Index>& out) {
-  std::vector<Label> sorted(labels);
-  std::sort(sorted.begin(), sorted.end());
-  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
-  out.resize(labels.size());
-  for (std::size_t i = 0; i < labels.size(); ++i)
-    out[i] = static_cast<Index>(std::lower_bound(sorted.begin(), sorted.end(), labels[i]) -
-                                sorted.begin());
-  return static_cast<Index>(sorted.size());
-}
-
-}  // namespace detail
-
 namespace diagnostics {
 
 /// Mean usage p̄_k = (1/N) Σ_i γ_ik (SPEC 1.7). gamma: N x K responsibilities. Returns K.
 /// Summed in a wide type so that float input over long sequences does not drift.
-template <class T>
-Vector<T> mean_usage(const ConstMatrixRef<T>& gamma) {
+template <class T, detail::enable_if_supported<T> = 0>
+Vector<T> mean_usage(const ConstMatrixArg<T>& gamma) {
   constexpr const char* fn = "mixattn::diagnostics::mean_usage";
   detail::check_responsibilities<T>(gamma, fn, "gamma");
   using W = detail::wide_t<T>;
@@ -78,8 +39,8 @@ Vector<T> mean_usage(const ConstMatrixRef<T>& gamma) {
 /// Number of components whose mean usage exceeds tau (SPEC 1.7). gamma: N x K.
 /// tau < 0 (the default) means the SPEC default 1/(10 K): a component used ten times less than
 /// a uniform share is considered idle.
-template <class T>
-Index components_used(const ConstMatrixRef<T>& gamma, double tau = -1) {
+template <class T, detail::enable_if_supported<T> = 0>
+Index components_used(const ConstMatrixArg<T>& gamma, double tau = -1) {
   constexpr const char* fn = "mixattn::diagnostics::components_used";
   detail::require(std::isfinite(tau) && tau < 1, fn, "tau must be finite and < 1 (",
                   "negative selects 1/(10K)), got ", tau);
@@ -95,8 +56,8 @@ Index components_used(const ConstMatrixRef<T>& gamma, double tau = -1) {
 /// 0: every token goes to one component; 1: all components are used equally. K = 1 is defined
 /// as 0 (a single component is maximally concentrated, and log 1 = 0 would divide by zero).
 /// p̄ is renormalised by its sum, so rows that are off the simplex by rounding do not matter.
-template <class T>
-T usage_entropy(const ConstMatrixRef<T>& gamma) {
+template <class T, detail::enable_if_supported<T> = 0>
+T usage_entropy(const ConstMatrixArg<T>& gamma) {
   constexpr const char* fn = "mixattn::diagnostics::usage_entropy";
   detail::check_responsibilities<T>(gamma, fn, "gamma");
   const Index k = gamma.cols();
@@ -116,8 +77,8 @@ T usage_entropy(const ConstMatrixRef<T>& gamma) {
 
 /// Hard assignment argmax_k γ_ik of every token (SPEC 1.7); ties go to the lowest k.
 /// gamma: N x K. Returns N component indices in [0, K).
-template <class T>
-std::vector<Index> hard_assignments(const ConstMatrixRef<T>& gamma) {
+template <class T, detail::enable_if_supported<T> = 0>
+std::vector<Index> hard_assignments(const ConstMatrixArg<T>& gamma) {
   constexpr const char* fn = "mixattn::diagnostics::hard_assignments";
   detail::check_responsibilities<T>(gamma, fn, "gamma");
   std::vector<Index> out(static_cast<std::size_t>(gamma.rows()));
@@ -178,8 +139,8 @@ double normalized_mutual_information(const std::vector<LabelA>& a, const std::ve
 }
 
 /// NMI between the hard assignments of gamma (N x K) and N integer token labels (SPEC 1.7).
-template <class T, class Label>
-double assignment_nmi(const ConstMatrixRef<T>& gamma, const std::vector<Label>& labels) {
+template <class T, class Label, detail::enable_if_supported<T> = 0>
+double assignment_nmi(const ConstMatrixArg<T>& gamma, const std::vector<Label>& labels) {
   constexpr const char* fn = "mixattn::diagnostics::assignment_nmi";
   detail::require(static_cast<std::size_t>(gamma.rows()) == labels.size(), fn, "gamma has ",
                   gamma.rows(), " rows but labels has ", labels.size(), " entries");
@@ -192,8 +153,8 @@ inline constexpr Index default_affinity_limit = Index(1) << 24;
 
 /// The implicit affinity Ã = Γ_Q Γ_Kᵀ (SPEC 1.3, 1.7). gamma_q: N x K, gamma_k: M x K.
 /// Returns N x M. Throws std::invalid_argument when N·M exceeds max_entries.
-template <class T>
-Matrix<T> affinity(const ConstMatrixRef<T>& gamma_q, const ConstMatrixRef<T>& gamma_k,
+template <class T, detail::enable_if_supported<T> = 0>
+Matrix<T> affinity(const ConstMatrixArg<T>& gamma_q, const ConstMatrixArg<T>& gamma_k,
                    Index max_entries = default_affinity_limit) {
   constexpr const char* fn = "mixattn::diagnostics::affinity";
   detail::check_responsibilities<T>(gamma_q, fn, "gamma_q");
@@ -213,8 +174,8 @@ Matrix<T> affinity(const ConstMatrixRef<T>& gamma_q, const ConstMatrixRef<T>& ga
 /// diag(d)⁻¹ (mask ∘ Γ_Q Γ_Kᵀ) with d = rowsum(mask ∘ Γ_Q Γ_Kᵀ) + eps, mask inclusive-causal when
 /// `causal` (then N must equal M). gamma_q: N x K, gamma_k: M x K. Returns N x M; O = result · V
 /// up to the eps floor. Same size limit as affinity().
-template <class T>
-Matrix<T> attention_weights(const ConstMatrixRef<T>& gamma_q, const ConstMatrixRef<T>& gamma_k,
+template <class T, detail::enable_if_supported<T> = 0>
+Matrix<T> attention_weights(const ConstMatrixArg<T>& gamma_q, const ConstMatrixArg<T>& gamma_k,
                             bool causal, double eps = 1e-6,
                             Index max_entries = default_affinity_limit) {
   constexpr const char* fn = "mixattn::diagnostics::attention_weights";
@@ -232,62 +193,39 @@ Matrix<T> attention_weights(const ConstMatrixRef<T>& gamma_q, const ConstMatrixR
   return a;
 }
 
-// Deduced and refused calls: mean_usage(gamma) with a plain matrix deduces T from it (T is
-// non-deduced in the overloads above, which take it written: mean_usage<float>(gamma)); an
-// unsupported scalar type or a column-major or strided argument that would be copied stops at
-// the static_assert of core.hpp's refuse_arguments.
-template <class T = void, class G, detail::enable_if_deduced_or_refused<T, G> = 0>
-Vector<detail::scalar_of<T, G>> mean_usage(const G& gamma) {
-  using S = detail::scalar_of<T, G>;
-  detail::refuse_arguments<S, G>();
-  if constexpr (detail::accepted<S, G>) return mean_usage<S>(gamma);
-  return {};
+// Deduced calls: mean_usage(gamma) with a plain matrix takes T from it (the forms above take it
+// written, mean_usage<float>(gamma)). The arguments then bind to their ConstMatrixArg<T>
+// parameters above, which refuse what they would copy.
+template <class G, detail::enable_if_deduced<G> = 0>
+Vector<typename G::Scalar> mean_usage(const G& gamma) {
+  return mean_usage<typename G::Scalar>(gamma);
 }
-template <class T = void, class G, detail::enable_if_deduced_or_refused<T, G> = 0>
+template <class G, detail::enable_if_deduced<G> = 0>
 Index components_used(const G& gamma, double tau = -1) {
-  using S = detail::scalar_of<T, G>;
-  detail::refuse_arguments<S, G>();
-  if constexpr (detail::accepted<S, G>) return components_used<S>(gamma, tau);
-  return 0;
+  return components_used<typename G::Scalar>(gamma, tau);
 }
-template <class T = void, class G, detail::enable_if_deduced_or_refused<T, G> = 0>
-detail::scalar_of<T, G> usage_entropy(const G& gamma) {
-  using S = detail::scalar_of<T, G>;
-  detail::refuse_arguments<S, G>();
-  if constexpr (detail::accepted<S, G>) return usage_entropy<S>(gamma);
-  return S(0);
+template <class G, detail::enable_if_deduced<G> = 0>
+typename G::Scalar usage_entropy(const G& gamma) {
+  return usage_entropy<typename G::Scalar>(gamma);
 }
-template <class T = void, class G, detail::enable_if_deduced_or_refused<T, G> = 0>
+template <class G, detail::enable_if_deduced<G> = 0>
 std::vector<Index> hard_assignments(const G& gamma) {
-  using S = detail::scalar_of<T, G>;
-  detail::refuse_arguments<S, G>();
-  if constexpr (detail::accepted<S, G>) return hard_assignments<S>(gamma);
-  return {};
+  return hard_assignments<typename G::Scalar>(gamma);
 }
-template <class T = void, class G, class Label, detail::enable_if_deduced_or_refused<T, G> = 0>
+template <class G, class Label, detail::enable_if_deduced<G> = 0>
 double assignment_nmi(const G& gamma, const std::vector<Label>& labels) {
-  using S = detail::scalar_of<T, G>;
-  detail::refuse_arguments<S, G>();
-  if constexpr (detail::accepted<S, G>) return assignment_nmi<S>(gamma, labels);
-  return 0;
+  return assignment_nmi<typename G::Scalar>(gamma, labels);
 }
-template <class T = void, class GQ, class GK, detail::enable_if_deduced_or_refused<T, GQ, GK> = 0>
-Matrix<detail::scalar_of<T, GQ>> affinity(const GQ& gamma_q, const GK& gamma_k,
-                                          Index max_entries = default_affinity_limit) {
-  using S = detail::scalar_of<T, GQ>;
-  detail::refuse_arguments<S, GQ, GK>();
-  if constexpr (detail::accepted<S, GQ, GK>) return affinity<S>(gamma_q, gamma_k, max_entries);
-  return {};
+template <class GQ, class GK, detail::enable_if_deduced<GQ, GK> = 0>
+Matrix<typename GQ::Scalar> affinity(const GQ& gamma_q, const GK& gamma_k,
+                                     Index max_entries = default_affinity_limit) {
+  return affinity<typename GQ::Scalar>(gamma_q, gamma_k, max_entries);
 }
-template <class T = void, class GQ, class GK, detail::enable_if_deduced_or_refused<T, GQ, GK> = 0>
-Matrix<detail::scalar_of<T, GQ>> attention_weights(const GQ& gamma_q, const GK& gamma_k,
-                                                   bool causal, double eps = 1e-6,
-                                                   Index max_entries = default_affinity_limit) {
-  using S = detail::scalar_of<T, GQ>;
-  detail::refuse_arguments<S, GQ, GK>();
-  if constexpr (detail::accepted<S, GQ, GK>)
-    return attention_weights<S>(gamma_q, gamma_k, causal, eps, max_entries);
-  return {};
+template <class GQ, class GK, detail::enable_if_deduced<GQ, GK> = 0>
+Matrix<typename GQ::Scalar> attention_weights(const GQ& gamma_q, const GK& gamma_k, bool causal,
+                                              double eps = 1e-6,
+                                              Index max_entries = default_affinity_limit) {
+  return attention_weights<typename GQ::Scalar>(gamma_q, gamma_k, causal, eps, max_entries);
 }
 
 }  // namespace diagnostics

@@ -17,33 +17,61 @@
 // included; forward / backward return fresh objects and call them.
 //
 // Every entry point has a defaulted template parameter Arch (the SIMD instruction set the
-// translation unit is compiled for, detail/simd.hpp); callers never write it.
+// translation unit is compiled for, detail/common/simd.hpp); callers never write it.
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/fingerprint.hpp"
-#include "mixattn/detail/gemm.hpp"
-#include "mixattn/detail/gma_backward.hpp"
-#include "mixattn/detail/gma_common.hpp"
-#include "mixattn/detail/gma_forward.hpp"
-#include "mixattn/detail/gma_scan.hpp"
-#include "mixattn/detail/log_density.hpp"
-#include "mixattn/detail/refuse.hpp"
-#include "mixattn/detail/simd.hpp"
-#include "mixattn/detail/softmax.hpp"
-#include "mixattn/detail/value_form_scratch.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/entry.hpp"
+#include "mixattn/detail/common/simd.hpp"
+#include "mixattn/detail/gma/backward.hpp"
+#include "mixattn/detail/gma/common.hpp"
+#include "mixattn/detail/gma/forward.hpp"
+#include "mixattn/detail/gma/log_density.hpp"
 #include "mixattn/gma_types.hpp"
 
-#include <Eigen/Core>
-
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 
 MIXATTN_BEGIN_NAMESPACE
 namespace gma {
+
+/// A mixture reduced once to what every evaluation of its responsibilities needs: variances,
+/// log-priors and offsets (in the wide type) and the SIMD kernel's packed coefficients for Arch.
+/// Build it once and call responsibilities(prepared, x) or the decoding forward(prepared, ...,
+/// state) many times, e.g. one token at a time: each call then costs O(K r) per row instead of
+/// also rebuilding the O(K r) constants (K r softplus and logs, more than the token itself).
+/// It is a snapshot: after changing the mixture, prepare it again (backward compares the mixture
+/// it is given against mixture_fingerprint()). Immutable, so one Prepared may serve concurrent
+/// calls. Arch is the SIMD instruction set (never written by callers), so a prepared mixture
+/// cannot meet another instruction set's kernel.
+template <class T, class Arch = detail::simd_arch>
+class Prepared {
+  static_assert(detail::refuse_arguments<T>(), "see the message above");
+
+ public:
+  using W = detail::wide_t<T>;
+  /// Validates the mixture (shapes; finite values unless check_finite is false) and reduces it.
+  explicit Prepared(const Mixture<T>& mix, bool check_finite = true);
+  Index components() const { return packed_.components; }  // K
+  Index dim() const { return packed_.dim; }                // r
+  const detail::MixtureConstants<W>& constants() const { return constants_; }
+  const detail::PackedDensity<T>& packed() const { return packed_; }
+  /// Position-sensitive fingerprint of the mixture it was prepared from (detail::Fingerprint).
+  std::uint64_t mixture_fingerprint() const { return mixture_fingerprint_; }
+
+ private:
+  detail::MixtureConstants<W> constants_;
+  detail::PackedDensity<T> packed_;
+  std::uint64_t mixture_fingerprint_ = 0;
+};
+
+template <class T, class Arch>
+Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
+  detail::gma_check_mixture(mix, "mixattn::gma::Prepared", check_finite);
+  constants_ = detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
+  packed_ = detail::pack_density<Arch, T>(mix.mean, constants_);
+  mixture_fingerprint_ = detail::mixture_fingerprint(mix);
+}
 
 /// Responsibilities Gamma (SPEC 1.2) of the rows of x under a prepared mixture: N x K, every
 /// row on the simplex. x: N x r, row-major (r = prepared.dim()). Rows far from every component
@@ -76,6 +104,16 @@ Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixArg<T>& x,
   return responsibilities<T, Arch>(Prepared<T, Arch>(mix, false), x, check_finite);
 }
 
+/// GMA forward (SPEC 1.3 bidirectional, 1.4 causal).
+/// q: N x r, k: M x r, v: M x d_v (M == N when causal). Returns N x d_v.
+/// If `saved` is given it receives what backward needs (O((N + M) K + N d_v)).
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
+Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                  const ConstMatrixArg<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
+  return detail::returned_forward<T>(&detail::gma_forward_into<Arch, T>, "mixattn::gma::forward",
+                                     saved, mix, q, k, v, opt);
+}
+
 /// GMA forward (SPEC 1.3 bidirectional, 1.4 causal) into caller-owned memory.
 /// q: N x r, k: M x r, v: M x d_v (M == N when causal); out is resized to N x d_v.
 /// If `saved` is given it receives what backward needs (O((N + M) K + N d_v)) and keeps the
@@ -85,28 +123,17 @@ Matrix<T> responsibilities(const Mixture<T>& mix, const ConstMatrixArg<T>& x,
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
                   const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v, const Options& opt,
-                  Saved<typename detail::identity<T>::type>* saved) {
-  detail::gma_forward<Arch, T>("mixattn::gma::forward_into", out, mix, q, k, v, opt, saved);
+                  Saved<detail::identity_t<T>>* saved) {
+  detail::gma_forward_into<Arch, T>("mixattn::gma::forward_into", out, mix, q, k, v, opt, saved);
 }
 
-/// GMA forward (SPEC 1.3 bidirectional, 1.4 causal).
-/// q: N x r, k: M x r, v: M x d_v (M == N when causal). Returns N x d_v.
-/// If `saved` is given it receives what backward needs (O((N + M) K + N d_v)).
+/// The value-returning form of the above. Returns n x d_v.
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
-                  const ConstMatrixArg<T>& v, const Options& opt = {}, Saved<T>* saved = nullptr) {
-  Matrix<T> out;
-  const detail::LentScratch<detail::GmaForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
-  detail::gma_forward<Arch, T>("mixattn::gma::forward", out, mix, q, k, v, opt, saved);
-  return out;
-}
-
-template <class T, class Arch>
-Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
-  detail::gma_check_mixture(mix, "mixattn::gma::Prepared", check_finite);
-  constants_ = detail::mixture_constants<W>(mix.mean, mix.var_raw, mix.prior_logit, mix.var_floor);
-  packed_ = detail::pack_density<Arch, T>(mix.mean, constants_);
-  mixture_fingerprint_ = detail::mixture_fingerprint(mix);
+                  const ConstMatrixArg<T>& v, const Options& opt, State<T>& state,
+                  Saved<T>* saved = nullptr) {
+  return detail::returned_forward<T>(&detail::gma_forward_state_into<Arch, T>,
+                                     "mixattn::gma::forward", saved, mix, q, k, v, opt, state);
 }
 
 /// Causal GMA forward continuing `state` (SPEC 1.4) into caller-owned memory: q, k (n x r) and
@@ -123,34 +150,9 @@ Prepared<T, Arch>::Prepared(const Mixture<T>& mix, bool check_finite) {
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
                   const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v, const Options& opt,
-                  State<T>& state, Saved<typename detail::identity<T>::type>* saved) {
-  detail::gma_forward_mixture_continued<Arch, T>("mixattn::gma::forward_into", out, mix, q, k, v,
-                                                 opt, state, saved);
-}
-
-/// The value-returning form of the above. Returns n x d_v.
-template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-Matrix<T> forward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
-                  const ConstMatrixArg<T>& v, const Options& opt, State<T>& state,
-                  Saved<T>* saved = nullptr) {
-  Matrix<T> out;
-  const detail::LentScratch<detail::GmaForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
-  detail::gma_forward_mixture_continued<Arch, T>("mixattn::gma::forward", out, mix, q, k, v, opt,
-                                                 state, saved);
-  return out;
-}
-
-/// The same with the mixture prepared once (Prepared): the decode path, which spends per token
-/// only the responsibilities of q and k and one pass over the state (O(K (r + d_v))).
-template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-void forward_into(Matrix<T>& out, const Prepared<T, Arch>& prep, const ConstMatrixArg<T>& q,
-                  const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v, const Options& opt,
-                  State<T>& state, Saved<typename detail::identity<T>::type>* saved) {
-  static constexpr const char* fn = "mixattn::gma::forward_into";
-  detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
-  detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
-  detail::gma_forward_continued<Arch, T>(fn, out, prep.packed(), q, k, v, opt, state, saved,
-                                         prep.mixture_fingerprint());
+                  State<T>& state, Saved<detail::identity_t<T>>* saved) {
+  detail::gma_forward_state_into<Arch, T>("mixattn::gma::forward_into", out, mix, q, k, v, opt,
+                                          state, saved);
 }
 
 /// The value-returning form of the above. Returns n x d_v.
@@ -158,56 +160,18 @@ template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T
 Matrix<T> forward(const Prepared<T, Arch>& prep, const ConstMatrixArg<T>& q,
                   const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v, const Options& opt,
                   State<T>& state, Saved<T>* saved = nullptr) {
-  static constexpr const char* fn = "mixattn::gma::forward";
-  detail::gma_check_qkv<T>(fn, prep.dim(), q, k, v, opt);
-  detail::gma_check_state(fn, state, prep.components(), v.cols(), q.rows(), opt);
-  Matrix<T> out;
-  const detail::LentScratch<detail::GmaForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
-  detail::gma_forward_continued<Arch, T>(fn, out, prep.packed(), q, k, v, opt, state, saved,
-                                         prep.mixture_fingerprint());
-  return out;
+  return detail::returned_forward<T>(&detail::gma_forward_prepared_into<Arch, T, Prepared<T, Arch>>,
+                                     "mixattn::gma::forward", saved, prep, q, k, v, opt, state);
 }
 
-/// GMA backward (SPEC 1.5) into caller-owned gradients: the same as backward, with grad's
-/// matrices resized (no-op when shapes repeat) and its scratch reused, so a call whose shapes
-/// repeat performs no heap allocation.
+/// The same with the mixture prepared once (Prepared): the decode path, which spends per token
+/// only the responsibilities of q and k and one pass over the state (O(K (r + d_v))).
 template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
-                   const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
-                   const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt) {
-  detail::gma_backward<Arch, T>("mixattn::gma::backward_into", grad, mix, q, k, v, grad_out, saved,
-                                opt, static_cast<const StateGrad<T>*>(nullptr));
-}
-
-/// Backward of a piece of a longer sequence into caller-owned gradients (see the backward
-/// overload with grad_state_out); grad_state_out may be grad.state itself, so one Grad can run
-/// the pieces' backwards in reverse, each fed the grad.state its successor left.
-template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
-                   const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
-                   const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt,
-                   const StateGrad<typename detail::identity<T>::type>* grad_state_out) {
-  detail::gma_backward<Arch, T>("mixattn::gma::backward_into", grad, mix, q, k, v, grad_out, saved,
-                                opt, grad_state_out);
-}
-
-/// Backward of a piece of a longer sequence (SPEC 1.5, pieces): saved comes from the State
-/// overload of forward; grad_state_out (optional, K x d_v and K) is dL/d(end state), which the
-/// next piece's backward returned as its grad.state. Adds the end state's use to the keys and
-/// values of this piece and writes grad.state = dL/d(start state). Running the pieces' backwards
-/// in reverse, each fed its successor's grad.state, gives the gradients of one call over the
-/// whole sequence.
-template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
-Grad<T> backward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
-                 const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
-                 const Saved<T>& saved, const Options& opt, const StateGrad<T>* grad_state_out) {
-  Grad<T> grad;
-  {  // the working memory is this thread's: the returned gradient carries none
-    const detail::LentScratch<detail::GmaBackwardScratch<T>> lent(&grad.scratch);
-    detail::gma_backward<Arch, T>("mixattn::gma::backward", grad, mix, q, k, v, grad_out, saved,
-                                  opt, grad_state_out);
-  }
-  return grad;
+void forward_into(Matrix<T>& out, const Prepared<T, Arch>& prep, const ConstMatrixArg<T>& q,
+                  const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v, const Options& opt,
+                  State<T>& state, Saved<detail::identity_t<T>>* saved) {
+  detail::gma_forward_prepared_into<Arch, T>("mixattn::gma::forward_into", out, prep, q, k, v, opt,
+                                             state, saved);
 }
 
 /// GMA backward (SPEC 1.5): gradients of sum(grad_out . forward(mix, q, k, v)) with respect to
@@ -224,26 +188,64 @@ Grad<T> backward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstM
                            static_cast<const StateGrad<T>*>(nullptr));
 }
 
+/// Backward of a piece of a longer sequence (SPEC 1.5, pieces): saved comes from the State
+/// overload of forward; grad_state_out (optional, K x d_v and K) is dL/d(end state), which the
+/// next piece's backward returned as its grad.state. Adds the end state's use to the keys and
+/// values of this piece and writes grad.state = dL/d(start state). Running the pieces' backwards
+/// in reverse, each fed its successor's grad.state, gives the gradients of one call over the
+/// whole sequence.
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
+Grad<T> backward(const Mixture<T>& mix, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                 const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
+                 const Saved<T>& saved, const Options& opt, const StateGrad<T>* grad_state_out) {
+  return detail::returned_backward<Grad<T>>(&detail::gma_backward_into<Arch, T>,
+                                            "mixattn::gma::backward", mix, q, k, v, grad_out, saved,
+                                            opt, grad_state_out);
+}
+
+/// GMA backward (SPEC 1.5) into caller-owned gradients: the same as backward, with grad's
+/// matrices resized (no-op when shapes repeat) and its scratch reused, so a call whose shapes
+/// repeat performs no heap allocation.
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
+void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
+                   const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                   const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt) {
+  detail::gma_backward_into<Arch, T>("mixattn::gma::backward_into", grad, mix, q, k, v, grad_out,
+                                     saved, opt, static_cast<const StateGrad<T>*>(nullptr));
+}
+
+/// Backward of a piece of a longer sequence into caller-owned gradients (see the backward
+/// overload with grad_state_out); grad_state_out may be grad.state itself, so one Grad can run
+/// the pieces' backwards in reverse, each fed the grad.state its successor left.
+template <class T, class Arch = detail::simd_arch, detail::enable_if_supported<T> = 0>
+void backward_into(Grad<T>& grad, const Mixture<T>& mix, const ConstMatrixArg<T>& q,
+                   const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                   const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt,
+                   const StateGrad<detail::identity_t<T>>* grad_state_out) {
+  detail::gma_backward_into<Arch, T>("mixattn::gma::backward_into", grad, mix, q, k, v, grad_out,
+                                     saved, opt, grad_state_out);
+}
+
 }  // namespace gma
 
 #ifdef MIXATTN_TEMPLATE_INSTANCE
-// The workers behind every forward and backward form, at the default instruction set (core.hpp:
-// compiling the operators once).
+// The workers behind every form, at the default instruction set (core.hpp: compiling the
+// operators once).
 namespace detail {
-#define MIXATTN_GMA_INSTANCES(T)                                                                \
-  MIXATTN_TEMPLATE_INSTANCE void gma_forward<simd_arch, T>(                                     \
+#define MIXATTN_GMA_WORKERS(T)                                                                  \
+  MIXATTN_TEMPLATE_INSTANCE void gma_forward_into<simd_arch, T>(                                \
       const char*, Matrix<T>&, const gma::Mixture<T>&, const ConstMatrixRef<T>&,                \
       const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const gma::Options&, gma::Saved<T>*); \
   MIXATTN_TEMPLATE_INSTANCE void gma_forward_continued<simd_arch, T>(                           \
       const char*, Matrix<T>&, const PackedDensity<T>&, const ConstMatrixRef<T>&,               \
       const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const gma::Options&, gma::State<T>&,  \
       gma::Saved<T>*, std::uint64_t);                                                           \
-  MIXATTN_TEMPLATE_INSTANCE void gma_backward<simd_arch, T>(                                    \
+  MIXATTN_TEMPLATE_INSTANCE void gma_backward_into<simd_arch, T>(                               \
       const char*, gma::Grad<T>&, const gma::Mixture<T>&, const ConstMatrixRef<T>&,             \
       const ConstMatrixRef<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,             \
       const gma::Saved<T>&, const gma::Options&, const gma::StateGrad<T>*);
-MIXATTN_FOR_EACH_SCALAR(MIXATTN_GMA_INSTANCES)
-#undef MIXATTN_GMA_INSTANCES
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_GMA_WORKERS)
+#undef MIXATTN_GMA_WORKERS
 }  // namespace detail
 #endif
 MIXATTN_END_NAMESPACE

@@ -1,21 +1,149 @@
 // mixattn/gma_types.hpp — Gaussian Mixture Attention's records: the mixture and its gradient,
 // the options, the decoding state and its gradient, what forward saves for backward, the
-// gradients, and the prepared mixture. The operations on them are in mixattn/gma.hpp.
+// gradients, and the working memory they keep (the mixture's constants and the kernels' packed
+// coefficients among them, data only). The operations on them, and the prepared mixture, are in
+// mixattn/gma.hpp.
 #pragma once
 
+#include "mixattn/common_types.hpp"
 #include "mixattn/core.hpp"
-#include "mixattn/detail/gma_scratch.hpp"
-#include "mixattn/detail/log_density.hpp"
-#include "mixattn/detail/refuse.hpp"
-#include "mixattn/detail/simd.hpp"
 
 #include <Eigen/Core>
 
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// Per-call constants of a mixture (SPEC 1.1), computed in the wide type W.
+template <class W>
+struct MixtureConstants {
+  Matrix<W> var;     // K x r, softplus(var_raw) + var_floor
+  Vector<W> log_pi;  // K, log_softmax(prior_logit)
+  Vector<W> offset;  // K, log pi_k - 1/2 sum_m log var_km
+  Matrix<W> scale;   // K x r, 1 / sqrt(2 var): the kernels' a (density_coefficients)
+};
+
+/// Mixture constants packed for the kernel of Arch: components padded to a multiple of the
+/// register width (padding has a = b = 0 and offset -inf, so it gets zero responsibility).
+template <class T>
+struct PackedDensity {
+  Index components = 0, dim = 0, padded = 0, width = 1;
+  std::vector<T> ab;      // [m][kv][a(W) | b(W)]: for a fixed m, all component vectors contiguous
+  std::vector<T> offset;  // padded
+};
+
+/// a and b laid out for the backward kernel: K x padded_dim each, row-major, zero beyond dim
+/// (zero a and b give t = 0, so padded dims contribute nothing).
+template <class T>
+struct PackedDensityDims {
+  Index components = 0, dim = 0, padded_dim = 0;
+  std::vector<T> a, b;
+};
+
+/// Token sums of the backward (see above), in the wide type W = wide_t<T>: they run over all
+/// N + M tokens, and a float running sum of that length drifts by O(N eps) relative. The kernel
+/// sums in T over at most density_grad_fold_tokens tokens (part_wt, part_wtt: its panels' sums
+/// added in T, a load, an add and a store a register, where widening each 32-row panel's sums
+/// took ~10% of the kernel's time on AVX2), then fold() adds them here.
+template <class T>
+struct DensityGradSums {
+  using W = wide_t<T>;
+  Matrix<W> wt;                      // K x padded_dim: sum_i w_ik t_ikm
+  Matrix<W> wtt;                     // K x padded_dim: sum_i w_ik t_ikm^2
+  Vector<W> w;                       // K: sum_i w_ik
+  std::vector<T> part_wt, part_wtt;  // K x padded_dim each: the terms not yet in wt and wtt
+  Index part_tokens = 0;             // tokens summed into part_wt and part_wtt since the last fold
+  void reset(Index K, Index padded_dim) {
+    wt.setZero(K, padded_dim);
+    wtt.setZero(K, padded_dim);
+    w.setZero(K);
+    part_wt.assign(static_cast<std::size_t>(K * padded_dim), T(0));
+    part_wtt.assign(static_cast<std::size_t>(K * padded_dim), T(0));
+    part_tokens = 0;
+  }
+  /// The T sums into the wide ones, and the T sums cleared.
+  void fold() {
+    if (part_tokens == 0) return;
+    const Index n = wt.size();
+    Eigen::Map<Vector<T>> pwt(part_wt.data(), n), pwtt(part_wtt.data(), n);
+    Eigen::Map<Vector<W>>(wt.data(), n) += pwt.template cast<W>();
+    Eigen::Map<Vector<W>>(wtt.data(), n) += pwtt.template cast<W>();
+    pwt.setZero();
+    pwtt.setZero();
+    part_tokens = 0;
+  }
+};
+
+/// Scratch of a forward call: the mixture's packed constants, the bidirectional read-out's
+/// buffers (when no Saved holds them), the causal scan's state and the GEMM packing buffers.
+template <class T>
+struct GmaForwardScratch {
+  MixtureConstants<wide_t<T>> constants;
+  PackedDensity<T> packed;
+  std::vector<T> scores;  // the density kernel's rows of scores
+  Vector<T> den, z, ones;
+  Matrix<T> vt;
+  Matrix<T> block_q, block_k;  // Gamma's rows in passing (no record): gma_gamma_block or
+                               // gma_causal_block x K
+  // A continued forward's start state, kept (without a Saved to hold it) after values large
+  // enough to overflow the state, so that an overflow gives the State back untouched.
+  Matrix<wide_t<T>> start_S;
+  Vector<wide_t<T>> start_z;
+  ScanScratch<T> scan;
+  GemmSpace<T> gemm;
+};
+
+/// A mixture as the decoding forward last received it, and what preparing it gave: the Mixture
+/// overloads of the continued forward reuse the preparation while the mixture stays bit for bit
+/// the same (one comparison of its parameters per call instead of K r softplus and logs and the
+/// packing), so the obvious decoding loop costs about what the Prepared overload costs.
+template <class T>
+struct GmaPreparedMixture {
+  Matrix<T> mean, var_raw;  // K x r, copies of the mixture's
+  Vector<T> prior_logit;    // K
+  T var_floor = T(0);
+  bool valid = false;
+  bool checked_finite = false;  // its values were checked finite
+  bool fingerprinted = false;   // `fingerprint` is set (computed when a record first needs it)
+  std::uint64_t fingerprint = 0;
+  MixtureConstants<wide_t<T>> constants;
+  PackedDensity<T> packed;
+};
+
+/// Scratch of one backward call, reused by every panel and, through Grad, by later calls.
+template <class T>
+struct GmaBackwardScratch {
+  using W = wide_t<T>;
+  Matrix<T> gh;             // panel x d_v: g = dO / den (bidirectional)
+  Vector<T> z_eps;          // K: z + eps (bidirectional)
+  Matrix<T> ds;             // panel x K: dGamma, then dS in place (bidirectional)
+  Matrix<T> xpad;           // panel x padded r: x, zero beyond r
+  Matrix<T> acc;            // panel x padded r: dx, when r is not a whole number of registers
+  Vector<T> panel_w;        // K: one panel's sum of dS
+  Vector<T> panel_dz;       // K: one panel's dZ (bidirectional), then the whole dZ
+  Matrix<T> upd;            // K x d_v: one panel's dVt
+  Matrix<T> dvz;            // K x d_v: the summed dVt (bidirectional)
+  Matrix<T> vzt, dvt;       // SIMD builds: d_v x K, Vt and dVt transposed
+  Matrix<W> dvz_wide;       // K x d_v
+  Vector<W> dz_wide;        // K: the summed dZ
+  Matrix<T> g, dgq, dgk;    // causal: N x d_v, N x K, M x K
+  Vector<T> h, inv_den;     // causal: N
+  Matrix<W> dmu, dvar_raw;  // K x r
+  MixtureConstants<W> constants;
+  PackedDensityDims<T> packed;
+  DensityGradSums<T> sums;
+  Matrix<W> G;  // causal: K x d_v, the suffix state dL/dS (when grad.state does not hold it)
+  Vector<W> u;  // causal: K, dL/dz
+  ScanScratch<T> scan;
+  GemmSpace<T> gemm;
+};
+
+}  // namespace detail
+
 namespace gma {
 
 /// One head's routing mixture (SPEC 1.1): mean K x r, var_raw K x r, prior_logit K.
@@ -131,36 +259,6 @@ struct Grad {
   MixtureGrad<T> mixture;
   StateGrad<T> state;  // dS0, dz0 of the start state (continued forward only; else empty)
   detail::GmaBackwardScratch<T> scratch;
-};
-
-/// A mixture reduced once to what every evaluation of its responsibilities needs: variances,
-/// log-priors and offsets (in the wide type) and the SIMD kernel's packed coefficients for Arch.
-/// Build it once and call responsibilities(prepared, x) or the decoding forward(prepared, ...,
-/// state) many times, e.g. one token at a time: each call then costs O(K r) per row instead of
-/// also rebuilding the O(K r) constants (K r softplus and logs, more than the token itself).
-/// It is a snapshot: after changing the mixture, prepare it again (backward compares the mixture
-/// it is given against mixture_fingerprint()). Immutable, so one Prepared may serve concurrent
-/// calls. Arch is the SIMD instruction set (never written by callers), so a prepared mixture
-/// cannot meet another instruction set's kernel.
-template <class T, class Arch = detail::simd_arch>
-class Prepared {
-  static_assert(detail::refuse_arguments<T>(), "see the message above");
-
- public:
-  using W = detail::wide_t<T>;
-  /// Validates the mixture (shapes; finite values unless check_finite is false) and reduces it.
-  explicit Prepared(const Mixture<T>& mix, bool check_finite = true);
-  Index components() const { return packed_.components; }  // K
-  Index dim() const { return packed_.dim; }                // r
-  const detail::MixtureConstants<W>& constants() const { return constants_; }
-  const detail::PackedDensity<T>& packed() const { return packed_; }
-  /// Position-sensitive fingerprint of the mixture it was prepared from (detail::Fingerprint).
-  std::uint64_t mixture_fingerprint() const { return mixture_fingerprint_; }
-
- private:
-  detail::MixtureConstants<W> constants_;
-  detail::PackedDensity<T> packed_;
-  std::uint64_t mixture_fingerprint_ = 0;
 };
 
 template <class T>

@@ -37,11 +37,12 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/layer_body.hpp"
-#include "mixattn/detail/mixers/table.hpp"
-#include "mixattn/layer_config.hpp"
+#include "mixattn/layer/body.hpp"
+#include "mixattn/layer/config.hpp"
+#include "mixattn/layer/mixer.hpp"
+#include "mixattn/layer/table.hpp"
+#include "mixattn/layer/types.hpp"
 #include "mixattn/layer_io.hpp"
-#include "mixattn/layer_types.hpp"
 #include "mixattn/named_block.hpp"
 #include "mixattn/packed.hpp"
 #include "mixattn/parallel.hpp"
@@ -68,10 +69,12 @@ namespace layer {
 /// the Cache holds the rotated q and k the mixers saw; backward rotates the mixer's dQ_h, dK_h
 /// back (R^T) before the weight products; decode rotates the new rows at positions
 /// tokens_seen, tokens_seen + 1, …
-/// The heads' mixer is one detail::Mixer (mixattn/detail/mixers/), made from its entry in the
-/// mixer table: the layer runs it through that interface and names none.
+/// The heads' mixer is one detail::Mixer (mixattn/layer/mixers/), made from its entry in the
+/// mixer table: the layer runs it through that interface and names none. What one mixer adds
+/// (mixture(h), beta(h), features(h), codebook(h), the responsibilities) comes from that mixer's
+/// accessors, from which the layer derives (layer/table.hpp).
 template <class T>
-class MultiHeadAttention {
+class MultiHeadAttention : public ::mixattn::detail::MixerAccessors<MultiHeadAttention<T>, T> {
   static_assert(::mixattn::detail::refuse_arguments<T>(), "see the message above");
 
  public:
@@ -106,20 +109,13 @@ class MultiHeadAttention {
   const Matrix<T>& w_k() const { return p_.w_k; }
   const Matrix<T>& w_v() const { return p_.w_v; }
   const Matrix<T>& w_o() const { return p_.w_o; }
-  /// Head h's routing mixture (GMA layers only; std::out_of_range otherwise).
-  gma::Mixture<T>& mixture(Index h) { return mixtures().at(static_cast<std::size_t>(h)); }
-  const gma::Mixture<T>& mixture(Index h) const {
-    return mixtures().at(static_cast<std::size_t>(h));
+  /// The heads' mixer, and the mixer as the type M (layer/mixers/) or nullptr for another:
+  /// what the mixers' own accessors are built on.
+  const ::mixattn::detail::Mixer<T>& mixer() const { return *p_.mixer.operator->(); }
+  template <class M>
+  M* mixer_as() const {
+    return p_.mixer.template as<M>();
   }
-  /// Head h's scale factor beta (OVQ layers only).
-  T& beta(Index h) { return ovq_beta(h); }
-  T beta(Index h) const { return ovq_beta(h); }
-  /// Head h's random feature directions (Performer layers only; m x r, a constant input).
-  performer::Features<T>& features(Index h) { return performer_features(h); }
-  const performer::Features<T>& features(Index h) const { return performer_features(h); }
-  /// Head h's codebook (VQ layers only; S x r, the parameter "head<h>.codebook").
-  Matrix<T>& codebook(Index h) { return vq_codebook(h); }
-  const Matrix<T>& codebook(Index h) const { return vq_codebook(h); }
 
   /// Named writable views of every parameter (order and shapes documented on the class).
   std::vector<NamedBlock<T>> parameters() {
@@ -143,7 +139,7 @@ class MultiHeadAttention {
 
   /// Y = concat_h(mixer_h(X W_Q, X W_K, X W_V)) W_O.  x: N x d_model (N >= 1); returns
   /// N x d_model. With a cache, fills it for backward; without, keeps nothing.
-  Matrix<T> forward(const ConstMatrixRef<T>& x, Cache<T>* cache = nullptr) const {
+  Matrix<T> forward(const ConstMatrixArg<T>& x, Cache<T>* cache = nullptr) const {
     Matrix<T> y;
     Cache<T> local;
     Cache<T>& c = cache ? *cache : local;
@@ -162,10 +158,11 @@ class MultiHeadAttention {
                                "decoding needs a causal layer: set config.causal = true");
     ::mixattn::detail::require(reserve_tokens >= 0, fn, "reserve_tokens is ", reserve_tokens,
                                ", must be >= 0");
-    ::mixattn::detail::require(p_.mixer->decodes(), fn, "config.mixer is ",
-                               mixer_name(p_.cfg.mixer),
-                               ", which keeps no streaming state (SPEC 4.4, 5.2, 6.4); decoding "
-                               "is provided for gma, ovq and softmax");
+    if (!p_.mixer->decodes())
+      ::mixattn::detail::raise_invalid_argument(
+          ::mixattn::detail::concat(fn, ": config.mixer is ", mixer_name(p_.cfg.mixer),
+                                    ", which keeps no streaming state; decoding is provided for ",
+                                    ::mixattn::detail::decoding_mixers()));
     DecodeState<T> st;
     st.layer = this;
     p_.mixer->begin_decoding(st.heads, p_.cfg.heads, reserve_tokens);
@@ -180,7 +177,7 @@ class MultiHeadAttention {
   /// A throw for x (shape, non-finite values, or projections that overflow T) leaves
   /// `state` unchanged; after any other (a mismatched state, a non-finite parameter, an output
   /// that overflowed T), begin_decoding() again.
-  Matrix<T> decode(const ConstMatrixRef<T>& x, DecodeState<T>& state) const {
+  Matrix<T> decode(const ConstMatrixArg<T>& x, DecodeState<T>& state) const {
     constexpr const char* fn = "mixattn::layer::MultiHeadAttention::decode";
     ::mixattn::detail::check_layer_input<T>(p_.cfg, fn, x);
     ::mixattn::detail::require(
@@ -217,7 +214,7 @@ class MultiHeadAttention {
   /// forward into a caller-owned y (resized to N x d_model) and cache (filled for backward);
   /// both keep their capacity, so with threads = 1 a training step whose shapes repeat
   /// performs no heap allocation.
-  void forward_into(Matrix<T>& y, const ConstMatrixRef<T>& x, Cache<T>& cache) const {
+  void forward_into(Matrix<T>& y, const ConstMatrixArg<T>& x, Cache<T>& cache) const {
     cache.offsets.assign({0, x.rows()});
     ::mixattn::detail::layer_run_forward(p_, "mixattn::layer::MultiHeadAttention::forward_into", y,
                                          x, cache, true);
@@ -228,7 +225,7 @@ class MultiHeadAttention {
   /// all rows; the mixers run per (sequence, head) pair, largest first on Config::threads
   /// threads, each pair equal to the layer's forward on that sequence alone bit for bit.
   /// backward_into takes the same cache (it holds the offsets).
-  void forward_packed_into(Matrix<T>& y, const ConstMatrixRef<T>& x, const Offsets& offsets,
+  void forward_packed_into(Matrix<T>& y, const ConstMatrixArg<T>& x, const Offsets& offsets,
                            Cache<T>& cache) const {
     constexpr const char* fn = "mixattn::layer::MultiHeadAttention::forward_packed_into";
     ::mixattn::detail::check_offsets(fn, "offsets", offsets, x.rows());
@@ -241,7 +238,7 @@ class MultiHeadAttention {
 
   /// Gradients of a scalar loss L given dY = ∂L/∂Y. x: N x d_model, the forward's input;
   /// grad_y: N x d_model; cache: filled by forward(x, &cache) with the current parameters.
-  Gradients<T> backward(const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& grad_y,
+  Gradients<T> backward(const ConstMatrixArg<T>& x, const ConstMatrixArg<T>& grad_y,
                         const Cache<T>& cache) const {
     Gradients<T> g;
     ::mixattn::detail::layer_run_backward(p_, "mixattn::layer::MultiHeadAttention::backward", g, x,
@@ -251,59 +248,10 @@ class MultiHeadAttention {
 
   /// backward into caller-owned gradients: names and blocks are filled once, matrices resized
   /// (no-op when shapes repeat) and the per-head records reused.
-  void backward_into(Gradients<T>& g, const ConstMatrixRef<T>& x, const ConstMatrixRef<T>& grad_y,
+  void backward_into(Gradients<T>& g, const ConstMatrixArg<T>& x, const ConstMatrixArg<T>& grad_y,
                      const Cache<T>& cache) const {
     ::mixattn::detail::layer_run_backward(p_, "mixattn::layer::MultiHeadAttention::backward_into",
                                           g, x, grad_y, cache);
-  }
-
-  /// Head h's query responsibilities Γ_Q = γ(X W_Q,h) (N x K) — for diagnostics (GMA only).
-  Matrix<T> query_responsibilities(const ConstMatrixRef<T>& x, Index h) const {
-    return head_responsibilities("query_responsibilities", x, h, p_.w_q);
-  }
-  /// Head h's key responsibilities Γ_K = γ(X W_K,h) (N x K) — for diagnostics (GMA only).
-  Matrix<T> key_responsibilities(const ConstMatrixRef<T>& x, Index h) const {
-    return head_responsibilities("key_responsibilities", x, h, p_.w_k);
-  }
-
-  // Compile-time refusal (core.hpp, refuse_arguments): a column-major or strided x or grad_y
-  // would be copied on every call; these overloads exist only for the static_assert's message.
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  Matrix<T> forward(const X&, Cache<T>* = nullptr) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-    return {};
-  }
-  template <class X, class G, ::mixattn::detail::enable_if_refused<T, X, G> = 0>
-  Gradients<T> backward(const X&, const G&, const Cache<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X, G>();
-    return {};
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  void forward_into(Matrix<T>&, const X&, Cache<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  void forward_packed_into(Matrix<T>&, const X&, const Offsets&, Cache<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-  }
-  template <class X, class G, ::mixattn::detail::enable_if_refused<T, X, G> = 0>
-  void backward_into(Gradients<T>&, const X&, const G&, const Cache<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X, G>();
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  Matrix<T> decode(const X&, DecodeState<T>&) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-    return {};
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  Matrix<T> query_responsibilities(const X&, Index) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-    return {};
-  }
-  template <class X, ::mixattn::detail::enable_if_refused<T, X> = 0>
-  Matrix<T> key_responsibilities(const X&, Index) const {
-    ::mixattn::detail::refuse_arguments<T, X>();
-    return {};
   }
 
   /// Writes every parameter to `path` (format: save_parameters).
@@ -313,50 +261,6 @@ class MultiHeadAttention {
   void load(const std::string& path) { load_parameters<T>(path, parameters()); }
 
  private:
-  // The accessors of one mixer's per-head state (its public names, kept for users).
-  std::vector<gma::Mixture<T>>& mixtures() const {
-    static std::vector<gma::Mixture<T>> none;  // empty: at() throws std::out_of_range
-    auto* m = p_.mixer.template as<::mixattn::detail::GmaMixer<T>>();
-    return m ? m->mixtures() : none;
-  }
-  T& ovq_beta(Index h) const {
-    auto* m = p_.mixer.template as<::mixattn::detail::OvqMixer<T>>();
-    ::mixattn::detail::require(m && h >= 0 && h < p_.cfg.heads,
-                               "mixattn::layer::MultiHeadAttention::beta",
-                               "beta exists for heads 0..H-1 of an OVQ layer; asked for head ", h);
-    return m->beta()[h];
-  }
-  performer::Features<T>& performer_features(Index h) const {
-    return head_of<::mixattn::detail::PerformerMixer<T>>(
-               h, "mixattn::layer::MultiHeadAttention::features")
-        .features()[static_cast<std::size_t>(h)];
-  }
-  Matrix<T>& vq_codebook(Index h) const {
-    return head_of<::mixattn::detail::VqMixer<T>>(h, "mixattn::layer::MultiHeadAttention::codebook")
-        .codebooks()[static_cast<std::size_t>(h)];
-  }
-  template <class M>
-  M& head_of(Index h, const char* fn) const {
-    M* m = p_.mixer.template as<M>();
-    ::mixattn::detail::require(m && h >= 0 && h < p_.cfg.heads, fn, "exists for heads 0..H-1 of a ",
-                               M::name, " layer; asked for head ", h, " of a ",
-                               mixer_name(p_.cfg.mixer), " layer of ", p_.cfg.heads, " heads");
-    return *m;
-  }
-
-  Matrix<T> head_responsibilities(const char* name, const ConstMatrixRef<T>& x, Index h,
-                                  const Matrix<T>& w) const {
-    const std::string fn = ::mixattn::detail::concat("mixattn::layer::MultiHeadAttention::", name);
-    ::mixattn::detail::require(!mixtures().empty(), fn.c_str(),
-                               "responsibilities exist only for GMA layers");
-    ::mixattn::detail::require(h >= 0 && h < p_.cfg.heads, fn.c_str(), "head ", h,
-                               " is out of range [0, ", p_.cfg.heads, ")");
-    ::mixattn::detail::check_layer_input<T>(p_.cfg, fn.c_str(), x);
-    Matrix<T> proj(x.rows(), p_.cfg.key_dim);
-    proj.noalias() = x * w.middleCols(h * p_.cfg.key_dim, p_.cfg.key_dim);
-    return gma::responsibilities(mixtures()[static_cast<std::size_t>(h)], proj);
-  }
-
   ::mixattn::detail::LayerParts<T> p_;
 };
 

@@ -1,11 +1,11 @@
 // mixattn/linear_types.hpp — linear attention's records (SPEC.md §4): its options, what forward
 // saves for backward, the gradients, and the working memory they keep (shared with Performer
-// and VQ attention). The operations on them are in mixattn/linear.hpp.
+// and VQ attention, which keep linear attention's record). The operations on them are in
+// mixattn/linear.hpp.
 #pragma once
 
+#include "mixattn/common_types.hpp"
 #include "mixattn/core.hpp"
-#include "mixattn/detail/gemm.hpp"
-#include "mixattn/detail/gma_scan.hpp"
 
 #include <cstdint>
 #include <vector>
@@ -20,7 +20,7 @@ template <class T>
 struct LinearScratch {
   Matrix<wide_t<T>> S;            // the causal scan's state: KV (forward), G (backward)
   Vector<wide_t<T>> z;            // and its z (forward), u (backward)
-  GmaScanScratch<T> scan;         // the causal scan's own buffers
+  ScanScratch<T> scan;            // the causal scan's own buffers
   Matrix<T> w;                    // VQ: the codebook as a plain matrix (the features' directions)
   Matrix<T> score;                // VQ: M x S nearest-code scores
   Vector<T> norms;                // VQ: |C_s|^2 / 2; Performer: s^2 |k_j|^2 / 2

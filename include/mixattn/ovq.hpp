@@ -24,19 +24,10 @@
 #pragma once
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/ovq_backward.hpp"
-#include "mixattn/detail/ovq_forward.hpp"
-#include "mixattn/detail/refuse.hpp"
-#include "mixattn/detail/value_form_scratch.hpp"
+#include "mixattn/detail/common/entry.hpp"
+#include "mixattn/detail/ovq/backward.hpp"
+#include "mixattn/detail/ovq/forward.hpp"
 #include "mixattn/ovq_types.hpp"
-
-#include <algorithm>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <limits>
-#include <utility>
-#include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
 namespace ovq {
@@ -48,38 +39,35 @@ namespace ovq {
 /// `saved` (optional) receives what backward needs: O(N_max (r + d_v) + T) memory.
 /// Throws std::invalid_argument on bad shapes, options or an inconsistent state, and
 /// std::domain_error on non-finite input (options.check_finite); `state` is untouched then.
-template <class T, mixattn::detail::enable_if_supported<T> = 0>
+template <class T, detail::enable_if_supported<T> = 0>
 Matrix<T> forward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
-                  const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
-                  const Options& opt, State<T>& state, Saved<T>* saved = nullptr) {
-  Matrix<T> out;
-  const detail::LentScratch<detail::ForwardScratch<T>> lent(saved ? &saved->scratch : nullptr);
-  detail::ovq_forward<T>("mixattn::ovq::forward", out, q, k, v, beta, opt, state, state, saved);
-  return out;
+                  const ConstMatrixArg<T>& v, detail::identity_t<T> beta, const Options& opt,
+                  State<T>& state, Saved<T>* saved = nullptr) {
+  return detail::returned_forward<T>(&detail::ovq_forward_into<T>, "mixattn::ovq::forward", saved,
+                                     q, k, v, beta, opt, state, state);
 }
 
 /// forward into a caller-owned `out` (resized to T x d_v); `state` is continued and updated as
 /// in forward, and `saved` keeps the call's working memory, so calls whose shapes repeat reuse
 /// it. Without `saved`, per-thread scratch is used.
-template <class T, mixattn::detail::enable_if_supported<T> = 0>
+template <class T, detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
-                  const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
-                  const Options& opt, State<T>& state,
-                  Saved<typename mixattn::detail::identity<T>::type>* saved) {
-  detail::ovq_forward<T>("mixattn::ovq::forward_into", out, q, k, v, beta, opt, state, state,
-                         saved);
+                  const ConstMatrixArg<T>& v, detail::identity_t<T> beta, const Options& opt,
+                  State<T>& state, Saved<detail::identity_t<T>>* saved) {
+  detail::ovq_forward_into<T>("mixattn::ovq::forward_into", out, q, k, v, beta, opt, state, state,
+                              saved);
 }
 
 /// forward_into from a constant `start` state, writing the final state into `next` (its capacity
 /// kept when its shapes repeat). The training-loop form: every step starts from the same state
 /// (usually State::empty) and, with reused out, next and saved, allocates nothing in steady
 /// state. `next` may be `start`.
-template <class T, mixattn::detail::enable_if_supported<T> = 0>
+template <class T, detail::enable_if_supported<T> = 0>
 void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
-                  const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
-                  const Options& opt, const State<T>& start, State<T>& next,
-                  Saved<typename mixattn::detail::identity<T>::type>* saved) {
-  detail::ovq_forward<T>("mixattn::ovq::forward_into", out, q, k, v, beta, opt, start, next, saved);
+                  const ConstMatrixArg<T>& v, detail::identity_t<T> beta, const Options& opt,
+                  const State<T>& start, State<T>& next, Saved<detail::identity_t<T>>* saved) {
+  detail::ovq_forward_into<T>("mixattn::ovq::forward_into", out, q, k, v, beta, opt, start, next,
+                              saved);
 }
 
 /// Gradients of a scalar loss L through forward (SPEC 2.4), given grad_out = dL/d(output).
@@ -94,17 +82,13 @@ void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixA
 /// grad.state receives dL/d(the state the call started from) (its keys, values, pending_keys
 /// and pending_values; zero-size parts for State::empty); the end state is taken to have no
 /// further use (see the overload with grad_state_out for pieces of a longer sequence).
-template <class T, mixattn::detail::enable_if_supported<T> = 0>
+template <class T, detail::enable_if_supported<T> = 0>
 Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
-                 typename mixattn::detail::identity<T>::type beta,
-                 const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt) {
-  Grad<T> g;
-  {  // the working memory is this thread's: the returned gradient carries none
-    const detail::LentScratch<detail::BackwardScratch<T>> lent(&g.scratch);
-    detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
-                            static_cast<const StateGrad<T>*>(nullptr));
-  }
-  return g;
+                 detail::identity_t<T> beta, const ConstMatrixArg<T>& grad_out,
+                 const Saved<T>& saved, const Options& opt) {
+  return detail::returned_backward<Grad<T>>(&detail::ovq_backward_into<T>, "mixattn::ovq::backward",
+                                            q, k, v, beta, grad_out, saved, opt,
+                                            static_cast<const StateGrad<T>*>(nullptr));
 }
 
 /// Backward of a piece of a longer sequence (SPEC 2.4, across pieces): as backward, with
@@ -116,58 +100,54 @@ Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const C
 /// Running the pieces' backwards in reverse, each fed its successor's grad.state, gives the
 /// gradients of one call over the whole sequence. Throws std::invalid_argument on other shapes
 /// or when grad_state_out is the gradient of another state than this call's end state.
-template <class T, mixattn::detail::enable_if_supported<T> = 0>
+template <class T, detail::enable_if_supported<T> = 0>
 Grad<T> backward(const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
-                 typename mixattn::detail::identity<T>::type beta,
-                 const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt,
-                 const StateGrad<typename mixattn::detail::identity<T>::type>* grad_state_out) {
-  Grad<T> g;
-  {  // the working memory is this thread's: the returned gradient carries none
-    const detail::LentScratch<detail::BackwardScratch<T>> lent(&g.scratch);
-    detail::ovq_backward<T>("mixattn::ovq::backward", g, q, k, v, beta, grad_out, saved, opt,
-                            grad_state_out);
-  }
-  return g;
+                 detail::identity_t<T> beta, const ConstMatrixArg<T>& grad_out,
+                 const Saved<T>& saved, const Options& opt,
+                 const StateGrad<detail::identity_t<T>>* grad_state_out) {
+  return detail::returned_backward<Grad<T>>(&detail::ovq_backward_into<T>, "mixattn::ovq::backward",
+                                            q, k, v, beta, grad_out, saved, opt, grad_state_out);
 }
 
 /// backward into caller-owned gradients (resized; the working memory is kept in `grad`, so calls
 /// whose shapes repeat allocate nothing).
-template <class T, mixattn::detail::enable_if_supported<T> = 0>
+template <class T, detail::enable_if_supported<T> = 0>
 void backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
-                   const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
+                   const ConstMatrixArg<T>& v, detail::identity_t<T> beta,
                    const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt) {
-  detail::ovq_backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt,
-                          static_cast<const StateGrad<T>*>(nullptr));
+  detail::ovq_backward_into<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved,
+                               opt, static_cast<const StateGrad<T>*>(nullptr));
 }
 
 /// Backward of a piece into caller-owned gradients (see the backward overload with
 /// grad_state_out); grad_state_out may be grad.state itself, so one Grad can run the pieces'
 /// backwards in reverse, each fed the grad.state its successor left.
-template <class T, mixattn::detail::enable_if_supported<T> = 0>
+template <class T, detail::enable_if_supported<T> = 0>
 void backward_into(Grad<T>& grad, const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
-                   const ConstMatrixArg<T>& v, typename mixattn::detail::identity<T>::type beta,
+                   const ConstMatrixArg<T>& v, detail::identity_t<T> beta,
                    const ConstMatrixArg<T>& grad_out, const Saved<T>& saved, const Options& opt,
-                   const StateGrad<typename mixattn::detail::identity<T>::type>* grad_state_out) {
-  detail::ovq_backward<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved, opt,
-                          grad_state_out);
+                   const StateGrad<detail::identity_t<T>>* grad_state_out) {
+  detail::ovq_backward_into<T>("mixattn::ovq::backward_into", grad, q, k, v, beta, grad_out, saved,
+                               opt, grad_state_out);
 }
 
 }  // namespace ovq
 
 #ifdef MIXATTN_TEMPLATE_INSTANCE
-// The workers behind every forward and backward form (core.hpp: compiling the operators once).
+// The workers behind every form, at the default instruction set (core.hpp: compiling the
+// operators once).
 namespace detail {
-#define MIXATTN_OVQ_INSTANCES(T)                                                              \
-  MIXATTN_TEMPLATE_INSTANCE void ovq_forward<T>(                                              \
+#define MIXATTN_OVQ_WORKERS(T)                                                                \
+  MIXATTN_TEMPLATE_INSTANCE void ovq_forward_into<T>(                                         \
       const char*, Matrix<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,            \
       const ConstMatrixRef<T>&, T, const ovq::Options&, const ovq::State<T>&, ovq::State<T>&, \
       ovq::Saved<T>*);                                                                        \
-  MIXATTN_TEMPLATE_INSTANCE void ovq_backward<T>(                                             \
+  MIXATTN_TEMPLATE_INSTANCE void ovq_backward_into<T>(                                        \
       const char*, ovq::Grad<T>&, const ConstMatrixRef<T>&, const ConstMatrixRef<T>&,         \
       const ConstMatrixRef<T>&, T, const ConstMatrixRef<T>&, const ovq::Saved<T>&,            \
       const ovq::Options&, const ovq::StateGrad<T>*);
-MIXATTN_FOR_EACH_SCALAR(MIXATTN_OVQ_INSTANCES)
-#undef MIXATTN_OVQ_INSTANCES
+MIXATTN_FOR_EACH_SCALAR(MIXATTN_OVQ_WORKERS)
+#undef MIXATTN_OVQ_WORKERS
 }  // namespace detail
 #endif
 MIXATTN_END_NAMESPACE

@@ -32,8 +32,8 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/delta.hpp"
-#include "mixattn/detail/checks.hpp"
-#include "mixattn/detail/simd.hpp"
+#include "mixattn/detail/common/checks.hpp"
+#include "mixattn/detail/common/simd.hpp"
 #include "mixattn/gma.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/parallel.hpp"
@@ -47,9 +47,6 @@
 #include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
-
-/// Row offsets of a packed batch (B + 1 entries).
-using Offsets = std::vector<Index>;
 
 namespace detail {
 
@@ -343,13 +340,14 @@ void packed_forward(Matrix<T>& out, const PackedHeads& ph, const Offsets& q_offs
   rec.finite_checked = false;
   out.resize(q_offsets.back(), ph.heads * ph.d_v);
   const bool stream = static_cast<std::size_t>(out.size()) * sizeof(T) >= packed_stream_bytes;
-  packed_items(ph, q_offsets, k_offsets, threads, quadratic, rec.order,
-               [&](const PairRows& p, std::size_t i, Index w) {
-                 Matrix<T>& o = rec.outs[work_slot(ph, p, w)];
-                 item(p, o, keep ? &rec.items[i] : nullptr);
-                 copy_block_into<simd_arch>(out, p.q0, p.h * ph.d_v, o, stream);
-               },
-               true);
+  packed_items(
+      ph, q_offsets, k_offsets, threads, quadratic, rec.order,
+      [&](const PairRows& p, std::size_t i, Index w) {
+        Matrix<T>& o = rec.outs[work_slot(ph, p, w)];
+        item(p, o, keep ? &rec.items[i] : nullptr);
+        copy_block_into<simd_arch>(out, p.q0, p.h * ph.d_v, o, stream);
+      },
+      true);
 }
 
 /// Checks a packed backward's grad_out and records against the call.
@@ -421,10 +419,10 @@ struct PackedGrad : detail::PackedGrads<T, Grad<T>> {
 /// k: total_k x (H r), v: total_k x (H d_v); q_offsets, k_offsets: B + 1 entries each (the same
 /// vector for self-attention; causal needs equal lengths per sequence). out: resized to
 /// total_q x (H d_v). saved (optional) is filled for backward_packed_into.
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 void forward_packed_into(Matrix<T>& out, const std::vector<Mixture<T>>& mixtures,
-                         const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                         const ConstMatrixRef<T>& v, const Offsets& q_offsets,
+                         const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                         const ConstMatrixArg<T>& v, const Offsets& q_offsets,
                          const Offsets& k_offsets, const Options& opt,
                          PackedSaved<typename detail::identity<T>::type>* saved, int threads = 1) {
   constexpr const char* fn = "mixattn::gma::forward_packed_into";
@@ -435,23 +433,22 @@ void forward_packed_into(Matrix<T>& out, const std::vector<Mixture<T>>& mixtures
                            v.rows(), q_offsets, k_offsets, threads);
   PackedSaved<T> local;
   const Index r = ph.r, d_v = ph.d_v;
-  detail::packed_forward(
-      out, ph, q_offsets, k_offsets, saved ? *saved : local, saved != nullptr, threads, false,
-      [&](const detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
-        forward_into(o, mixtures[static_cast<std::size_t>(p.h)],
-                     detail::item_block(q, p.q0, p.h * r, p.nq, r),
-                     detail::item_block(k, p.k0, p.h * r, p.nk, r),
-                     detail::item_block(v, p.k0, p.h * d_v, p.nk, d_v), opt, s);
-      });
+  detail::packed_forward(out, ph, q_offsets, k_offsets, saved ? *saved : local, saved != nullptr,
+                         threads, false, [&](const detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
+                           forward_into(o, mixtures[static_cast<std::size_t>(p.h)],
+                                        detail::item_block(q, p.q0, p.h * r, p.nq, r),
+                                        detail::item_block(k, p.k0, p.h * r, p.nk, r),
+                                        detail::item_block(v, p.k0, p.h * d_v, p.nk, d_v), opt, s);
+                         });
   if (saved) saved->finite_checked = opt.check_finite;  // every item's forward checked them
 }
 
 /// Packed GMA backward; grad_out: total_q x (H d_v); saved from forward_packed_into with the
 /// same inputs, offsets and options.
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 void backward_packed_into(PackedGrad<T>& grad, const std::vector<Mixture<T>>& mixtures,
-                          const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                          const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                          const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                          const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                           const Offsets& q_offsets, const Offsets& k_offsets,
                           const PackedSaved<T>& saved, const Options& opt, int threads = 1) {
   constexpr const char* fn = "mixattn::gma::backward_packed_into";
@@ -493,8 +490,8 @@ void backward_packed_into(PackedGrad<T>& grad, const std::vector<Mixture<T>>& mi
         backward_into(g, mixtures[static_cast<std::size_t>(p.h)],
                       detail::item_block(q, p.q0, p.h * r, p.nq, r),
                       detail::item_block(k, p.k0, p.h * r, p.nk, r),
-                      detail::item_block(v, p.k0, p.h * d_v, p.nk, d_v), d_out,
-                      saved.items[i], item_opt);
+                      detail::item_block(v, p.k0, p.h * d_v, p.nk, d_v), d_out, saved.items[i],
+                      item_opt);
         if (checked_once) detail::gma_check_grad(fn, g);
         detail::copy_block_into<detail::simd_arch>(grad.q, p.q0, p.h * r, g.q, stream_q);
         detail::copy_block_into<detail::simd_arch>(grad.k, p.k0, p.h * r, g.k, stream_k);
@@ -538,10 +535,10 @@ using PackedGrad = mixattn::detail::PackedGrads<T, Grad<T>>;
 /// Packed tiled softmax attention with grouped-query heads. q: total_q x (H_q r), k:
 /// total_k x (H_kv r), v: total_k x (H_kv d_v), H_kv = kv_heads dividing H_q = heads; offsets as
 /// at the top of this file. out: resized to total_q x (H_q d_v).
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 void flash_forward_packed_into(Matrix<T>& out, Index heads, Index kv_heads,
-                               const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                               const ConstMatrixRef<T>& v, const Offsets& q_offsets,
+                               const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                               const ConstMatrixArg<T>& v, const Offsets& q_offsets,
                                const Offsets& k_offsets, const Options& opt,
                                PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
                                int threads = 1) {
@@ -561,10 +558,10 @@ void flash_forward_packed_into(Matrix<T>& out, Index heads, Index kv_heads,
 }
 
 /// Backward of flash_forward_packed_into; grad_out: total_q x (H_q d_v).
-template <class T>
+template <class T, detail::enable_if_supported<T> = 0>
 void flash_backward_packed_into(PackedGrad<T>& grad, Index heads, Index kv_heads,
-                                const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                                const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& grad_out,
+                                const ConstMatrixArg<T>& q, const ConstMatrixArg<T>& k,
+                                const ConstMatrixArg<T>& v, const ConstMatrixArg<T>& grad_out,
                                 const Offsets& q_offsets, const Offsets& k_offsets,
                                 const PackedSaved<T>& saved, const Options& opt, int threads = 1) {
   constexpr const char* fn = "mixattn::reference::flash_backward_packed_into";
@@ -580,8 +577,8 @@ void flash_backward_packed_into(PackedGrad<T>& grad, Index heads, Index kv_heads
         flash_backward_into<T>(g, mixattn::detail::item_block(q, p.q0, p.h * r, p.nq, r),
                                mixattn::detail::item_block(k, p.k0, p.g * r, p.nk, r),
                                mixattn::detail::item_block(v, p.k0, p.g * d_v, p.nk, d_v),
-                               mixattn::detail::item_block(grad_out, p.q0, p.h * d_v, p.nq, d_v),
-                               s, opt);
+                               mixattn::detail::item_block(grad_out, p.q0, p.h * d_v, p.nq, d_v), s,
+                               opt);
       });
 }
 
@@ -604,19 +601,18 @@ struct PackedGrad : mixattn::detail::PackedGrads<T, Grad<T>> {
 /// q: total x (H_q r), k: total x (H_kv r), v: total x (H_kv d_v); beta: H_q scale factors;
 /// states: B H_q states, item b H_q + h, each continued and updated as by forward (in and out).
 /// out: resized to total x (H_q d_v).
-template <class T>
-void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixRef<T>& q,
-                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+template <class T, detail::enable_if_supported<T> = 0>
+void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixArg<T>& q,
+                         const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
                          const std::vector<T>& beta, const Offsets& offsets, const Options& opt,
                          std::vector<State<T>>& states,
                          PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
                          int threads = 1) {
   constexpr const char* fn = "mixattn::ovq::forward_packed_into";
   const Index heads = static_cast<Index>(beta.size());
-  const mixattn::detail::PackedHeads ph =
-      mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
-                                    k.rows(), v.rows(), offsets, offsets, threads,
-                                    "offsets", nullptr);
+  const mixattn::detail::PackedHeads ph = mixattn::detail::check_packed(
+      fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(), k.rows(), v.rows(), offsets,
+      offsets, threads, "offsets", nullptr);
   detail::require(static_cast<Index>(states.size()) == ph.items(), fn, "states has ", states.size(),
                   " entries but ", ph.batch, " sequences x ", heads, " heads need ", ph.items());
   PackedSaved<T> local;
@@ -633,18 +629,17 @@ void forward_packed_into(Matrix<T>& out, Index kv_heads, const ConstMatrixRef<T>
 }
 
 /// Backward of forward_packed_into; grad_out: total x (H_q d_v).
-template <class T>
-void backward_packed_into(PackedGrad<T>& grad, Index kv_heads, const ConstMatrixRef<T>& q,
-                          const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                          const std::vector<T>& beta, const ConstMatrixRef<T>& grad_out,
+template <class T, detail::enable_if_supported<T> = 0>
+void backward_packed_into(PackedGrad<T>& grad, Index kv_heads, const ConstMatrixArg<T>& q,
+                          const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                          const std::vector<T>& beta, const ConstMatrixArg<T>& grad_out,
                           const Offsets& offsets, const PackedSaved<T>& saved, const Options& opt,
                           int threads = 1) {
   constexpr const char* fn = "mixattn::ovq::backward_packed_into";
   const Index heads = static_cast<Index>(beta.size());
-  const mixattn::detail::PackedHeads ph =
-      mixattn::detail::check_packed(fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(),
-                                    k.rows(), v.rows(), offsets, offsets, threads,
-                                    "offsets", nullptr);
+  const mixattn::detail::PackedHeads ph = mixattn::detail::check_packed(
+      fn, heads, kv_heads, q.cols(), k.cols(), v.cols(), q.rows(), k.rows(), v.rows(), offsets,
+      offsets, threads, "offsets", nullptr);
   mixattn::detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, offsets, offsets, saved);
   const Index r = ph.r, d_v = ph.d_v;
   mixattn::detail::packed_backward(
@@ -684,10 +679,10 @@ struct PackedGrad : mixattn::detail::PackedGrads<T, Grad<T>> {
 /// states: null (every sequence starts from zero) or B H states, item b H + h, each continued and
 /// advanced as by forward. out: resized to total x (H d_v). Every (sequence, head) item is one
 /// call of forward_into: the results equal the separate calls bit for bit.
-template <class T>
-void forward_packed_into(Matrix<T>& out, Index heads, const ConstMatrixRef<T>& q,
-                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                         const ConstMatrixRef<T>& g, const ConstMatrixRef<T>& beta,
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void forward_packed_into(Matrix<T>& out, Index heads, const ConstMatrixArg<T>& q,
+                         const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                         const ConstMatrixArg<T>& g, const ConstMatrixArg<T>& beta,
                          const Offsets& offsets, const Options& opt,
                          std::vector<State<typename mixattn::detail::identity<T>::type>>* states,
                          PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
@@ -715,11 +710,11 @@ void forward_packed_into(Matrix<T>& out, Index heads, const ConstMatrixRef<T>& q
 
 /// Backward of forward_packed_into; grad_out: total x (H d_v). grad_states_out (optional, with
 /// states in the forward): B H gradients of the end states, item b H + h.
-template <class T>
-void backward_packed_into(PackedGrad<T>& grad, Index heads, const ConstMatrixRef<T>& q,
-                          const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
-                          const ConstMatrixRef<T>& g, const ConstMatrixRef<T>& beta,
-                          const ConstMatrixRef<T>& grad_out, const Offsets& offsets,
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void backward_packed_into(PackedGrad<T>& grad, Index heads, const ConstMatrixArg<T>& q,
+                          const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                          const ConstMatrixArg<T>& g, const ConstMatrixArg<T>& beta,
+                          const ConstMatrixArg<T>& grad_out, const Offsets& offsets,
                           const PackedSaved<T>& saved, const Options& opt,
                           const std::vector<StateGrad<T>>* grad_states_out = nullptr,
                           int threads = 1) {

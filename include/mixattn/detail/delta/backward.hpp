@@ -9,11 +9,11 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
-#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/common/checks.hpp"
 #include "mixattn/detail/delta/checks.hpp"
 #include "mixattn/detail/delta/chunk.hpp"
 #include "mixattn/detail/delta/kernels.hpp"
-#include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/common/gemm.hpp"
 
 #include <Eigen/Core>
 

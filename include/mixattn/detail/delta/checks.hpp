@@ -8,9 +8,9 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
-#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/common/checks.hpp"
 #include "mixattn/detail/delta/chunk.hpp"
-#include "mixattn/detail/fingerprint.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
 
 #include <cmath>
 #include <cstdint>

@@ -10,7 +10,7 @@
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
 #include "mixattn/detail/delta/kernels.hpp"
-#include "mixattn/detail/gemm.hpp"
+#include "mixattn/detail/common/gemm.hpp"
 
 #include <Eigen/Core>
 

@@ -10,13 +10,13 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
-#include "mixattn/detail/checks.hpp"
+#include "mixattn/detail/common/checks.hpp"
 #include "mixattn/detail/delta/checks.hpp"
 #include "mixattn/detail/delta/chunk.hpp"
 #include "mixattn/detail/delta/kernels.hpp"
-#include "mixattn/detail/fingerprint.hpp"
-#include "mixattn/detail/gemm.hpp"
-#include "mixattn/detail/value_form_scratch.hpp"
+#include "mixattn/detail/common/fingerprint.hpp"
+#include "mixattn/detail/common/gemm.hpp"
+#include "mixattn/detail/common/entry.hpp"
 
 #include <Eigen/Core>
 
@@ -211,7 +211,7 @@ void delta_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>&
   if (state) delta_check_state<T>(fn, *state, dk, dv, N, opt);
   const DeltaConfig cfg = delta_config(opt, dk);
   if (saved) saved->valid = false;  // until this call has filled it
-  DeltaScratch<T>& s = saved ? saved->scratch : value_form_scratch<DeltaScratch<T>>();
+  DeltaScratch<T>& s = saved ? saved->scratch : thread_scratch<DeltaScratch<T>>();
   out.resize(N, dv);
   if (state)
     s.sw = state->S;

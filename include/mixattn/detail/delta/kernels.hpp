@@ -18,8 +18,8 @@
 #include "mixattn/detail/internal_header_check.hpp"
 
 #include "mixattn/core.hpp"
-#include "mixattn/detail/gemm.hpp"
-#include "mixattn/detail/simd.hpp"
+#include "mixattn/detail/common/gemm.hpp"
+#include "mixattn/detail/common/simd.hpp"
 
 #include <Eigen/Core>
 

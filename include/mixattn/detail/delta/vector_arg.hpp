@@ -1,6 +1,6 @@
 // mixattn/detail/delta/vector_arg.hpp — the type of the gated delta rule's vector inputs g and
 // beta (delta::ConstVectorArg): read in place, with the compile-time refusal of a strided vector
-// that ConstMatrixArg gives the matrices (detail/refuse.hpp).
+// that ConstMatrixArg gives the matrices (core.hpp).
 //
 // Internal: included by mixattn/delta.hpp.
 #pragma once
