@@ -31,6 +31,21 @@ at::Tensor gma_prepare_py(at::Tensor mean, at::Tensor var_raw, at::Tensor prior_
   return make_handle("gma-prepared/" + dtype_name(a.q), std::move(heads));
 }
 
+/// Performer's directions for `heads` heads (kernels.hpp, performer_draw): (heads, m, r) float64,
+/// head h drawn by performer::Features<double>::random(m, r, seed + h, draw).
+at::Tensor performer_features_py(int64_t heads, int64_t m, int64_t r, uint64_t seed,
+                                 const std::string& draw) {
+  const std::string fn = "mixattn.performer_features";
+  if (heads < 0) fail(fn, "heads is " + std::to_string(heads) + "; it must be >= 0");
+  if (m < 1) fail(fn, "features is " + std::to_string(m) + "; it must be >= 1");
+  if (r < 1) fail(fn, "key_dim is " + std::to_string(r) + "; it must be >= 1");
+  if (draw != "orthogonal" && draw != "iid")
+    fail(fn, "draw is '" + draw + "'; it must be 'orthogonal' or 'iid'");
+  at::Tensor w = at::empty({heads, m, r}, at::TensorOptions().dtype(at::kDouble));
+  performer_draw(heads, m, r, seed, draw == "orthogonal", w.data_ptr<double>());
+  return w;
+}
+
 /// An OVQ state handle's (kind, streams, heads, tokens seen per pair).
 pybind11::tuple ovq_state_info(const at::Tensor& state) {
   std::shared_ptr<const OvqStateBox> keep;
@@ -110,6 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return held != nullptr && held->stale.load();
   });
   m.def("ovq_state_info", &mt::ovq_state_info);
+  m.def("performer_features", &mt::performer_features_py, py::arg("heads"), py::arg("features"),
+        py::arg("key_dim"), py::arg("seed"), py::arg("draw"), nogil);
   m.def("library_version", &mt::library_version);
   m.def("release_kept_records", &mt::release_kept_records, nogil,
         "Frees the records of finished calls kept for reuse by the next forwards (see "

@@ -10,8 +10,13 @@
 #pragma once
 
 #include <mixattn/gma.hpp>
+#include <mixattn/linear.hpp>
 #include <mixattn/ovq.hpp>
+#include <mixattn/performer.hpp>
 #include <mixattn/reference.hpp>
+#include <mixattn/rope.hpp>
+#include <mixattn/vq.hpp>
+#include <mixattn/window.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -214,6 +219,72 @@ template <class T>
 void flash_backward_packed(const PackedShape& s, const FlashConfig& c, const T* q, const T* k,
                            const T* v, const T* grad_out, const SavedPtr& saved, T* dq, T* dk,
                            T* dv);
+
+// --- The papers' baselines (SPEC 4-7) and RoPE (SPEC 8) -------------------------------------
+//
+// None of them has a state: every (b, h) pair, or (sequence, head) pair of a packed shape
+// (Shape::offsets, queries = keys = T), is one call of the library's single-sequence operator.
+
+/// Linear attention (SPEC 4): linear::forward_into per pair. save = false keeps no record.
+using LinearConfig = mixattn::linear::Options;  // causal, eps, check_finite (chunk: 0)
+
+template <class T>
+SavedPtr linear_forward(const Shape& s, const LinearConfig& c, const T* q, const T* k, const T* v,
+                        T* out, bool save);
+
+template <class T>
+void linear_backward(const Shape& s, const LinearConfig& c, const T* q, const T* k, const T* v,
+                     const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv);
+
+/// Performer (SPEC 5): `features` (H, m, r), head h's directions W_h (a constant: no gradient).
+using PerformerConfig = mixattn::performer::Options;  // linear's plus scale (0: r^(-1/4))
+
+template <class T>
+SavedPtr performer_forward(const Shape& s, const PerformerConfig& c, Index m, const T* q,
+                           const T* k, const T* v, const T* features, T* out, bool save);
+
+template <class T>
+void performer_backward(const Shape& s, const PerformerConfig& c, Index m, const T* q, const T* k,
+                        const T* v, const T* features, const T* grad_out, const SavedPtr& saved,
+                        T* dq, T* dk, T* dv);
+
+/// `heads` draws of performer::Features<double>::random(m, r, seed + h, draw) into out
+/// (heads, m, r): the directions of every head, in double (a float call rounds them).
+void performer_draw(Index heads, Index m, Index r, std::uint64_t seed, bool orthogonal,
+                    double* out);
+
+/// Static-codebook VQ attention (SPEC 6): `codebook` (H, S, r), head h's codes; dcodebook
+/// (H, S, r) summed over the batch (in batch order, whatever the thread count).
+using VqConfig = mixattn::vq::Options;  // linear's plus scale (0: 1/sqrt(r))
+
+template <class T>
+SavedPtr vq_forward(const Shape& s, const VqConfig& c, Index codes, const T* q, const T* k,
+                    const T* v, const T* codebook, T* out, bool save);
+
+template <class T>
+void vq_backward(const Shape& s, const VqConfig& c, Index codes, const T* q, const T* k, const T* v,
+                 const T* codebook, const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv,
+                 T* dcodebook);
+
+/// Sliding-window causal softmax attention (SPEC 7): window::forward_into per pair.
+using WindowConfig = mixattn::window::Options;  // window, scale (0: 1/sqrt(r)), check_finite
+
+template <class T>
+SavedPtr window_forward(const Shape& s, const WindowConfig& c, const T* q, const T* k, const T* v,
+                        T* out, bool save);
+
+template <class T>
+void window_backward(const Shape& s, const WindowConfig& c, const T* q, const T* k, const T* v,
+                     const T* grad_out, const SavedPtr& saved, T* dq, T* dk, T* dv);
+
+/// RoPE (SPEC 8) of x (B, H, N, r) into out (same shape): every pair's row n at position
+/// start + n (a packed shape: row n of each sequence), rope::apply_into; `backward` rotates back
+/// (rope::backward_into, the gradient). s.queries and s.key_dim are N and r.
+using RopeConfig = mixattn::rope::Options;  // base, check_finite
+
+template <class T>
+void rope_rotate(const Shape& s, const RopeConfig& c, Index start, const T* x, T* out,
+                 bool backward);
 
 // --- Timing (the decode benchmark, bench/torch_decode_bench.py) --------------------------------
 

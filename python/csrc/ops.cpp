@@ -413,6 +413,279 @@ Three flash_backward_op(const at::Tensor& q_in, const at::Tensor& k_in, const at
   });
 }
 
+// --- linear attention, Performer, static VQ, sliding window (SPEC 4-7) ---------------------------
+//
+// No state: every (b, h) pair, or (sequence, head) pair with cu_seqlens, is one call of the
+// library's single-sequence operator. A packed call reads its (1, H, T, .) tensors in place.
+
+/// q, k, v checked against each other; with cu_seqlens, (1, H, T, .) tensors holding the
+/// sequences (Shape::offsets); `causal` (or packed) needs as many keys as queries.
+Shape baseline_shape(const std::string& fn, at::Tensor& q, at::Tensor& k, at::Tensor& v,
+                     bool causal, const Opt& cu_seqlens) {
+  const Shape s = attention_shape(fn, q, k, v);
+  if (causal && s.queries != s.keys)
+    fail(fn, "causal needs as many queries as keys, but q has shape " + shape_of(q) +
+                 " and k has " + shape_of(k));
+  return sequences_shape(fn, s, offsets_of(fn, cu_seqlens, q));
+}
+
+LinearConfig linear_config(bool causal, double eps, bool check_finite) {
+  LinearConfig c;
+  c.causal = causal;
+  c.eps = eps;
+  c.check_finite = check_finite;
+  return c;
+}
+
+/// The record `saved` holds for a backward, or the forward run again (`again`) for a copy of one.
+template <class Again>
+SavedPtr record_or_again(const at::Tensor& saved, const std::string& kind, const at::Tensor& q,
+                         const std::string& fn, Again&& again) {
+  SavedPtr rec = record_of(saved, kind, q, fn, true);
+  return rec ? rec : held_by(again())->object;
+}
+
+Two linear_forward_op(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                      bool causal, double eps, bool check_finite, bool save,
+                      const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Two {
+    const std::string fn = "mixattn.linear_attention";
+    at::Tensor q = q_in, k = k_in, v = v_in;
+    const Shape s = baseline_shape(fn, q, k, v, causal, cu_seqlens);
+    const LinearConfig c = linear_config(causal, eps, check_finite);
+    at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, q.options());
+    SavedPtr rec = dispatch(q, [&](auto t) {
+      using T = decltype(t);
+      return linear_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                               out.data_ptr<T>(), save);
+    });
+    return {out, record_handle("linear", q, std::move(rec))};
+  });
+}
+
+Three linear_backward_op(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                         const at::Tensor& grad_out, const at::Tensor& saved, bool causal,
+                         double eps, bool check_finite, const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Three {
+    const std::string fn = "mixattn.linear_attention (backward)";
+    at::Tensor q = q_in, k = k_in, v = v_in;
+    const Shape s = baseline_shape(fn, q, k, v, causal, cu_seqlens);
+    const LinearConfig c = linear_config(causal, eps, check_finite);
+    const at::Tensor g = checked_grad_out(fn, grad_out, s, q);
+    const SavedPtr rec = record_or_again(saved, "linear", q, fn, [&] {
+      return std::get<1>(
+          linear_forward_op(q_in, k_in, v_in, causal, eps, check_finite, true, cu_seqlens));
+    });
+    auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    dispatch(q, [&](auto t) {
+      using T = decltype(t);
+      linear_backward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), g.data_ptr<T>(),
+                         rec, dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>());
+    });
+    return {dq, dk, dv};
+  });
+}
+
+/// Performer's or VQ's per-head matrix (H, rows, r): `name` (features, codebook) checked
+/// against q; returns its rows (m, S), at least 1.
+int64_t head_matrix(const std::string& fn, at::Tensor& t, const char* name, const Shape& s,
+                    const at::Tensor& q, const char* rows) {
+  t = checked(t, fn, name, 3, q);
+  expect_size(fn, t, name, 0, s.heads, "heads of q");
+  expect_size(fn, t, name, 2, s.key_dim, "key dim of q");
+  if (t.size(1) < 1)
+    fail(fn, std::string(name) + " has shape " + shape_of(t) + ": no " + rows + " (dimension 1)");
+  return t.size(1);
+}
+
+template <class Config>
+Config scaled_config(bool causal, double eps, double scale, bool check_finite) {
+  Config c;
+  c.causal = causal;
+  c.eps = eps;
+  c.scale = scale;
+  c.check_finite = check_finite;
+  return c;
+}
+
+Two performer_forward_op(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                         const at::Tensor& features_in, bool causal, double eps, double scale,
+                         bool check_finite, bool save, const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Two {
+    const std::string fn = "mixattn.performer_attention";
+    at::Tensor q = q_in, k = k_in, v = v_in, w = features_in;
+    const Shape s = baseline_shape(fn, q, k, v, causal, cu_seqlens);
+    const int64_t m = head_matrix(fn, w, "features", s, q, "features");
+    const auto c = scaled_config<PerformerConfig>(causal, eps, scale, check_finite);
+    at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, q.options());
+    SavedPtr rec = dispatch(q, [&](auto t) {
+      using T = decltype(t);
+      return performer_forward<T>(s, c, m, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                                  w.data_ptr<T>(), out.data_ptr<T>(), save);
+    });
+    return {out, record_handle("performer", q, std::move(rec))};
+  });
+}
+
+Three performer_backward_op(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                            const at::Tensor& features_in, const at::Tensor& grad_out,
+                            const at::Tensor& saved, bool causal, double eps, double scale,
+                            bool check_finite, const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Three {
+    const std::string fn = "mixattn.performer_attention (backward)";
+    at::Tensor q = q_in, k = k_in, v = v_in, w = features_in;
+    const Shape s = baseline_shape(fn, q, k, v, causal, cu_seqlens);
+    const int64_t m = head_matrix(fn, w, "features", s, q, "features");
+    const auto c = scaled_config<PerformerConfig>(causal, eps, scale, check_finite);
+    const at::Tensor g = checked_grad_out(fn, grad_out, s, q);
+    const SavedPtr rec = record_or_again(saved, "performer", q, fn, [&] {
+      return std::get<1>(performer_forward_op(q_in, k_in, v_in, features_in, causal, eps, scale,
+                                              check_finite, true, cu_seqlens));
+    });
+    auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    dispatch(q, [&](auto t) {
+      using T = decltype(t);
+      performer_backward<T>(s, c, m, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                            w.data_ptr<T>(), g.data_ptr<T>(), rec, dq.data_ptr<T>(),
+                            dk.data_ptr<T>(), dv.data_ptr<T>());
+    });
+    return {dq, dk, dv};
+  });
+}
+
+Two vq_forward_op(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                  const at::Tensor& codebook_in, bool causal, double eps, double scale,
+                  bool check_finite, bool save, const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Two {
+    const std::string fn = "mixattn.vq_attention";
+    at::Tensor q = q_in, k = k_in, v = v_in, cb = codebook_in;
+    const Shape s = baseline_shape(fn, q, k, v, causal, cu_seqlens);
+    const int64_t codes = head_matrix(fn, cb, "codebook", s, q, "codes");
+    const auto c = scaled_config<VqConfig>(causal, eps, scale, check_finite);
+    at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, q.options());
+    SavedPtr rec = dispatch(q, [&](auto t) {
+      using T = decltype(t);
+      return vq_forward<T>(s, c, codes, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                           cb.data_ptr<T>(), out.data_ptr<T>(), save);
+    });
+    return {out, record_handle("vq", q, std::move(rec))};
+  });
+}
+
+Four vq_backward_op(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                    const at::Tensor& codebook_in, const at::Tensor& grad_out,
+                    const at::Tensor& saved, bool causal, double eps, double scale,
+                    bool check_finite, const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Four {
+    const std::string fn = "mixattn.vq_attention (backward)";
+    at::Tensor q = q_in, k = k_in, v = v_in, cb = codebook_in;
+    const Shape s = baseline_shape(fn, q, k, v, causal, cu_seqlens);
+    const int64_t codes = head_matrix(fn, cb, "codebook", s, q, "codes");
+    const auto c = scaled_config<VqConfig>(causal, eps, scale, check_finite);
+    const at::Tensor g = checked_grad_out(fn, grad_out, s, q);
+    const SavedPtr rec = record_or_again(saved, "vq", q, fn, [&] {
+      return std::get<1>(vq_forward_op(q_in, k_in, v_in, codebook_in, causal, eps, scale,
+                                       check_finite, true, cu_seqlens));
+    });
+    auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    auto dcb = at::empty_like(cb);
+    dispatch(q, [&](auto t) {
+      using T = decltype(t);
+      vq_backward<T>(s, c, codes, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                     cb.data_ptr<T>(), g.data_ptr<T>(), rec, dq.data_ptr<T>(), dk.data_ptr<T>(),
+                     dv.data_ptr<T>(), dcb.data_ptr<T>());
+    });
+    return {dq, dk, dv, dcb};
+  });
+}
+
+WindowConfig window_config(int64_t window, double scale, bool check_finite) {
+  WindowConfig c;
+  c.window = window;
+  c.scale = scale;
+  c.check_finite = check_finite;
+  return c;
+}
+
+Two window_forward_op(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                      int64_t window, double scale, bool check_finite, bool save,
+                      const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Two {
+    const std::string fn = "mixattn.sliding_window_attention";
+    at::Tensor q = q_in, k = k_in, v = v_in;
+    const Shape s = baseline_shape(fn, q, k, v, true, cu_seqlens);
+    const WindowConfig c = window_config(window, scale, check_finite);
+    at::Tensor out = at::empty({tensor_batch(s), s.heads, s.queries, s.value_dim}, q.options());
+    SavedPtr rec = dispatch(q, [&](auto t) {
+      using T = decltype(t);
+      return window_forward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                               out.data_ptr<T>(), save);
+    });
+    return {out, record_handle("window", q, std::move(rec))};
+  });
+}
+
+Three window_backward_op(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                         const at::Tensor& grad_out, const at::Tensor& saved, int64_t window,
+                         double scale, bool check_finite, const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Three {
+    const std::string fn = "mixattn.sliding_window_attention (backward)";
+    at::Tensor q = q_in, k = k_in, v = v_in;
+    const Shape s = baseline_shape(fn, q, k, v, true, cu_seqlens);
+    const WindowConfig c = window_config(window, scale, check_finite);
+    const at::Tensor g = checked_grad_out(fn, grad_out, s, q);
+    const SavedPtr rec = record_or_again(saved, "window", q, fn, [&] {
+      return std::get<1>(
+          window_forward_op(q_in, k_in, v_in, window, scale, check_finite, true, cu_seqlens));
+    });
+    auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+    dispatch(q, [&](auto t) {
+      using T = decltype(t);
+      window_backward<T>(s, c, q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), g.data_ptr<T>(),
+                         rec, dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>());
+    });
+    return {dq, dk, dv};
+  });
+}
+
+// --- RoPE (SPEC 8) -------------------------------------------------------------------------------
+
+/// x (B, H, N, r) rotated (rope::apply_into per pair), or rotated back (`backward`: x is then
+/// the gradient of the output, rope::backward_into). With cu_seqlens, positions restart at
+/// `start` in every sequence.
+at::Tensor rope_op(const std::string& fn, const char* name, const at::Tensor& x_in, int64_t start,
+                   double base, bool check_finite, const Opt& cu_seqlens, bool backward) {
+  return as_torch_errors([&]() -> at::Tensor {
+    at::Tensor x = checked(x_in, fn, name, 4, x_in);
+    Shape s;
+    s.batch = x.size(0);
+    s.heads = x.size(1);
+    s.queries = s.keys = x.size(2);
+    s.key_dim = s.value_dim = x.size(3);
+    s = sequences_shape(fn, s, offsets_of(fn, cu_seqlens, x));
+    RopeConfig c;
+    c.base = base;
+    c.check_finite = check_finite;
+    at::Tensor out = at::empty_like(x);
+    dispatch(x, [&](auto t) {
+      using T = decltype(t);
+      rope_rotate<T>(s, c, start, x.data_ptr<T>(), out.data_ptr<T>(), backward);
+    });
+    return out;
+  });
+}
+
+at::Tensor rope_forward_op(const at::Tensor& x, int64_t start, double base, bool check_finite,
+                           const Opt& cu_seqlens) {
+  return rope_op("mixattn.rope", "x", x, start, base, check_finite, cu_seqlens, false);
+}
+
+at::Tensor rope_backward_op(const at::Tensor& grad_out, int64_t start, double base,
+                            bool check_finite, const Opt& cu_seqlens) {
+  return rope_op("mixattn.rope (backward)", "grad_out", grad_out, start, base, check_finite,
+                 cu_seqlens, true);
+}
+
 }  // namespace
 }  // namespace mixattn_torch
 
@@ -469,6 +742,40 @@ TORCH_LIBRARY(mixattn, m) {
   m.def(
       "flash_backward(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor saved, bool causal, "
       "float scale, bool check_finite, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "linear_forward(Tensor q, Tensor k, Tensor v, bool causal, float eps, bool check_finite, "
+      "bool save, Tensor? cu_seqlens=None) -> (Tensor, Tensor)");
+  m.def(
+      "linear_backward(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor saved, bool causal, "
+      "float eps, bool check_finite, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "performer_forward(Tensor q, Tensor k, Tensor v, Tensor features, bool causal, float eps, "
+      "float scale, bool check_finite, bool save, Tensor? cu_seqlens=None) -> (Tensor, Tensor)");
+  m.def(
+      "performer_backward(Tensor q, Tensor k, Tensor v, Tensor features, Tensor grad_out, "
+      "Tensor saved, bool causal, float eps, float scale, bool check_finite, "
+      "Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "vq_forward(Tensor q, Tensor k, Tensor v, Tensor codebook, bool causal, float eps, "
+      "float scale, bool check_finite, bool save, Tensor? cu_seqlens=None) -> (Tensor, Tensor)");
+  m.def(
+      "vq_backward(Tensor q, Tensor k, Tensor v, Tensor codebook, Tensor grad_out, Tensor saved, "
+      "bool causal, float eps, float scale, bool check_finite, Tensor? cu_seqlens=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "window_forward(Tensor q, Tensor k, Tensor v, int window, float scale, bool check_finite, "
+      "bool save, Tensor? cu_seqlens=None) -> (Tensor, Tensor)");
+  m.def(
+      "window_backward(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor saved, int window, "
+      "float scale, bool check_finite, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor)");
+  // RoPE keeps no record (its backward is the inverse rotation); start is a SymInt so that a
+  // compiled decoding loop does not specialise on every position.
+  m.def(
+      "rope_forward(Tensor x, SymInt start, float base, bool check_finite, "
+      "Tensor? cu_seqlens=None) -> Tensor");
+  m.def(
+      "rope_backward(Tensor grad_out, SymInt start, float base, bool check_finite, "
+      "Tensor? cu_seqlens=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mixattn, CPU, m) {
@@ -481,4 +788,14 @@ TORCH_LIBRARY_IMPL(mixattn, CPU, m) {
   m.impl("ovq_backward", &mt::ovq_backward_op);
   m.impl("flash_forward", &mt::flash_forward_op);
   m.impl("flash_backward", &mt::flash_backward_op);
+  m.impl("linear_forward", &mt::linear_forward_op);
+  m.impl("linear_backward", &mt::linear_backward_op);
+  m.impl("performer_forward", &mt::performer_forward_op);
+  m.impl("performer_backward", &mt::performer_backward_op);
+  m.impl("vq_forward", &mt::vq_forward_op);
+  m.impl("vq_backward", &mt::vq_backward_op);
+  m.impl("window_forward", &mt::window_forward_op);
+  m.impl("window_backward", &mt::window_backward_op);
+  m.impl("rope_forward", &mt::rope_forward_op);
+  m.impl("rope_backward", &mt::rope_backward_op);
 }

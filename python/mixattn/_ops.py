@@ -7,7 +7,7 @@ ops.cpp, caches.cpp) when mixattn._C is imported. Each forward returns, beside i
 record for the backward: a handle, an empty uint8 tensor whose storage owns the kernels' record
 (so it lives as long as autograd keeps it, and every handle compares equal to every other);
 OVQ's final state and a decoding cache are handles too. The backward operators are first-order
-only: differentiating one raises.
+only: differentiating one raises (except RoPE's, whose derivative is the rotation itself).
 """
 
 import torch
@@ -31,7 +31,9 @@ def _streams(q, cu_seqlens):
 
 
 _FUNCTIONS = {"gma": "mixattn.gma_attention", "ovq": "mixattn.ovq_attention",
-              "flash": "mixattn.flash_attention"}
+              "flash": "mixattn.flash_attention", "linear": "mixattn.linear_attention",
+              "performer": "mixattn.performer_attention", "vq": "mixattn.vq_attention",
+              "window": "mixattn.sliding_window_attention", "rope": "mixattn.rope"}
 
 
 def _same_device(op, q, tensors):
@@ -117,6 +119,75 @@ def _flash_forward_fake(q, k, v, causal, scale, check_finite, save, cu_seqlens=N
 def _flash_backward_fake(q, k, v, grad_out, saved, causal, scale, check_finite, cu_seqlens=None):
     _same_device("flash_backward", q, dict(locals()))
     return _like(q, k, v)
+
+
+def _out(q, v):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+
+
+@torch.library.register_fake("mixattn::linear_forward")
+def _linear_forward_fake(q, k, v, causal, eps, check_finite, save, cu_seqlens=None):
+    _same_device("linear_forward", q, dict(locals()))
+    return _out(q, v), _handle(q)
+
+
+@torch.library.register_fake("mixattn::linear_backward")
+def _linear_backward_fake(q, k, v, grad_out, saved, causal, eps, check_finite, cu_seqlens=None):
+    _same_device("linear_backward", q, dict(locals()))
+    return _like(q, k, v)
+
+
+@torch.library.register_fake("mixattn::performer_forward")
+def _performer_forward_fake(q, k, v, features, causal, eps, scale, check_finite, save,
+                            cu_seqlens=None):
+    _same_device("performer_forward", q, dict(locals()))
+    return _out(q, v), _handle(q)
+
+
+@torch.library.register_fake("mixattn::performer_backward")
+def _performer_backward_fake(q, k, v, features, grad_out, saved, causal, eps, scale,
+                             check_finite, cu_seqlens=None):
+    _same_device("performer_backward", q, dict(locals()))
+    return _like(q, k, v)
+
+
+@torch.library.register_fake("mixattn::vq_forward")
+def _vq_forward_fake(q, k, v, codebook, causal, eps, scale, check_finite, save,
+                     cu_seqlens=None):
+    _same_device("vq_forward", q, dict(locals()))
+    return _out(q, v), _handle(q)
+
+
+@torch.library.register_fake("mixattn::vq_backward")
+def _vq_backward_fake(q, k, v, codebook, grad_out, saved, causal, eps, scale, check_finite,
+                      cu_seqlens=None):
+    _same_device("vq_backward", q, dict(locals()))
+    return _like(q, k, v, codebook)
+
+
+@torch.library.register_fake("mixattn::window_forward")
+def _window_forward_fake(q, k, v, window, scale, check_finite, save, cu_seqlens=None):
+    _same_device("window_forward", q, dict(locals()))
+    return _out(q, v), _handle(q)
+
+
+@torch.library.register_fake("mixattn::window_backward")
+def _window_backward_fake(q, k, v, grad_out, saved, window, scale, check_finite,
+                          cu_seqlens=None):
+    _same_device("window_backward", q, dict(locals()))
+    return _like(q, k, v)
+
+
+@torch.library.register_fake("mixattn::rope_forward")
+def _rope_forward_fake(x, start, base, check_finite, cu_seqlens=None):
+    _same_device("rope_forward", x, dict(locals()))
+    return _like(x)[0]
+
+
+@torch.library.register_fake("mixattn::rope_backward")
+def _rope_backward_fake(grad_out, start, base, check_finite, cu_seqlens=None):
+    _same_device("rope_backward", grad_out, dict(locals()))
+    return _like(grad_out)[0]
 
 
 # --- autograd ------------------------------------------------------------------------------------
@@ -214,13 +285,83 @@ def _flash_backward(ctx, grad_out, _):
     return (*grads, None, None, None, None, None)
 
 
+def _linear_setup(ctx, inputs, output):
+    q, k, v, causal, eps, check_finite, _, cu = inputs
+    _keep(ctx, (q, k, v, output[1], cu), (causal, eps, check_finite))
+
+
+def _linear_backward(ctx, grad_out, _):
+    *inputs, saved, cu = _kept(ctx)
+    grads = ops.linear_backward(*inputs, grad_out, saved, *ctx.options, cu_seqlens=cu)
+    return (*grads, None, None, None, None, None)
+
+
+def _features_setup(ctx, inputs, output):
+    """Performer's and VQ's: q, k, v and the per-head matrix (features, codebook)."""
+    q, k, v, w, causal, eps, scale, check_finite, _, cu = inputs
+    _keep(ctx, (q, k, v, w, output[1], cu), (causal, eps, scale, check_finite))
+
+
+def _performer_backward(ctx, grad_out, _):
+    *inputs, saved, cu = _kept(ctx)
+    grads = ops.performer_backward(*inputs, grad_out, saved, *ctx.options, cu_seqlens=cu)
+    return (*grads, None, None, None, None, None, None, None)  # features: a constant (SPEC 5.1)
+
+
+def _vq_backward(ctx, grad_out, _):
+    *inputs, saved, cu = _kept(ctx)
+    grads = ops.vq_backward(*inputs, grad_out, saved, *ctx.options, cu_seqlens=cu)
+    return (*grads, None, None, None, None, None, None)
+
+
+def _window_setup(ctx, inputs, output):
+    q, k, v, window, scale, check_finite, _, cu = inputs
+    _keep(ctx, (q, k, v, output[1], cu), (window, scale, check_finite))
+
+
+def _window_backward(ctx, grad_out, _):
+    *inputs, saved, cu = _kept(ctx)
+    grads = ops.window_backward(*inputs, grad_out, saved, *ctx.options, cu_seqlens=cu)
+    return (*grads, None, None, None, None, None)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, start, base, check_finite, cu = inputs
+    _keep(ctx, (cu,), (start, base, check_finite))
+
+
+def _rope_backward(ctx, grad_out):
+    (cu,) = _kept(ctx)
+    return ops.rope_backward(grad_out, *ctx.options, cu_seqlens=cu), None, None, None, None
+
+
+def _rope_backward_backward(ctx, grad_grad):
+    """RoPE's backward is the inverse rotation, linear in its input: its derivative is the
+    rotation itself, so RoPE differentiates to any order."""
+    (cu,) = _kept(ctx)
+    return ops.rope_forward(grad_grad, *ctx.options, cu_seqlens=cu), None, None, None, None
+
+
 torch.library.register_autograd("mixattn::gma_forward", _gma_backward, setup_context=_gma_setup)
 torch.library.register_autograd("mixattn::gma_forward_state", _gma_state_backward,
                                 setup_context=_gma_state_setup)
 torch.library.register_autograd("mixattn::ovq_forward", _ovq_backward, setup_context=_ovq_setup)
 torch.library.register_autograd("mixattn::flash_forward", _flash_backward,
                                 setup_context=_flash_setup)
-for _name in ("gma_backward", "gma_backward_state", "ovq_backward", "flash_backward"):
+torch.library.register_autograd("mixattn::linear_forward", _linear_backward,
+                                setup_context=_linear_setup)
+torch.library.register_autograd("mixattn::performer_forward", _performer_backward,
+                                setup_context=_features_setup)
+torch.library.register_autograd("mixattn::vq_forward", _vq_backward,
+                                setup_context=_features_setup)
+torch.library.register_autograd("mixattn::window_forward", _window_backward,
+                                setup_context=_window_setup)
+torch.library.register_autograd("mixattn::rope_forward", _rope_backward,
+                                setup_context=_rope_setup)
+torch.library.register_autograd("mixattn::rope_backward", _rope_backward_backward,
+                                setup_context=_rope_setup)
+for _name in ("gma_backward", "gma_backward_state", "ovq_backward", "flash_backward",
+              "linear_backward", "performer_backward", "vq_backward", "window_backward"):
     torch.library.register_autograd(f"mixattn::{_name}", _first_order_only(_name))
 
 
@@ -280,6 +421,8 @@ def _refuse_sparse(name):
 
 for _name in ("gma_forward", "gma_backward", "gma_forward_state", "gma_backward_state",
               "gma_forward_cached", "ovq_forward", "ovq_backward", "ovq_forward_cached",
-              "flash_forward", "flash_backward"):
+              "flash_forward", "flash_backward", "linear_forward", "linear_backward",
+              "performer_forward", "performer_backward", "vq_forward", "vq_backward",
+              "window_forward", "window_backward", "rope_forward", "rope_backward"):
     for _key in ("SparseCPU", "SparseCsrCPU"):
         _LIBRARY.impl(_name, _refuse_sparse(_name), _key)

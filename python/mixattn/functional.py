@@ -29,8 +29,9 @@ from . import _C, _args
 from ._ops import ops
 from .cache import GmaCache, OvqCache, OvqState
 
-__all__ = ["gma_attention", "ovq_attention", "flash_attention", "clear_prepared_cache",
-           "release_memory"]
+__all__ = ["gma_attention", "ovq_attention", "flash_attention", "linear_attention",
+           "performer_attention", "performer_features", "vq_attention",
+           "sliding_window_attention", "rope", "clear_prepared_cache", "release_memory"]
 
 
 def _contiguous(*tensors):
@@ -397,3 +398,205 @@ def flash_attention(q, k, v, causal=False, scale=None, check_finite=True, cu_seq
     out, _ = ops.flash_forward(*_contiguous(q, k, v), causal, scale, check_finite,
                                _needs_record(q, k, v), cu_seqlens=cu)
     return out
+
+
+# --- the papers' baselines (SPEC 4-7) and RoPE (SPEC 8) -----------------------------------------
+
+def _no_state(fn, initial_state, output_final_state, why):
+    """The baselines have no state form in the library: initial_state / output_final_state are
+    refused by name rather than ignored."""
+    if initial_state is not None:
+        raise ValueError(f"{fn}: initial_state is not supported: {why}")
+    if _args.flag(fn, "output_final_state", output_final_state):
+        raise ValueError(f"{fn}: output_final_state is not supported: {why}")
+
+
+def _positive_scale(fn, scale, default):
+    """scale=None: the library's default (0 to the kernel); otherwise a finite number > 0."""
+    if scale is None:
+        return 0.0
+    scale = _args.real(fn, "scale", scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{fn}: scale is {scale}; it must be finite and > 0 (None: {default})")
+    return scale
+
+
+_NO_STATE = ("{} has no streaming state in the library (SPEC.md {}); run each sequence in one call "
+             "(cu_seqlens packs sequences of different lengths into one)")
+
+
+def linear_attention(q, k, v, causal=False, eps=1e-6, check_finite=True, initial_state=None,
+                     output_final_state=False, cu_seqlens=None):
+    """Linear attention (SPEC.md section 4; Katharopoulos et al. 2020) with the feature map
+    phi(x) = elu(x) + 1: O_i = phi(q_i)^T sum_j phi(k_j) v_j^T / (phi(q_i) . sum_j phi(k_j) + eps),
+    the sums over every key (bidirectional, M may differ from N) or over j <= i
+    (``causal=True``, M == N). O((N + M) r d_v), nothing N x M.
+
+    q: (B, H, N, r); k: (B, H, M, r); v: (B, H, M, d_v). Returns (B, H, N, d_v). Gradients flow
+    to q, k and v. ``cu_seqlens``: packed variable-length sequences along T of (1, H, T, .)
+    tensors, as in gma_attention (each sequence attends within itself; equal to separate calls).
+    No streaming state: ``initial_state`` and ``output_final_state=True`` raise ValueError.
+    """
+    fn = "mixattn.linear_attention"
+    _args.tensors(fn, _OVQ_TENSORS[:3], (q, k, v))
+    _args.dense(fn, _OVQ_TENSORS[:3], (q, k, v))
+    _no_state(fn, initial_state, output_final_state, _NO_STATE.format("linear attention", "4.4"))
+    causal, check_finite = _args.flag(fn, "causal", causal), _args.flag(fn, "check_finite",
+                                                                         check_finite)
+    eps = _args.real(fn, "eps", eps)
+    cu = None if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    out, _ = ops.linear_forward(*_contiguous(q, k, v), causal, eps, check_finite,
+                                _needs_record(q, k, v), cu_seqlens=cu)
+    return out
+
+
+def performer_features(heads, features, key_dim, seed=0, draw="orthogonal",
+                       dtype=torch.float32):
+    """Performer's random directions (SPEC.md 5.1) for ``heads`` heads: a (heads, features,
+    key_dim) tensor, head h's W_h drawn as the library's
+    ``performer::Features<double>::random(features, key_dim, seed + h, draw)`` (mt19937_64 and
+    Box-Muller in double: the same W on every platform; float32 is the double draw rounded).
+    ``draw``: 'orthogonal' (FAVOR+'s blocks of key_dim orthogonal rows, each scaled by an
+    independent chi norm) or 'iid' (every entry N(0, 1)). Redraw with another seed as the paper
+    does during training, or keep W fixed; a backward must see the W its forward saw."""
+    fn = "mixattn.performer_features"
+    heads, m = _args.integer(fn, "heads", heads), _args.integer(fn, "features", features)
+    r, seed = _args.integer(fn, "key_dim", key_dim), _args.integer(fn, "seed", seed)
+    if not 0 <= seed < 2**64 - max(heads, 0):
+        raise ValueError(f"{fn}: seed is {seed}; it must be in [0, 2^64 - heads)")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{fn}: dtype must be torch.float32 or torch.float64, got {dtype}")
+    if not isinstance(draw, str):
+        raise TypeError(f"{fn}: draw must be 'orthogonal' or 'iid', got {draw!r}")
+    return _C.performer_features(heads, m, r, seed, draw).to(dtype)
+
+
+def performer_attention(q, k, v, features, causal=False, eps=1e-6, scale=None,
+                        check_finite=True, initial_state=None, output_final_state=False,
+                        cu_seqlens=None):
+    """Performer attention with FAVOR+ positive random features (SPEC.md section 5;
+    Choromanski et al. 2021): every row x of q and k gets the m features
+    phi(x)_l = exp(s w_l . x - s^2 |x|^2 / 2 - c) / sqrt(m), whose products estimate
+    exp(s^2 q . k), then linear attention's read-out (bidirectional or ``causal=True``).
+    c is SPEC 5.2's stabiliser (a query row's largest exponent; one over all keys of a call).
+
+    q: (B, H, N, r); k: (B, H, M, r); v: (B, H, M, d_v); features: (H, m, r), head h's
+    directions W_h (performer_features draws them). scale: s (None: r^(-1/4), which estimates
+    softmax attention's exp(q . k / sqrt(r))). Returns (B, H, N, d_v). Gradients flow to q, k
+    and v; the features are a constant input (no gradient: one that requires a gradient is
+    refused, pass ``features.detach()``). ``cu_seqlens`` as in linear_attention (each sequence
+    has its own stabiliser, as a separate call would). No streaming state: the keys' stabiliser
+    is taken over the whole call (SPEC 5.2), and ``initial_state`` / ``output_final_state=True``
+    raise ValueError.
+    """
+    fn = "mixattn.performer_attention"
+    names = (*_OVQ_TENSORS[:3], "features")
+    _args.tensors(fn, names, (q, k, v, features))
+    _args.dense(fn, names, (q, k, v, features))
+    _no_state(fn, initial_state, output_final_state, _NO_STATE.format("Performer", "5.2"))
+    if features.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{fn}: features requires a gradient, but the directions are a constant "
+                         "input (SPEC.md 5.1: none flows to them); pass features.detach()")
+    causal, check_finite = _args.flag(fn, "causal", causal), _args.flag(fn, "check_finite",
+                                                                         check_finite)
+    eps, scale = _args.real(fn, "eps", eps), _positive_scale(fn, scale, "r^(-1/4)")
+    cu = None if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    out, _ = ops.performer_forward(*_contiguous(q, k, v, features), causal, eps, scale,
+                                   check_finite, _needs_record(q, k, v), cu_seqlens=cu)
+    return out
+
+
+def vq_attention(q, k, v, codebook, causal=False, eps=1e-6, scale=None, check_finite=True,
+                 initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Static-codebook vector-quantised attention (SPEC.md section 6; Transformer-VQ, Lingle
+    2023): every key is replaced by its nearest code k^_j = C_{z_j}, z_j = argmin_s |k_j - C_s|^2
+    (ties to the lowest s), and every query attends over the quantised keys with softmax
+    weights e^(tau q_i . k^_j), bidirectionally or ``causal=True``; computed in linear time as
+    attention over the S codes with a log-count bias.
+
+    q: (B, H, N, r); k: (B, H, M, r); v: (B, H, M, d_v); codebook: (H, S, r), head h's codes.
+    scale: tau (None: 1/sqrt(r)). Returns (B, H, N, d_v). Gradients flow to q, v and the
+    codebook (exact; summed over the batch), and to k straight through the quantiser (SPEC 6.3:
+    the gradient with respect to k^, as k^ = k + stop_gradient(C_z - k); the output itself does
+    not change with k between ties). ``cu_seqlens`` as in linear_attention. The codebook is
+    static within a call: no streaming state, and ``initial_state`` /
+    ``output_final_state=True`` raise ValueError.
+    """
+    fn = "mixattn.vq_attention"
+    names = (*_OVQ_TENSORS[:3], "codebook")
+    _args.tensors(fn, names, (q, k, v, codebook))
+    _args.dense(fn, names, (q, k, v, codebook))
+    _no_state(fn, initial_state, output_final_state,
+              _NO_STATE.format("static VQ attention", "6.4"))
+    causal, check_finite = _args.flag(fn, "causal", causal), _args.flag(fn, "check_finite",
+                                                                         check_finite)
+    eps, scale = _args.real(fn, "eps", eps), _positive_scale(fn, scale, "1/sqrt(r)")
+    cu = None if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    out, _ = ops.vq_forward(*_contiguous(q, k, v, codebook), causal, eps, scale, check_finite,
+                            _needs_record(q, k, v, codebook), cu_seqlens=cu)
+    return out
+
+
+def sliding_window_attention(q, k, v, window=256, scale=None, check_finite=True,
+                             initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Sliding-window causal softmax attention (SPEC.md section 7; Longformer's and Mistral's
+    local attention): query i attends to the ``window`` keys i - window < j <= i,
+    softmax(scale q k^T + band mask) v, on the tiled kernels of flash_attention, which skip the
+    key tiles outside every window: O(N window (r + d_v)).
+
+    q, k: (B, H, N, r); v: (B, H, N, d_v) (as many keys as queries: it is causal). window >= 1
+    (window >= N is causal softmax attention); scale=None means 1/sqrt(r). Returns
+    (B, H, N, d_v). Gradients flow to q, k and v. ``cu_seqlens`` as in linear_attention. No
+    streaming state (no cache of the last window keys): ``initial_state`` /
+    ``output_final_state=True`` raise ValueError.
+    """
+    fn = "mixattn.sliding_window_attention"
+    _args.tensors(fn, _OVQ_TENSORS[:3], (q, k, v))
+    _args.dense(fn, _OVQ_TENSORS[:3], (q, k, v))
+    _no_state(fn, initial_state, output_final_state,
+              _NO_STATE.format("sliding-window attention", "7"))
+    window = _args.integer(fn, "window", window)
+    if window < 1:
+        raise ValueError(f"{fn}: window is {window}; it must be >= 1")
+    check_finite = _args.flag(fn, "check_finite", check_finite)
+    if scale is None:
+        scale = 0.0  # the library's "1/sqrt(r)"
+    else:
+        scale = _args.real(fn, "scale", scale)
+        if scale == 0 or not math.isfinite(scale):
+            raise ValueError(f"{fn}: scale is {scale}; it must be finite and non-zero "
+                             "(None: 1/sqrt(r))")
+    cu = None if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    out, _ = ops.window_forward(*_contiguous(q, k, v), window, scale, check_finite,
+                                _needs_record(q, k, v), cu_seqlens=cu)
+    return out
+
+
+def rope(x, start=0, base=10000.0, check_finite=True, cu_seqlens=None):
+    """Rotary position embedding (SPEC.md section 8; RoFormer): row n of every (batch, head) of
+    x (B, H, N, r), r even, is the token at position p = start + n, and each pair of adjacent
+    columns (2i, 2i + 1) is rotated by the angle p theta_i, theta_i = base^(-2i/r) (the
+    interleaved convention of RoFormer and LLaMA's reference code; angles and their sines in
+    double). Apply it to q and k before attention: q_m . k_n then depends on the positions only
+    through n - m. Returns a tensor like x.
+
+    ``start``: the first row's position (e.g. the tokens already decoded). ``cu_seqlens``: x is
+    (1, H, T, r) holding sequences one after another along T, and positions restart at
+    ``start`` in every sequence. Gradients flow to x (the inverse rotation); RoPE
+    differentiates to any order. Positions and base get no gradient.
+    """
+    fn = "mixattn.rope"
+    _args.tensors(fn, ("x",), (x,))
+    _args.dense(fn, ("x",), (x,))
+    if not isinstance(start, torch.SymInt):
+        start = _args.integer(fn, "start", start)
+        if not -2**63 <= start < 2**63:
+            raise ValueError(f"{fn}: start is {start}; it must fit in a 64-bit integer")
+    check_finite = _args.flag(fn, "check_finite", check_finite)
+    base = _args.real(fn, "base", base)
+    if not _compiling():  # traced, base may be symbolic: the kernel checks it when the graph runs
+        if not (math.isfinite(base) and base > 0):
+            raise ValueError(f"{fn}: base is {base}; it must be finite and > 0")
+    cu = None if cu_seqlens is None else _args.offsets(fn, cu_seqlens, x)
+    (x,) = _contiguous(x)
+    return ops.rope_forward(x, start, base, check_finite, cu_seqlens=cu)

@@ -152,3 +152,79 @@ def ovq(q, k, v, beta, block=256, max_centroids=1024, growth="plateau", growth_a
                        assignment)
               for h in range(h_len)] for b in range(b_len)]
     return torch.stack([torch.stack(row) for row in heads])
+
+
+# --- the baselines (SPEC 4-7) and RoPE (SPEC 8) -------------------------------------------------
+
+def _masked_readout(a, v, causal, eps):
+    """O = diag(d)^-1 (mask o A) V, d = rowsum(mask o A) + eps (SPEC 4.2's exactness oracle);
+    a (..., N, M) non-negative weights, mask j <= i when causal."""
+    if causal:
+        a = a * torch.ones(a.shape[-2:], dtype=torch.bool).tril()
+    return (a @ v) / (a.sum(-1, keepdim=True) + eps)
+
+
+def linear(q, k, v, causal=False, eps=1e-6):
+    """SPEC 4.1-4.2: phi(x) = elu(x) + 1 entrywise, then the masked read-out."""
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
+    return _masked_readout(phi_q @ phi_k.transpose(-1, -2), v, causal, eps)
+
+
+def performer(q, k, v, w, causal=False, eps=1e-6, scale=None):
+    """SPEC 5.2: u_l(x) = s w_l . x - s^2 |x|^2 / 2, phi(x)_l = exp(u_l(x) - c) / sqrt(m), with
+    c the query row's largest exponent for q and one largest exponent over every key of the
+    (b, h) call for k; then linear attention's read-out. w: (H, m, r). The maxima are
+    differentiated by autograd (SPEC 5.3 keeps their gradient)."""
+    r, m = q.shape[-1], w.shape[-2]
+    s = r ** -0.25 if scale is None else scale
+
+    def exponents(x):                                              # (B, H, N, m)
+        return s * (x @ w.transpose(-1, -2)[None]) - s * s * (x * x).sum(-1, keepdim=True) / 2
+
+    uq, uk = exponents(q), exponents(k)
+    phi_q = torch.exp(uq - uq.amax(-1, keepdim=True)) / math.sqrt(m)
+    phi_k = torch.exp(uk - uk.amax((-2, -1), keepdim=True)) / math.sqrt(m)
+    return _masked_readout(phi_q @ phi_k.transpose(-1, -2), v, causal, eps)
+
+
+def vq_codes(k, codebook):
+    """SPEC 6.1: z_j = argmin_s |k_j - C_s|^2 (ties: the lowest s); k (B, H, M, r), codebook
+    (H, S, r) -> (B, H, M)."""
+    d = ((k[:, :, :, None, :] - codebook[None, :, None, :, :]) ** 2).sum(-1)
+    return d.argmin(-1)
+
+
+def vq(q, k, v, codebook, causal=False, eps=1e-6, scale=None):
+    """SPEC 6.2 in its first form: w_ij = e^(tau q_i . k^_j - m_i) / sqrt(S),
+    O_i = sum_j w_ij v_j / (sum_j w_ij + eps) over the visible j, m_i = max_s tau q_i . C_s.
+    k^ = C_z carries C's exact gradient, and k's straight-through one (SPEC 6.3:
+    k^ = k + stop_gradient(C_z - k), written as C_z + k - stop_gradient(k))."""
+    S, r = codebook.shape[-2], q.shape[-1]
+    tau = 1 / math.sqrt(r) if scale is None else scale
+    z = vq_codes(k.detach(), codebook.detach())
+    heads = torch.arange(codebook.shape[0])[None, :, None]
+    k_hat = codebook[heads, z] + k - k.detach()                    # (B, H, M, r)
+    m = (tau * q @ codebook.transpose(-1, -2)[None]).amax(-1, keepdim=True)
+    w = torch.exp(tau * q @ k_hat.transpose(-1, -2) - m) / math.sqrt(S)
+    return _masked_readout(w, v, causal, eps)
+
+
+def sliding_window(q, k, v, window, scale=None):
+    """SPEC 7.1: softmax(scale Q K^T + mask) V with mask 0 for i - w < j <= i, -inf otherwise."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = scale * (q @ k.transpose(-1, -2))
+    n = s.shape[-1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    s = s.masked_fill(~((j <= i) & (j > i - window)), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def rope(x, start=0, base=10000.0):
+    """SPEC 8.1: row n at position p = start + n; columns (2i, 2i + 1) rotated by p theta_i,
+    theta_i = base^(-2i/r); angles, cosines and sines in float64."""
+    n, r = x.shape[-2], x.shape[-1]
+    p = torch.arange(start, start + n, dtype=torch.float64)[:, None]
+    theta = base ** (-2 * torch.arange(r // 2, dtype=torch.float64) / r)
+    c, s = torch.cos(p * theta).to(x.dtype), torch.sin(p * theta).to(x.dtype)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).flatten(-2)

@@ -2,15 +2,17 @@
 (fullgraph refuses any graph break) and gives the eager outputs and gradients, the same bits for
 the functions (the compiled graph calls the same kernels on the same inputs) and within 1e-12
 for the modules (whose projections the compiler may evaluate in another order); a small model
-of two mixattn layers compiles whole and trains as in eager mode. Decoding through a cache is
-eager-only: under fullgraph it is refused by name, without fullgraph it breaks the graph and
-still gives the eager results.
+of two mixattn layers compiles whole and trains as in eager mode. The same for the baselines
+(linear, Performer, static VQ, sliding window) and RoPE, whose position compiles as a SymInt.
+Decoding through a cache is eager-only: under fullgraph it is refused by name, without fullgraph
+it breaks the graph and still gives the eager results.
 
-Every graph is compiled once (dynamic=False) on small shapes; the file's time is mostly the
-compiler's."""
+Every graph is compiled once (dynamic=False, RoPE's position test aside) on small shapes; the
+file's time is mostly the compiler's."""
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import mixattn
 from test_functional import flash_inputs, gma_inputs, ovq_inputs
@@ -107,12 +109,54 @@ def test_flash_compiles_to_the_eager_results(causal, packed):
     assert_same(lambda *x: mixattn.flash_attention(*x, causal=causal, cu_seqlens=cu), inputs)
 
 
+W = mixattn.performer_features(2, 5, 4, seed=11, dtype=DOUBLE)
+CODES = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(12), dtype=DOUBLE)
+BASELINE_CALLS = {
+    "linear": lambda q, k, v: mixattn.linear_attention(q, k, v),
+    "linear causal packed": lambda q, k, v: mixattn.linear_attention(
+        q, k, v, causal=True, cu_seqlens=torch.tensor([0, 4, 10])),
+    "performer": lambda q, k, v: mixattn.performer_attention(q, k, v, W),
+    "performer causal": lambda q, k, v: mixattn.performer_attention(q, k, v, W, causal=True),
+    "vq": lambda q, k, v, c: mixattn.vq_attention(q, k, v, c),
+    "vq causal": lambda q, k, v, c: mixattn.vq_attention(q, k, v, c, causal=True, scale=0.6),
+    "window": lambda q, k, v: mixattn.sliding_window_attention(q, k, v, window=3),
+    "window packed": lambda q, k, v: mixattn.sliding_window_attention(
+        q, k, v, window=2, cu_seqlens=torch.tensor([0, 7, 10])),
+    "rope then flash": lambda q, k, v: mixattn.flash_attention(
+        mixattn.rope(q, 2), mixattn.rope(k, 2), v, causal=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BASELINE_CALLS))
+def test_baselines_compile_to_the_eager_results(case):
+    inputs = flash_inputs(1 if "packed" in case else 2, 2, 10, 10, 4, 3, seed=13)
+    if case.startswith("vq"):
+        inputs.append(CODES.clone().requires_grad_())
+    assert_same(BASELINE_CALLS[case], inputs)
+
+
+def test_rope_position_is_not_specialised():
+    """start is a SymInt: a decoding loop over positions compiles once with dynamic shapes."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    fn = torch.compile(lambda x, p: mixattn.rope(x, p), backend=counter, fullgraph=True,
+                       dynamic=True)
+    (x,) = flash_inputs(1, 2, 1, 1, 4, 3, seed=14)[:1]
+    for p in range(3, 8):
+        torch.testing.assert_close(fn(x, p), mixattn.rope(x, p), rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
 def test_modules_compile_to_the_eager_results():
     torch.manual_seed(7)
     gma = mixattn.GaussianMixtureAttention(16, 2, 4, causal=True, dtype=DOUBLE)
     ovq = mixattn.OnlineVQAttention(16, 2, block=4, max_centroids=6, dtype=DOUBLE)
     x = torch.randn(2, 11, 16, dtype=DOUBLE, requires_grad=True)
-    for layer in (gma, ovq):
+    others = (mixattn.LinearAttention(16, 2, causal=True, rope=True, dtype=DOUBLE),
+              mixattn.PerformerAttention(16, 2, features=6, dtype=DOUBLE),
+              mixattn.VQAttention(16, 2, codes=5, causal=True, dtype=DOUBLE),
+              mixattn.SlidingWindowAttention(16, 2, window=4, rope=True, dtype=DOUBLE))
+    for layer in (gma, ovq, *others):
         params = list(layer.parameters())
         assert_same(lambda x, *p: layer(x), [x, *params], exact=False)
 

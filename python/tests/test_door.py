@@ -36,9 +36,25 @@ CALLS = {
             lambda *a, **kw: mixattn.ovq_attention(*a, block=2, max_centroids=3, **kw)),
     "flash": (("q", "k", "v"), lambda: gma_args()[:3],
               lambda *a, **kw: mixattn.flash_attention(*a, **kw)),
+    "linear": (("q", "k", "v"), lambda: gma_args()[:3],
+               lambda *a, **kw: mixattn.linear_attention(*a, causal=True, **kw)),
+    "performer": (("q", "k", "v", "features"),
+                  lambda: [*gma_args()[:3], mixattn.performer_features(2, 4, 3, dtype=DOUBLE)],
+                  lambda *a, **kw: mixattn.performer_attention(*a, **kw)),
+    "vq": (("q", "k", "v", "codebook"), lambda: gma_args()[:4],  # mean as a (2, 4, 3) codebook
+           lambda *a, **kw: mixattn.vq_attention(*a, causal=True, **kw)),
+    "window": (("q", "k", "v"), lambda: gma_args()[:3],
+               lambda *a, **kw: mixattn.sliding_window_attention(*a, window=2, **kw)),
+    "rope": (("x",), lambda: gma_args()[2:3],  # v: (2, 2, 5, 2), an even r
+             lambda *a, **kw: mixattn.rope(*a, start=3, **kw)),
 }
 FN = {"gma": "gma_attention", "gma-causal": "gma_attention", "ovq": "ovq_attention",
-      "flash": "flash_attention"}
+      "flash": "flash_attention", "linear": "linear_attention",
+      "performer": "performer_attention", "vq": "vq_attention",
+      "window": "sliding_window_attention", "rope": "rope"}
+# RoPE rotates every row on its own: any batch, heads or tokens is valid (test_baselines.py
+# refuses an odd r).
+SIZED = sorted(set(CALLS) - {"rope"})
 
 
 @pytest.mark.parametrize("case", sorted(CALLS))
@@ -67,7 +83,7 @@ def test_each_tensor_argument_is_named_when_bad(case):
                 call(*replaced(args, i, value))
 
 
-@pytest.mark.parametrize("case", sorted(CALLS))
+@pytest.mark.parametrize("case", SIZED)
 def test_wrong_sizes_are_named(case):
     names, make, call = CALLS[case]
     args = make()
@@ -93,7 +109,8 @@ def test_non_finite_inputs_are_named_or_passed_through(case):
             args = make()
             t = args[i].clone()
             t.view(-1)[t.numel() // 2] = bad
-            with pytest.raises(ValueError, match=rf"{fn}.*({name} has a non-finite entry|"
+            # Performer's directions are the library's features.w.
+            with pytest.raises(ValueError, match=rf"{fn}.*({name}(\.w)? has a non-finite entry|"
                                                  rf"{name} is -?(nan|inf), not finite)"):
                 call(*replaced(args, i, t))
     # check_finite=False: no check; a NaN in q reaches the outputs (documented) -- no crash.
@@ -230,7 +247,11 @@ def test_states_from_another_configuration_are_refused():
 def test_modules_refuse_bad_input():
     def layers():
         return (mixattn.GaussianMixtureAttention(8, heads=2, components=3, causal=True),
-                mixattn.OnlineVQAttention(8, heads=2, block=4))
+                mixattn.OnlineVQAttention(8, heads=2, block=4),
+                mixattn.LinearAttention(8, heads=2, rope=True),
+                mixattn.PerformerAttention(8, heads=2, features=3, seed=1),
+                mixattn.VQAttention(8, heads=2, codes=3),
+                mixattn.SlidingWindowAttention(8, heads=2, window=2, rope=True))
 
     for layer, on_meta in zip(layers(), layers()):
         name = type(layer).__name__
@@ -246,3 +267,9 @@ def test_modules_refuse_bad_input():
         mixattn.GaussianMixtureAttention(8, heads=2, components=0)
     with pytest.raises(ValueError, match=r"OnlineVQAttention: d_model is 8 and heads is 0"):
         mixattn.OnlineVQAttention(8, heads=0)
+    with pytest.raises(ValueError, match=r"VQAttention: codes is 0"):
+        mixattn.VQAttention(8, heads=2, codes=0)
+    with pytest.raises(ValueError, match=r"SlidingWindowAttention: window is 0"):
+        mixattn.SlidingWindowAttention(8, heads=2, window=0)
+    with pytest.raises(ValueError, match=r"LinearAttention: rope=True needs an even key_dim"):
+        mixattn.LinearAttention(8, heads=2, key_dim=3, rope=True)

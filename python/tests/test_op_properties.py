@@ -3,7 +3,9 @@ with hypothesis: drawn shapes, and one argument made bad in a drawn way (another
 size, another device or layout, NaN/Inf, a strided, expanded or lazily negated view). Every call
 either raises ValueError, TypeError or RuntimeError whose message names the argument, or gives
 the result of the clean call: the same bits for the views (the kernels read them made
-contiguous), finite outputs of the right shape for NaN/Inf with check_finite=False (no crash).
+contiguous), outputs of the right shape for NaN/Inf with check_finite=False (no crash).
+Every forward operator is drawn: GMA (with and without a state), OVQ, tiled softmax, linear
+attention, Performer, static VQ, sliding window and RoPE.
 Fixed seed (derandomize); each example is a handful of small kernel calls."""
 
 import math
@@ -16,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import mixattn  # noqa: F401  (registers the operators)
 
 ops = torch.ops.mixattn
-SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 OVQ = (3, 5, "plateau", 0.0, "greedy_dispersion", "all_centroids", True, True, 1e-5)
 # What a message calls an argument when it is not the schema's name: the library names a
@@ -53,15 +55,37 @@ def clean_call(op, shape, dtype, check_finite, gen):
                                 "assignment", "count_bias", "grad_through_dictionary",
                                 "norm_eps"), OVQ)),
                     check_finite=check_finite, save=False, initial_state=None, cu_seqlens=None)
-    else:
+    elif op == "flash_forward":
         args = dict(q=t(b, h, n, r), k=t(b, h, m, r), v=t(b, h, m, dv), causal=False, scale=0.0,
                     check_finite=check_finite, save=False, cu_seqlens=None)
+    elif op == "linear_forward":
+        args = dict(q=t(b, h, n, r), k=t(b, h, m, r), v=t(b, h, m, dv), causal=False, eps=1e-6,
+                    check_finite=check_finite, save=False, cu_seqlens=None)
+    elif op in ("performer_forward", "vq_forward"):
+        extra = "features" if op == "performer_forward" else "codebook"
+        args = {"q": t(b, h, n, r), "k": t(b, h, m, r), "v": t(b, h, m, dv), extra: t(h, k, r),
+                "causal": False, "eps": 1e-6, "scale": 0.0, "check_finite": check_finite,
+                "save": False, "cu_seqlens": None}
+    elif op == "window_forward":
+        args = dict(q=t(b, h, n, r), k=t(b, h, n, r), v=t(b, h, n, dv), window=k, scale=0.0,
+                    check_finite=check_finite, save=False, cu_seqlens=None)
+    else:  # rope_forward: r even
+        args = dict(x=t(b, h, n, 2 * r), start=m - 3, base=100.0, check_finite=check_finite,
+                    cu_seqlens=None)
     floats = [name for name, a in args.items() if isinstance(a, torch.Tensor)]
     return getattr(ops, op).default, args, floats
 
 
 def run(fn, args):
-    return fn(*args.values())
+    out = fn(*args.values())
+    return out if isinstance(out, tuple) else (out,)
+
+
+def output_shape(op, args):
+    """The shape of a call's output: (B, H, N, d_v), or x's for RoPE."""
+    if op == "rope_forward":
+        return args["x"].shape
+    return (*args["q"].shape[:3], args["v"].shape[3])
 
 
 def bad_value(kind, t, gen):
@@ -105,7 +129,11 @@ def same_values(kind, t):
 
 shapes = st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(0, 7), st.integers(0, 7),
                    st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))
-OPS = ["gma_forward", "gma_forward_state", "ovq_forward", "flash_forward"]
+OPS = ["gma_forward", "gma_forward_state", "ovq_forward", "flash_forward", "linear_forward",
+       "performer_forward", "vq_forward", "window_forward", "rope_forward"]
+# RoPE rotates each row of x on its own: any batch, heads or tokens is a valid call (the "size"
+# change), and a meta x alone is a shape computation, as for any PyTorch operator.
+VALID_CHANGES = {"rope_forward": ("size", "meta")}
 
 
 @SETTINGS
@@ -125,6 +153,9 @@ def test_a_bad_argument_is_refused_by_name(op, shape, double, seed, which, kind)
         out = run(fn, args)
     except (ValueError, TypeError, RuntimeError) as e:
         assert names(str(e), name), f"{op}: {kind} {name} refused without naming it: {e}"
+        return
+    if kind in VALID_CHANGES.get(op, ()):
+        assert out[0].shape == output_shape(op, args) and out[0].device == bad.device
         return
     # Accepted: only NaN/Inf that no output reads (a call without outputs) may be.
     assert kind in ("nan", "inf") and out[0].numel() == 0, f"{op}: {kind} {name} accepted"
@@ -170,5 +201,4 @@ def test_non_finite_inputs_unchecked_do_not_crash(op, shape, seed, which, value)
     except (ValueError, RuntimeError) as e:  # refused for its shape or options, by name
         assert "mixattn" in str(e)
         return
-    b, h, n = shape[0], shape[1], shape[2]
-    assert out[0].shape == (b, h, n, args["v"].shape[3])
+    assert out[0].shape == output_shape(op, args)

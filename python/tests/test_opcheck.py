@@ -2,7 +2,8 @@
 unannotated mutation or aliasing), the autograd registration, the fake implementation against
 the kernel (shapes, strides, dtypes) and AOTAutograd with dynamic shapes against eager (outputs
 and gradients), each over several shapes: bidirectional and causal, M != N, packed, streaming
-with states, OVQ with and without gradients through the dictionary.
+with states, OVQ with and without gradients through the dictionary; the baselines (linear,
+Performer, static VQ, sliding window) bidirectional, causal and packed; RoPE and its inverse.
 
 The cache forwards skip the AOT check: decoding through a cache is eager-only (mixattn.cache
 says why) and a cache advances on every call, so two runs of one call cannot agree.
@@ -80,10 +81,41 @@ def flash_forward_cases():
                      True, packed)
 
 
+# (name, (B, N, M, causal, cu_seqlens)) of the baselines' calls: bidirectional with M != N,
+# causal, packed with an empty sequence.
+BASELINE_SHAPES = {"bidir M!=N": (2, 7, 10, False, None), "causal": (2, 9, 9, True, None),
+                   "packed": (1, 11, 11, True, cu(0, 4, 4, 11))}
+
+
+def baseline_forward_cases():
+    """(operator, case, arguments) of linear_forward, performer_forward, vq_forward and
+    window_forward (causal only: its cases with M == N)."""
+    for name, (b, n, m, causal, packed) in BASELINE_SHAPES.items():
+        q, k, v = flash_inputs(b, 2, n, m, 4, 3, seed=80 + len(name))
+        gen = torch.Generator().manual_seed(81)
+        w = torch.randn(2, 5, 4, generator=gen, dtype=DOUBLE)  # N(0, 1) directions: a constant
+        codes = torch.randn(2, 6, 4, generator=gen, dtype=DOUBLE).requires_grad_()
+        yield "linear_forward", name, (q, k, v, causal, 1e-6, True, True, packed)
+        yield "performer_forward", name, (q, k, v, w, causal, 1e-6, 0.0, True, True, packed)
+        yield "vq_forward", name, (q, k, v, codes, causal, 1e-6, 0.7, True, True, packed)
+        if causal:
+            yield "window_forward", name, (q, k, v, 3, 0.0, True, True, packed)
+
+
+def rope_cases():
+    for name, (b, n, start, packed) in {"batched": (2, 6, 0, None), "start": (2, 5, 9, None),
+                                        "packed": (1, 10, 3, cu(0, 3, 3, 10))}.items():
+        (x,) = flash_inputs(b, 2, n, n, 6, 6, seed=90 + len(name))[:1]
+        yield name, (x, start, 500.0, True, packed)
+
+
 FORWARDS = ([("gma_forward", n, a) for n, a in gma_forward_cases()]
             + [("gma_forward_state", n, a) for n, a in gma_state_cases()]
             + [("ovq_forward", n, a) for n, a in ovq_forward_cases()]
-            + [("flash_forward", n, a) for n, a in flash_forward_cases()])
+            + [("flash_forward", n, a) for n, a in flash_forward_cases()]
+            + list(baseline_forward_cases())
+            + [("rope_forward", n, a) for n, a in rope_cases()]
+            + [("rope_backward", n, a) for n, a in rope_cases()])
 
 
 @pytest.mark.parametrize("op,case,args", FORWARDS, ids=[f"{o}[{c}]" for o, c, _ in FORWARDS])
@@ -112,6 +144,12 @@ def backward_cases():
         args = (*detached(args[:3]), *args[3:])
         out, saved = ops.flash_forward(*args)
         yield "flash_backward", (*args[:3], torch.randn_like(out), saved, *args[3:6], args[7])
+    for op, _, args in baseline_forward_cases():
+        tensors = 4 if op in ("performer_forward", "vq_forward") else 3
+        args = (*detached(args[:tensors]), *args[tensors:])
+        out, saved = getattr(ops, op)(*args)
+        yield op.replace("forward", "backward"), (*args[:tensors], torch.randn_like(out), saved,
+                                                  *args[tensors:-2], args[-1])
 
 
 BACKWARDS = list(backward_cases())
