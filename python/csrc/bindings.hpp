@@ -10,7 +10,7 @@
 
 #include "kernels.hpp"
 
-#include <mixattn/detail/fingerprint.hpp>
+#include <mixattn/detail/common/fingerprint.hpp>
 
 // ATen alone: the operators' translation units need neither pybind11 nor the C++ frontend.
 #include <ATen/ATen.h>
