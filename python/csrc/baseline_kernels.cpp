@@ -107,7 +107,7 @@ void performer_backward(const Shape& s, const PerformerConfig& c, Index m, const
     auto& g = thread_scratch<mixattn::performer::Grad<T>>();
     mixattn::performer::backward_into<T>(
         g, pair_rows(s, q, pair, N, r), pair_rows(s, k, pair, M, r), pair_rows(s, v, pair, M, d),
-        pair_rows(s, grad_out, pair, N, d), f[static_cast<std::size_t>(pair % s.heads)],
+        f[static_cast<std::size_t>(pair % s.heads)], pair_rows(s, grad_out, pair, N, d),
         rec.pairs[static_cast<std::size_t>(pair)], c);
     pair_rows(s, dq, pair, N, r) = g.q;
     pair_rows(s, dk, pair, M, r) = g.k;
