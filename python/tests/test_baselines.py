@@ -72,7 +72,7 @@ def test_matches_eager(case):
     out = ours(*inputs)
     assert_rel(out, twin(*inputs), "window 1 output")
     dq, dk, dv = torch.autograd.grad(out, inputs, torch.ones_like(out))
-    assert torch.equal(dv, torch.ones_like(dv))
+    assert (dv - 1).abs().max() <= 1e-12  # 1 up to rounding (exactly 1 in the -O3 build)
     assert dq.abs().max() <= 1e-12 and dk.abs().max() <= 1e-12
 
 
