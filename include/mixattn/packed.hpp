@@ -72,6 +72,13 @@ Eigen::Block<M> item_block(M& m, Index row0, Index col0, Index rows, Index cols)
   const bool empty = rows == 0 || cols == 0;
   return Eigen::Block<M>(m, empty ? 0 : row0, empty ? 0 : col0, rows, cols);
 }
+/// The same block of an input (ConstMatrixArg), taken of the Eigen::Ref it is.
+template <class T>
+Eigen::Block<const Eigen::Ref<const Matrix<T>>> item_block(const InputRef<T>& m, Index row0,
+                                                           Index col0, Index rows, Index cols) {
+  const Eigen::Ref<const Matrix<T>>& ref = m;
+  return item_block(ref, row0, col0, rows, cols);
+}
 
 /// Destinations of at least this many bytes receive the items' blocks through stores that
 /// bypass the caches. Such a destination is several times a core's L2 (2 MiB here): it is

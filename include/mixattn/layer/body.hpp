@@ -16,11 +16,20 @@
 #include "mixattn/rope.hpp"
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 MIXATTN_BEGIN_NAMESPACE
 namespace detail {
+
+/// A new mixer for `cfg` (its kind checked by check_layer_config). Out of the layer's class body
+/// and in the instance list (layer.hpp), so that a file constructing a layer does not compile
+/// every mixer's members.
+template <class T>
+std::unique_ptr<Mixer<T>> make_mixer(const layer::Config& cfg) {
+  return find_mixer<T>(cfg.mixer)->make(cfg, cfg);
+}
 
 /// Checks a layer's Config before anything is made: the shape, then the mixer's own fields
 /// (naming the field), then the initialisation and RoPE.

@@ -134,14 +134,6 @@ const MixerEntry<T>* find_mixer(layer::MixerKind kind) {
   return nullptr;
 }
 
-/// A new mixer for `cfg` (its kind checked by check_layer_config). Out of the layer's class body
-/// and in the instance list (layer.hpp), so that a file constructing a layer does not compile
-/// every mixer's members.
-template <class T>
-std::unique_ptr<Mixer<T>> make_mixer(const layer::Config& cfg) {
-  return find_mixer<T>(cfg.mixer)->make(cfg, cfg);
-}
-
 /// The names of the mixers that decode, for messages: "gma, ovq and softmax".
 inline std::string decoding_mixers() {
   std::vector<const char*> names;
