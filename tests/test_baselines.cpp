@@ -371,6 +371,20 @@ TEST(PerformerEdges, EmptySequences) {
   EXPECT_TRUE(g.k == Matrix<double>::Zero(4, 3) && g.v == Matrix<double>::Zero(4, 2));
 }
 
+// A record filled by a call with queries, then reused by one with none (an empty sequence of a
+// batch): the backward must accept it, as it accepts a fresh record (it keeps per-query
+// positions; VQ's twin test is VqEdges.RecordReusedForNoQueries).
+TEST(PerformerEdges, RecordReusedForNoQueries) {
+  const Matrix<double> q = random_matrix<double>(5, 3, 11), none(0, 3);
+  const Matrix<double> k = random_matrix<double>(4, 3, 12), v = random_matrix<double>(4, 2, 13);
+  const auto f = performer::Features<double>::random(5, 3, 1);
+  performer::Saved<double> s;
+  performer::forward<double>(q, k, v, f, {}, &s);
+  EXPECT_EQ(performer::forward<double>(none, k, v, f, {}, &s).rows(), 0);
+  const auto g = performer::backward<double>(none, k, v, f, Matrix<double>(0, 2), s);
+  EXPECT_TRUE(g.k == Matrix<double>::Zero(4, 3) && g.v == Matrix<double>::Zero(4, 2));
+}
+
 class PerformerErrors : public ::testing::Test {
  protected:
   Matrix<double> q = random_matrix<double>(6, 3, 2), k = random_matrix<double>(6, 3, 3);
@@ -629,6 +643,19 @@ TEST(VqBackward, MatchesCentralDifferences) {
       };
       EXPECT_TRUE(all_close(gr.k, numeric_gradient(kq, twin_loss), 1e-6, 1e-7)) << "dk " << where;
     }
+}
+
+// As PerformerEdges.RecordReusedForNoQueries: VQ keeps per-query positions too.
+TEST(VqEdges, RecordReusedForNoQueries) {
+  const Matrix<double> q = random_matrix<double>(5, 3, 11), none(0, 3);
+  const Matrix<double> k = random_matrix<double>(4, 3, 12), v = random_matrix<double>(4, 2, 13);
+  const Matrix<double> c = random_matrix<double>(4, 3, 14);
+  vq::Saved<double> vs;
+  vq::forward<double>(q, k, v, c, {}, &vs);
+  EXPECT_EQ(vq::forward<double>(none, k, v, c, {}, &vs).rows(), 0);
+  const auto gv = vq::backward<double>(none, k, v, c, Matrix<double>(0, 2), vs);
+  EXPECT_EQ(gv.q.rows(), 0);
+  EXPECT_TRUE(gv.v == Matrix<double>::Zero(4, 2));
 }
 
 class VqErrors : public ::testing::Test {

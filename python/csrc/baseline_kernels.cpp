@@ -50,9 +50,7 @@ void linear_backward(const Shape& s, const LinearConfig& c, const T* q, const T*
 namespace {
 
 /// A pair without queries (an empty packed sequence, or N = 0): the output is empty, so the keys
-/// and values get zero gradients and the library's backward is not called. Performer's and VQ's
-/// forward leave the record's per-query argmaxes (Saved::q_at) untouched when there are no
-/// queries, so a record reused from a longer call would refuse its own backward.
+/// and values get zero gradients without a call to the library's backward.
 template <class T>
 bool no_queries(const Shape& s, Index pair, Index N, Index M, Index d, T* dk, T* dv) {
   const auto b = static_cast<std::size_t>(pair / s.heads);

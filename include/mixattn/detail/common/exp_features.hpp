@@ -32,6 +32,9 @@ void exp_features_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s, bool
                        Index* col, LinearScratch<T>& scratch) {
   const Index n = x.rows(), m = w.rows();
   phi.resize(n, m);
+  // The per-row positions are sized even for no rows: a record reused from a longer call must
+  // not keep its old positions, which the backward checks against the queries.
+  if (per_row) at->resize(n);
   if (n == 0) return;
   product_into<T>(phi, plain<T>(x), transposed<T>(w), T(1), false, scratch.gemm);
   phi *= s;
@@ -43,7 +46,6 @@ void exp_features_into(const ConstMatrixRef<T>& x, const Matrix<T>& w, T s, bool
   // possible only with check_finite off), the visitor decides, as before: the positions are
   // then always in range.
   if (per_row) {
-    at->resize(n);
     for (Index i = 0; i < n; ++i) {
       const T* p = phi.row(i).data();
       T c = phi.row(i).maxCoeff();

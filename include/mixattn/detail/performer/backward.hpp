@@ -26,8 +26,10 @@ void performer_backward_into(const char* fn, performer::Grad<T>& grad, const Con
                              const performer::Options& opt) {
   performer_check<T>(fn, q, k, v, features, opt);
   feature_attention_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, features.count());
-  require(saved.scale == opt.scale && saved.q_at.size() == q.rows(), fn,
-          "saved was made with scale = ", saved.scale, " but options give scale = ", opt.scale);
+  require(saved.scale == opt.scale, fn, "saved was made with scale = ", saved.scale,
+          " but options give scale = ", opt.scale);
+  require(saved.q_at.size() == q.rows(), fn, "saved holds ", saved.q_at.size(),
+          " query positions but q has ", q.rows(), " rows");
   if (fingerprint(features.w) != saved.w_fingerprint) raise_other_data(fn, "saved", "features.w");
   const T s = performer_scale<T>(opt, q.cols());
   LinearScratch<T>& x = grad.scratch;

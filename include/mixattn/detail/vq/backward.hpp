@@ -90,9 +90,11 @@ void vq_backward_into(const char* fn, vq::Grad<T>& grad, const ConstMatrixRef<T>
                       const vq::Saved<T>& saved, const vq::Options& opt) {
   vq_check<T>(fn, q, k, v, codebook, opt);
   feature_attention_check_backward<T>(fn, q, k, v, grad_out, saved.attn, opt, codebook.rows());
-  require(
-      saved.scale == opt.scale && saved.q_at.size() == q.rows() && saved.codes.size() == k.rows(),
-      fn, "saved was made with scale = ", saved.scale, " but options give scale = ", opt.scale);
+  require(saved.scale == opt.scale, fn, "saved was made with scale = ", saved.scale,
+          " but options give scale = ", opt.scale);
+  require(saved.q_at.size() == q.rows() && saved.codes.size() == k.rows(), fn, "saved holds ",
+          saved.q_at.size(), " query positions and ", saved.codes.size(), " key codes but q has ",
+          q.rows(), " rows and k ", k.rows());
   if (fingerprint(codebook) != saved.codebook_fingerprint)
     raise_other_data(fn, "saved", "codebook");
   const T tau = vq_scale<T>(opt, q.cols());
