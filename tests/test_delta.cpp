@@ -462,23 +462,30 @@ TYPED_TEST(DeltaTyped, AnyPiecesGiveTheOneCallOutputsAndState) {
 }
 
 // Decoding: forward_into on one row at a time with a reused output, no record, equals the
-// one-call forward, and so does the twin (double).
+// one-call forward, and so does the twin (double); so do pieces of 5 rows (several tokens per
+// call, the state written in place after the first). d_v = 37 takes every column kind of the
+// decoding kernel: whole strips of 2 and 1 registers and a scalar tail, at every instruction set.
 TYPED_TEST(DeltaTyped, DecodingTokenByTokenEqualsTheForward) {
   using T = TypeParam;
-  const Index N = 90, dk = 16, dv = 8;
+  const Index N = 90, dk = 16, dv = 37;
   const Problem p = random_problem(N, dk, dv, 510, false);
   const Inputs<T> in(p);
   const delta::Options opt;
   const Matrix<T> whole = delta::forward<T>(in.q, in.k, in.v, in.g, in.beta, opt);
-  delta::State<T> st = delta::State<T>::empty(dk, dv);
-  Matrix<T> row, out(N, dv);
-  for (Index t = 0; t < N; ++t) {
-    delta::forward_into(row, in.q.row(t), in.k.row(t), in.v.row(t), in.g.segment(t, 1),
-                        in.beta.segment(t, 1), opt, &st, nullptr);
-    out.row(t) = row;
+  const Matrix<double> twin = naive_forward(p, opt).out;
+  for (const Index len : {1, 5}) {
+    delta::State<T> st = delta::State<T>::empty(dk, dv);
+    Matrix<T> rows, out(N, dv);
+    for (Index t = 0; t < N; t += len) {
+      delta::forward_into(rows, in.q.middleRows(t, len), in.k.middleRows(t, len),
+                          in.v.middleRows(t, len), in.g.segment(t, len), in.beta.segment(t, len),
+                          opt, &st, nullptr);
+      out.middleRows(t, len) = rows;
+    }
+    EXPECT_LT(rel_err(out, whole), piece_tol<T>()) << "pieces of " << len;
+    EXPECT_LT(rel_err(out, twin), piece_tol<T>()) << "pieces of " << len;
+    EXPECT_EQ(st.tokens_seen, N);
   }
-  EXPECT_LT(rel_err(out, whole), piece_tol<T>());
-  EXPECT_LT(rel_err(out, naive_forward(p, opt).out), piece_tol<T>());
 }
 
 // Backward over pieces: each piece's forward with its own record, the backwards in reverse, each
@@ -854,6 +861,16 @@ TEST(DeltaErrors, ValuesOutOfDomainAndNonFinite) {
   nan_state.S(1, 1) = std::numeric_limits<double>::infinity();
   expect_throw<DE>([&] { delta::forward<float>(q, q, v, g, b, {}, &nan_state); },
                    {fn, "state.S has a non-finite entry at (1, 1)"});
+  // a decoding step (one row, no record) whose output overflows float leaves the state as it was
+  // (unnormalised keys of 10s: k . q~ = 200, the output about 6e40, the state about 3e39)
+  const Matrix<float> huge_row = Matrix<float>::Constant(1, dv, 3e38f);
+  const Matrix<float> tens = Matrix<float>::Constant(1, dk, 10.0f);
+  delta::Options raw;
+  raw.normalize = false;
+  expect_throw<DE>([&] {
+    delta::forward<float>(tens, tens, huge_row, g.head(1), Vector<float>::Ones(1), raw, &st);
+  }, {fn, "overflows float"});
+  EXPECT_TRUE(st.S == before.S && st.tokens_seen == before.tokens_seen);
   // an output that overflows float although every input is finite
   const Matrix<float> huge = Matrix<float>::Constant(N, dv, 3e38f);
   expect_throw<DE>([&] { delta::forward<float>(q, q, huge, g, Vector<float>::Ones(N)); },

@@ -76,13 +76,13 @@ void delta_check_inputs(const char* fn, const DeltaInputs<T>& in, const delta::O
 
 template <class T>
 void delta_check_state(const char* fn, const delta::State<T>& st, Index dk, Index dv, Index n,
-                       const delta::Options& opt) {
+                       bool check_finite) {
   require(st.S.rows() == dk && st.S.cols() == dv, fn, "state.S is ", shape_str(st.S), " but q has ",
           dk, " columns and v has ", dv, ": make it with State<T>::empty(", dk, ", ", dv, ")");
   require(st.tokens_seen >= 0 && n <= std::numeric_limits<Index>::max() - st.tokens_seen, fn,
           "state.tokens_seen is ", st.tokens_seen, "; with ", n,
           " more tokens it must stay in [0, max Index]");
-  if (opt.check_finite) require_finite(st.S, fn, "state.S");
+  if (check_finite) require_finite(st.S, fn, "state.S");
 }
 
 template <class T>

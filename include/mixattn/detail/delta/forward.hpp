@@ -96,45 +96,56 @@ void delta_token_rows(const DeltaInputs<T>& in, const DeltaConfig& cfg, Index t,
   qr *= sk;
 }
 
-/// The recurrence (SPEC 9.1, (9.1)) token by token on the wide state S (d_k x d_v), in place:
-/// delta_t = beta_t (v_t - alpha_t S^T k^_t), o_t = alpha_t S^T q~_t + (k^_t . q~_t) delta_t,
-/// S = alpha_t S + k^_t delta_t^T, each token's update fused with the next token's read
-/// (delta_state_pass). For short pieces without a record (decoding); `rows` is wide scratch.
+/// The recurrence (SPEC 9.1, (9.1)) token by token on the wide state (decoding): delta_t =
+/// beta_t (v_t - alpha_t S^T k^_t), o_t = alpha_t S^T q~_t + (k^_t . q~_t) delta_t, S = alpha_t S +
+/// k^_t delta_t^T. The first token reads `from` and every token writes `to` (d_k x d_v, sized
+/// here), so `from` is left as it was: the caller swaps the two when the call succeeds, and a
+/// token costs one read and one write of the state. For short pieces without a record; `rows` is
+/// wide scratch. Returns whether `from` and every state written were finite.
 template <class T>
-void delta_recurrent_forward(const DeltaInputs<T>& in, const DeltaConfig& cfg, Matrix<T>& out,
-                             Matrix<wide_t<T>>& S, Matrix<wide_t<T>>& rows) {
+DeltaDecodeFinite delta_recurrent_forward(const DeltaInputs<T>& in, const DeltaConfig& cfg,
+                                          Matrix<T>& out, const Matrix<wide_t<T>>& from,
+                                          Matrix<wide_t<T>>& to, Matrix<wide_t<T>>& rows) {
   using W = wide_t<T>;
-  const Index N = in.q.rows(), dk = in.q.cols(), dv = in.v.cols(), ld = S.outerStride();
-  rows.resize(6, std::max(dk, dv));
-  W* k_prev = rows.row(0).data();  // the previous token's k^ and delta: its pending update
-  W* d_prev = rows.row(1).data();
-  W* kr = rows.row(2).data();  // this token's k^ and q~
-  W* qr = rows.row(3).data();
-  W* sk = rows.row(4).data();  // S^T k^ and S^T q~
-  W* sq = rows.row(5).data();
-  W alpha_prev = 0;
+  const Index N = in.q.rows(), dk = in.q.cols(), dv = in.v.cols(), ld = dv;
+  to.resize(dk, dv);
+  rows.resize(5, std::max(dk, dv));
+  W* kr = rows.row(0).data();
+  W* qr = rows.row(1).data();
+  W* vr = rows.row(2).data();
+  DeltaDecodeToken<W> tok{kr, qr, vr, W(0), W(0), W(0), rows.row(3).data(), rows.row(4).data()};
+  DeltaDecodeFinite seen;
   for (Index t = 0; t < N; ++t) {
     delta_token_rows<T>(in, cfg, t, Eigen::Map<Vector<W>>(kr, dk), Eigen::Map<Vector<W>>(qr, dk));
-    W kdotq = 0;
-    for (Index i = 0; i < dk; ++i) kdotq += kr[i] * qr[i];
-    if (t == 0)
-      delta_state_pass<false, true, W>(S.data(), dk, dv, ld, W(0), nullptr, nullptr, kr, qr, sk,
-                                       sq);
-    else
-      delta_state_pass<true, true, W>(S.data(), dk, dv, ld, alpha_prev, k_prev, d_prev, kr, qr, sk,
-                                      sq);
-    const W alpha = std::exp(static_cast<W>(in.g(t))), b = static_cast<W>(in.beta(t));
-    for (Index j = 0; j < dv; ++j) {
-      const W dj = b * (static_cast<W>(in.v(t, j)) - alpha * sk[j]);
-      d_prev[j] = dj;
-      out(t, j) = static_cast<T>(alpha * sq[j] + kdotq * dj);
-    }
-    std::copy(kr, kr + dk, k_prev);
-    alpha_prev = alpha;
+    tok.kq = 0;
+    for (Index i = 0; i < dk; ++i) tok.kq += kr[i] * qr[i];
+    for (Index j = 0; j < dv; ++j) vr[j] = static_cast<W>(in.v(t, j));
+    tok.alpha = std::exp(static_cast<W>(in.g(t)));
+    tok.beta = static_cast<W>(in.beta(t));
+    const DeltaDecodeFinite step =
+        delta_decode_step<W>(t == 0 ? from.data() : to.data(), to.data(), dk, dv, ld, tok);
+    if (t == 0) seen.read = step.read;
+    seen.written = seen.written && step.written;
+    for (Index j = 0; j < dv; ++j) out(t, j) = static_cast<T>(tok.o[j]);
   }
-  if (N > 0)
-    delta_state_pass<true, false, W>(S.data(), dk, dv, ld, alpha_prev, k_prev, d_prev, nullptr,
-                                     nullptr, nullptr, nullptr);
+  return seen;
+}
+
+/// Continues `state` by a short piece without a record (decoding): the recurrence from state.S
+/// into s.sw, the checks of the state read, the output and the state written, then the two
+/// swapped (no copy; the state is untouched on a throw).
+template <class T>
+void delta_decode_into(const char* fn, const DeltaInputs<T>& in, const DeltaConfig& cfg,
+                       bool check_finite, Matrix<T>& out, delta::State<T>& state,
+                       DeltaScratch<T>& s) {
+  const DeltaDecodeFinite seen = delta_recurrent_forward<T>(in, cfg, out, state.S, s.sw, s.rows);
+  if (check_finite) {
+    if (!seen.read) require_finite(state.S, fn, "state.S");
+    require_finite_result(out, fn, "the output", "q, k, v or the state is");
+    if (!seen.written) require_finite_result(s.sw, fn, "the end state", "q, k, v or the state is");
+  }
+  state.S.swap(s.sw);
+  state.tokens_seen += in.q.rows();
 }
 
 /// Pieces of up to this many rows continuing a State without a record run the recurrence token
@@ -208,18 +219,20 @@ void delta_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>&
   const DeltaInputs<T> in{q, k, v, g, beta};
   delta_check_inputs<T>(fn, in, opt);
   const Index N = q.rows(), dk = q.cols(), dv = v.cols();
-  if (state) delta_check_state<T>(fn, *state, dk, dv, N, opt);
+  // A short continued piece without a record (decoding) checks the state's finiteness in its
+  // one read of it.
+  const bool decode = !saved && state && N >= 1 && N <= delta_recurrent_rows;
+  if (state) delta_check_state<T>(fn, *state, dk, dv, N, opt.check_finite && !decode);
   const DeltaConfig cfg = delta_config(opt, dk);
   if (saved) saved->valid = false;  // until this call has filled it
   DeltaScratch<T>& s = saved ? saved->scratch : thread_scratch<DeltaScratch<T>>();
   out.resize(N, dv);
+  if (decode) return delta_decode_into<T>(fn, in, cfg, opt.check_finite, out, *state, s);
   if (state)
     s.sw = state->S;
   else
     s.sw.setZero(dk, dv);
-  if (!saved && state && N <= delta_recurrent_rows)
-    delta_recurrent_forward<T>(in, cfg, out, s.sw, s.rows);
-  else if (N > 0)
+  if (N > 0)
     delta_forward_chunked<T>(in, cfg, opt, out, state, saved, s);
   if (opt.check_finite) {
     require_finite_result(out, fn, "the output", "q, k, v or the state is");

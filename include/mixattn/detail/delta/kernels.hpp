@@ -6,8 +6,9 @@
 //                   upper triangular (its zero half is skipped) and, optionally, only the tiles of
 //                   C that reach its lower triangle: no packing (every operand is read where it
 //                   lies), MR x NR registers of C per tile while the rows of B stream through
-//   delta_decode_*  one token of the recurrence (SPEC 9.1) on the wide state: one read of S for
-//                   S^T [k q], one update S = alpha S + k delta^T
+//   delta_decode_*  one token of the recurrence (SPEC 9.1) on the wide state, strip of columns by
+//                   strip: S^T [k q] from one read, then alpha S + k delta^T written while the
+//                   strip is in L1, with the finiteness of what was read and written
 //
 // Tile sizes are compile-time choices (bench/results/tuning.md). Builds without SIMD, and
 // operands whose rows are not whole registers, use Eigen's products instead.
@@ -148,80 +149,132 @@ void delta_product(MatrixRef<T> c, const DeltaLhs<T>& op, const ConstMatrixRef<T
   product_into<T>(c, lhs, plain<T>(b), T(1), accumulate, space);
 }
 
+/// One token of the recurrence (SPEC 9.1) for decoding, on the wide state: its k^, q~ (wide rows
+/// of d_k), v (wide, d_v), alpha, beta and k^ . q~; delta and the output row are written to `d`
+/// and `o` (wide, d_v).
+template <class W>
+struct DeltaDecodeToken {
+  const W* k;
+  const W* q;
+  const W* v;
+  W alpha, beta, kq;
+  W* d;
+  W* o;
+};
+
+/// What a decoding step saw: every value of the state it read (`read`, the first token's source)
+/// and wrote finite, as accumulated x - x (0 or NaN) in registers.
+struct DeltaDecodeFinite {
+  bool read = true;
+  bool written = true;
+};
+
+/// The columns [j0, j1) of one decoding step, without SIMD: S^T k and S^T q, delta and the output,
+/// then dst = alpha src + k delta^T; `acc` gathers x - x of what was read and written.
+template <class W>
+void delta_decode_columns(const W* src, W* dst, Index ld, Index dk, Index j0, Index j1,
+                          const DeltaDecodeToken<W>& t, W* acc) {
+  for (Index j = j0; j < j1; ++j) {
+    W sk = 0, sq = 0;
+    for (Index i = 0; i < dk; ++i) {
+      const W x = src[i * ld + j];
+      acc[0] += x - x;
+      sk += t.k[i] * x;
+      sq += t.q[i] * x;
+    }
+    t.d[j] = t.beta * (t.v[j] - t.alpha * sk);
+    t.o[j] = t.alpha * sq + t.kq * t.d[j];
+    for (Index i = 0; i < dk; ++i) {
+      const W y = t.alpha * src[i * ld + j] + t.k[i] * t.d[j];
+      dst[i * ld + j] = y;
+      acc[1] += y - y;
+    }
+  }
+}
+
 #if MIXATTN_HAS_SIMD
-/// One strip of NR registers of the state's columns [j0, j0 + NR L), every row: with Update,
-/// S_i = alpha S_i + ku_i du (the previous token's write); with Read, then sk += kr_i S_i and
-/// sq += qr_i S_i (the next token's S^T k, S^T q), both in one read of each row.
-template <class Arch, class W, int NR, bool Update, bool Read>
-MIXATTN_ALWAYS_INLINE void delta_state_strip(W* S, Index ld, Index dk, Index j0, W alpha,
-                                             const W* ku, const W* du, const W* kr, const W* qr,
-                                             W* sk, W* sq) {
+/// A strip of NR registers of the state's columns [j0, j0 + NR L) of one decoding step: S^T k and
+/// S^T q in one read of the strip's rows, delta and the output for those columns, then the strip
+/// of dst = alpha src + k delta^T from a second read, which finds the strip (d_k x NR L) in L1:
+/// the state streams through L2 once per token, read and written. Rows go in pairs with sums of
+/// their own (even and odd rows), so that no chain of dependent adds sets the pace.
+template <class Arch, class W, int NR>
+MIXATTN_ALWAYS_INLINE void delta_decode_strip(const W* src, W* dst, Index ld, Index dk, Index j0,
+                                              const DeltaDecodeToken<W>& t,
+                                              xsimd::batch<W, Arch>* acc) {
   using B = xsimd::batch<W, Arch>;
   constexpr Index L = static_cast<Index>(B::size);
-  B d[NR], ak[NR], aq[NR];
-  const B a(alpha);
+  const B zero(W(0));
+  B sk[2][NR], sq[2][NR], fin[2][NR];
+  for (int e = 0; e < 2; ++e)
+    for (int r = 0; r < NR; ++r) sk[e][r] = sq[e][r] = fin[e][r] = zero;
+  for (Index i = 0; i < dk; i += 2) {
+    for (int e = 0; e < 2; ++e) {
+      if (e == 1 && i + 1 == dk) break;
+      const W* row = src + (i + e) * ld + j0;
+      const B ki(t.k[i + e]), qi(t.q[i + e]);
+      for (int r = 0; r < NR; ++r) {
+        const B x = B::load_unaligned(row + r * L);
+        fin[e][r] += x - x;
+        sk[e][r] = xsimd::fma(ki, x, sk[e][r]);
+        sq[e][r] = xsimd::fma(qi, x, sq[e][r]);
+      }
+    }
+  }
+  const B a(t.alpha), b(t.beta), kq(t.kq);
+  B d[NR];
   for (int r = 0; r < NR; ++r) {
-    d[r] = Update ? B::load_unaligned(du + j0 + r * L) : B(W(0));
-    ak[r] = B(W(0));
-    aq[r] = B(W(0));
+    acc[0] += fin[0][r] + fin[1][r];
+    fin[0][r] = fin[1][r] = zero;
+    d[r] = b * xsimd::fnma(a, sk[0][r] + sk[1][r], B::load_unaligned(t.v + j0 + r * L));
+    d[r].store_unaligned(t.d + j0 + r * L);
+    xsimd::fma(kq, d[r], a * (sq[0][r] + sq[1][r])).store_unaligned(t.o + j0 + r * L);
   }
-  for (Index i = 0; i < dk; ++i) {
-    W* row = S + i * ld + j0;
-    const B kui(Update ? ku[i] : W(0)), kri(Read ? kr[i] : W(0)), qri(Read ? qr[i] : W(0));
-    for (int r = 0; r < NR; ++r) {
-      B x = B::load_unaligned(row + r * L);
-      if (Update) {
-        x = xsimd::fma(kui, d[r], a * x);
-        x.store_unaligned(row + r * L);
-      }
-      if (Read) {
-        ak[r] = xsimd::fma(kri, x, ak[r]);
-        aq[r] = xsimd::fma(qri, x, aq[r]);
+  for (Index i = 0; i < dk; i += 2) {
+    for (int e = 0; e < 2; ++e) {
+      if (e == 1 && i + 1 == dk) break;
+      const W* row = src + (i + e) * ld + j0;
+      W* out = dst + (i + e) * ld + j0;
+      const B ki(t.k[i + e]);
+      for (int r = 0; r < NR; ++r) {
+        const B y = xsimd::fma(ki, d[r], a * B::load_unaligned(row + r * L));
+        y.store_unaligned(out + r * L);
+        fin[e][r] += y - y;
       }
     }
   }
-  if (Read)
-    for (int r = 0; r < NR; ++r) {
-      ak[r].store_unaligned(sk + j0 + r * L);
-      aq[r].store_unaligned(sq + j0 + r * L);
-    }
+  for (int r = 0; r < NR; ++r) acc[1] += fin[0][r] + fin[1][r];
 }
 #endif
 
-/// One pass over the state S (d_k x d_v, row stride ld) for the token-by-token recurrence
-/// (SPEC 9.1): with Update, S = alpha S + ku du^T first; with Read, sk = S^T kr and sq = S^T qr of
-/// the (updated) state. A token costs one Read pass and one Update pass, fused with the next
-/// token's Read when a call has several: S (128 KiB at d = 128 in double) is read once per token.
-template <bool Update, bool Read, class W>
-void delta_state_pass(W* S, Index dk, Index dv, Index ld, W alpha, const W* ku, const W* du,
-                      const W* kr, const W* qr, W* sk, W* sq) {
+/// One decoding step (SPEC 9.1) over the whole state (d_k x d_v, row stride ld): from src into
+/// dst, which may be src itself (each strip is read whole before it is written).
+template <class W>
+DeltaDecodeFinite delta_decode_step(const W* src, W* dst, Index dk, Index dv, Index ld,
+                                    const DeltaDecodeToken<W>& t) {
   Index j0 = 0;
+  W tail[2] = {W(0), W(0)};
+  DeltaDecodeFinite seen;
 #if MIXATTN_HAS_SIMD
   using Arch = simd_arch;
   if constexpr (!std::is_same<Arch, scalar_arch>::value) {
-    constexpr Index L = static_cast<Index>(simd_width<Arch, W>::value);
-    // registers: NR of du, 2 NR of sums and one row's NR in flight
-    constexpr int NR = Update && Read ? (simd_registers<Arch>() >= 32 ? 4 : 2)
-                                      : (simd_registers<Arch>() >= 32 ? 8 : 4);
+    using B = xsimd::batch<W, Arch>;
+    constexpr Index L = static_cast<Index>(B::size);
+    // NR L columns by d_k rows stay in L1 between the strip's two reads (16 KiB at d_k = 128,
+    // NR = 2, AVX-512 doubles); registers: 2 NR sums, NR of delta.
+    constexpr int NR = simd_registers<Arch>() >= 32 ? 2 : 1;
+    B acc[2] = {B(W(0)), B(W(0))};
     for (; j0 + NR * L <= dv; j0 += NR * L)
-      delta_state_strip<Arch, W, NR, Update, Read>(S, ld, dk, j0, alpha, ku, du, kr, qr, sk, sq);
-    for (; j0 + L <= dv; j0 += L)
-      delta_state_strip<Arch, W, 1, Update, Read>(S, ld, dk, j0, alpha, ku, du, kr, qr, sk, sq);
+      delta_decode_strip<Arch, W, NR>(src, dst, ld, dk, j0, t, acc);
+    for (; j0 + L <= dv; j0 += L) delta_decode_strip<Arch, W, 1>(src, dst, ld, dk, j0, t, acc);
+    tail[0] = xsimd::hadd(acc[0]);
+    tail[1] = xsimd::hadd(acc[1]);
   }
 #endif
-  if (j0 == dv) return;
-  if (Read)
-    for (Index j = j0; j < dv; ++j) sk[j] = sq[j] = W(0);
-  for (Index i = 0; i < dk; ++i) {
-    W* row = S + i * ld;
-    for (Index j = j0; j < dv; ++j) {
-      if (Update) row[j] = alpha * row[j] + ku[i] * du[j];
-      if (Read) {
-        sk[j] += kr[i] * row[j];
-        sq[j] += qr[i] * row[j];
-      }
-    }
-  }
+  delta_decode_columns<W>(src, dst, ld, dk, j0, dv, t, tail);
+  seen.read = tail[0] == W(0);
+  seen.written = tail[1] == W(0);
+  return seen;
 }
 
 /// Columns of the stored T = (I + A)^-1 for chunks of C rows: whole groups of the registers
