@@ -35,13 +35,9 @@ namespace fz = mixattn::fuzz;
 
 enum class Op { gma, flash, ovq };
 
-/// Columns [col0, col0 + cols) of rows [row0, row0 + rows) of m, an empty block taken at (0, 0):
-/// an empty matrix's data pointer is null, and a block at an offset adds the offset to it.
-template <class M>
-Eigen::Block<M> part(M& m, Index row0, Index col0, Index rows, Index cols) {
-  const bool empty = rows == 0 || cols == 0;
-  return Eigen::Block<M>(m, empty ? 0 : row0, empty ? 0 : col0, rows, cols);
-}
+// An item's block of a packed matrix, an empty block taken at (0, 0): an empty matrix's data
+// pointer is null, and a block at an offset adds the offset to it.
+using mixattn::detail::item_block;
 
 /// A decoded packed call.
 template <class T>
@@ -202,23 +198,23 @@ void gma_backward_case(const Case<T>& c, const std::vector<gma::Mixture<T>>& mix
       const Index q0 = c.q_off[b], nq = c.q_off[b + 1] - q0, k0 = c.k_off[b],
                   nk = c.k_off[b + 1] - k0;
       items |= 1u << outcome([&] {
-        const gma::Grad<T> g = gma::backward<T>(
-            mixes[static_cast<std::size_t>(h)], part(c.q, q0, h * r, nq, r),
-            part(c.k, k0, h * r, nk, r), part(c.v, k0, h * dv, nk, dv),
-            part(c.dout, q0, h * dv, nq, dv),
-            saved[static_cast<std::size_t>(b * c.heads + h)], opt);
-        part(dq, q0, h * r, nq, r) = g.q;
-        part(dk, k0, h * r, nk, r) = g.k;
-        part(dv_, k0, h * dv, nk, dv) = g.v;
-        // The first sequence whose backward returns starts the sum: an earlier one may have
-        // thrown (its outcome is recorded above), leaving nothing to add to.
-        gma::MixtureGrad<T>& m = dmix[static_cast<std::size_t>(h)];
-        const bool first = m.mean.size() == 0;
-        m.mean = first ? g.mixture.mean : Matrix<T>(m.mean + g.mixture.mean);
-        m.var_raw = first ? g.mixture.var_raw : Matrix<T>(m.var_raw + g.mixture.var_raw);
-        m.prior_logit =
-            first ? g.mixture.prior_logit : Vector<T>(m.prior_logit + g.mixture.prior_logit);
-      });
+                 const gma::Grad<T> g = gma::backward<T>(
+                     mixes[static_cast<std::size_t>(h)], item_block(c.q, q0, h * r, nq, r),
+                     item_block(c.k, k0, h * r, nk, r), item_block(c.v, k0, h * dv, nk, dv),
+                     item_block(c.dout, q0, h * dv, nq, dv),
+                     saved[static_cast<std::size_t>(b * c.heads + h)], opt);
+                 item_block(dq, q0, h * r, nq, r) = g.q;
+                 item_block(dk, k0, h * r, nk, r) = g.k;
+                 item_block(dv_, k0, h * dv, nk, dv) = g.v;
+                 // The first sequence whose backward returns starts the sum: an earlier one may
+                 // have thrown (its outcome is recorded above), leaving nothing to add to.
+                 gma::MixtureGrad<T>& m = dmix[static_cast<std::size_t>(h)];
+                 const bool first = m.mean.size() == 0;
+                 m.mean = first ? g.mixture.mean : Matrix<T>(m.mean + g.mixture.mean);
+                 m.var_raw = first ? g.mixture.var_raw : Matrix<T>(m.var_raw + g.mixture.var_raw);
+                 m.prior_logit = first ? g.mixture.prior_logit
+                                       : Vector<T>(m.prior_logit + g.mixture.prior_logit);
+               });
     }
   gma::PackedGrad<T> grad;
   check_outcome(items, outcome([&] {
@@ -257,11 +253,11 @@ void gma_case(fz::Bytes& in, const Case<T>& c) {
       const Index q0 = c.q_off[b], nq = c.q_off[b + 1] - q0, k0 = c.k_off[b],
                   nk = c.k_off[b + 1] - k0;
       items |= 1u << outcome([&] {
-        part(want, q0, h * dv, nq, dv) = gma::forward<T>(
-            mixes[static_cast<std::size_t>(h)], part(c.q, q0, h * r, nq, r),
-            part(c.k, k0, h * r, nk, r), part(c.v, k0, h * dv, nk, dv), opt,
-            &saved[static_cast<std::size_t>(b * c.heads + h)]);
-      });
+                 item_block(want, q0, h * dv, nq, dv) = gma::forward<T>(
+                     mixes[static_cast<std::size_t>(h)], item_block(c.q, q0, h * r, nq, r),
+                     item_block(c.k, k0, h * r, nk, r), item_block(c.v, k0, h * dv, nk, dv), opt,
+                     &saved[static_cast<std::size_t>(b * c.heads + h)]);
+               });
     }
   Matrix<T> out;
   gma::PackedSaved<T> ps;
@@ -305,10 +301,10 @@ void flash_case(const Case<T>& c) {
       const Index q0 = c.q_off[b], nq = c.q_off[b + 1] - q0, k0 = c.k_off[b],
                   nk = c.k_off[b + 1] - k0, g = h / group;
       items |= 1u << outcome([&] {
-        part(want, q0, h * dv, nq, dv) =
-            ref::flash_forward<T>(part(c.q, q0, h * r, nq, r), part(c.k, k0, g * r, nk, r),
-                                  part(c.v, k0, g * dv, nk, dv), opt);
-      });
+                 item_block(want, q0, h * dv, nq, dv) = ref::flash_forward<T>(
+                     item_block(c.q, q0, h * r, nq, r), item_block(c.k, k0, g * r, nk, r),
+                     item_block(c.v, k0, g * dv, nk, dv), opt);
+               });
     }
   check_outcome(items, outcome([&] { packed(c.q_off, c.k_off); }));
   if (items == 1u)
@@ -355,10 +351,11 @@ void ovq_case(fz::Bytes& in, const Case<T>& c) {
     for (Index h = 0; h < c.heads; ++h) {
       const Index q0 = c.q_off[b], nq = c.q_off[b + 1] - q0, g = h / group;
       items |= 1u << outcome([&] {
-        part(want, q0, h * dv, nq, dv) = ovq::forward<T>(
-            part(c.q, q0, h * r, nq, r), part(c.k, q0, g * r, nq, r), part(c.v, q0, g * dv, nq, dv),
-            beta[static_cast<std::size_t>(h)], opt, sep[static_cast<std::size_t>(b * c.heads + h)]);
-      });
+                 item_block(want, q0, h * dv, nq, dv) = ovq::forward<T>(
+                     item_block(c.q, q0, h * r, nq, r), item_block(c.k, q0, g * r, nq, r),
+                     item_block(c.v, q0, g * dv, nq, dv), beta[static_cast<std::size_t>(h)], opt,
+                     sep[static_cast<std::size_t>(b * c.heads + h)]);
+               });
     }
   check_outcome(items, outcome([&] {
                   ovq::forward_packed_into<T>(out, c.kv_heads, c.q, c.k, c.v, beta, c.q_off, opt,
