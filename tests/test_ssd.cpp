@@ -6,6 +6,7 @@
 
 #include "test_util.hpp"
 
+#include <mixattn/packed.hpp>
 #include <mixattn/ssd.hpp>
 
 #include <gtest/gtest.h>
@@ -577,6 +578,140 @@ TYPED_TEST(SsdTyped, EmptySequence) {
   EXPECT_TRUE(gr.state.h == gs.h);  // the end state is the start state
 }
 
+// ---- packed batches
+// -------------------------------------------------------------------------------
+
+/// Raw steps of a packed call, H x total, in [-4, 2].
+template <class T>
+Matrix<T> random_steps(Index heads, Index total, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  Matrix<T> dt(heads, total);
+  for (Index h = 0; h < heads; ++h)
+    for (Index t = 0; t < total; ++t) dt(h, t) = static_cast<T>(-4.0 + 6.0 * u(rng));
+  return dt;
+}
+
+// A packed call (cu_seqlens offsets, H heads side by side, dt H x total, A and D per head) is one
+// call of the single-sequence operator per (sequence, head): the same bits as the separate calls
+// for the outputs, the end states, every gradient and the start states' gradients, with and
+// without states, on one and two threads, empty sequences included; dA, dD and d dt_bias of a
+// head are the separate calls' summed in sequence order.
+TYPED_TEST(SsdTyped, PackedEqualsSeparateCalls) {
+  using T = TypeParam;
+  using W = detail::wide_t<T>;
+  const Index H = 2, P = 5, S = 3;
+  const Offsets off = {0, 37, 37, 100, 101};
+  const Index total = off.back(), nb = static_cast<Index>(off.size()) - 1;
+  const Matrix<T> x = random_matrix<T>(total, H * P, 600), dY = random_matrix<T>(total, H * P, 603);
+  const Matrix<T> B = random_matrix<T>(total, H * S, 601), C = random_matrix<T>(total, H * S, 602);
+  const Matrix<T> dt = random_steps<T>(H, total, 604);
+  const std::vector<T> A = {T(-0.5), T(-1.25)}, D = {T(0.75), T(-0.25)};
+  ssd::Options opt;
+  opt.chunk = 16;
+  opt.dt_bias = 0.3;
+  for (const bool with_states : {false, true}) {
+    for (const int threads : {1, 2}) {
+      SCOPED_TRACE(::testing::Message() << "states " << with_states << " threads " << threads);
+      std::vector<ssd::State<T>> states;
+      std::vector<ssd::StateGrad<T>> dh(static_cast<std::size_t>(nb * H));
+      for (Index i = 0; i < nb * H; ++i) {
+        states.push_back(ssd::State<T>::empty(S, P));
+        states.back().h = random_matrix<W>(S, P, 610 + i, 0.5);
+        dh[static_cast<std::size_t>(i)].h = random_matrix<W>(S, P, 630 + i);
+      }
+      const std::vector<ssd::State<T>> start = states;
+      Matrix<T> out;
+      ssd::PackedSaved<T> saved;
+      ssd::PackedGrad<T> grad;
+      ssd::forward_packed_into(out, H, x, dt, A, B, C, D, off, opt, with_states ? &states : nullptr,
+                               &saved, threads);
+      ssd::backward_packed_into(grad, H, x, dt, A, B, C, D, dY, off, saved, opt,
+                                with_states ? &dh : nullptr, threads);
+      ASSERT_EQ(out.rows(), total);
+      ASSERT_EQ(grad.dt.rows(), H);
+      std::vector<T> sums(3 * H, T(0));
+      for (Index b = 0; b < nb; ++b) {
+        for (Index h = 0; h < H; ++h) {
+          const std::size_t i = static_cast<std::size_t>(b * H + h),
+                            hh = static_cast<std::size_t>(h);
+          const Index a = off[static_cast<std::size_t>(b)];
+          const Index n = off[static_cast<std::size_t>(b) + 1] - a;
+          ssd::State<T> st = start[i];
+          ssd::Saved<T> rec;
+          const auto xs = x.block(a, h * P, n, P), dys = dY.block(a, h * P, n, P);
+          const auto bs = B.block(a, h * S, n, S), cs = C.block(a, h * S, n, S);
+          const Matrix<T> o = ssd::forward<T>(xs, dt.row(h).segment(a, n), A[hh], bs, cs, D[hh],
+                                              opt, with_states ? &st : nullptr, &rec);
+          EXPECT_TRUE(out.block(a, h * P, n, P) == o) << "item " << i;
+          if (with_states) {
+            EXPECT_TRUE(states[i].h == st.h) << "item " << i;
+            EXPECT_EQ(states[i].tokens_seen, n);
+          }
+          const ssd::Grad<T> gr =
+              ssd::backward<T>(xs, dt.row(h).segment(a, n), A[hh], bs, cs, D[hh], dys, rec, opt,
+                               with_states ? &dh[i] : nullptr);
+          EXPECT_TRUE(grad.x.block(a, h * P, n, P) == gr.x) << "item " << i;
+          EXPECT_TRUE(grad.B.block(a, h * S, n, S) == gr.B) << "item " << i;
+          EXPECT_TRUE(grad.C.block(a, h * S, n, S) == gr.C) << "item " << i;
+          EXPECT_TRUE(grad.dt.row(h).segment(a, n).transpose() == gr.dt) << "item " << i;
+          EXPECT_TRUE(grad.items[i].state.h == gr.state.h) << "item " << i;
+          sums[3 * hh] += gr.A;
+          sums[3 * hh + 1] += gr.D;
+          sums[3 * hh + 2] += gr.dt_bias;
+        }
+      }
+      for (std::size_t h = 0; h < static_cast<std::size_t>(H); ++h) {
+        EXPECT_EQ(grad.A[h], sums[3 * h]);
+        EXPECT_EQ(grad.D[h], sums[3 * h + 1]);
+        EXPECT_EQ(grad.dt_bias[h], sums[3 * h + 2]);
+      }
+    }
+  }
+}
+
+TEST(SsdPacked, ErrorsNameTheArgument) {
+  const Index H = 2, P = 4, S = 3;
+  const Offsets off = {0, 5, 9};
+  const Matrix<double> x = random_matrix<double>(9, H * P, 660);
+  const Matrix<double> B = random_matrix<double>(9, H * S, 661);
+  const Matrix<double> dt = random_steps<double>(H, 9, 662);
+  const std::vector<double> A = {-1, -2}, D = {1, 1};
+  const char* fn = "mixattn::ssd::forward_packed_into";
+  Matrix<double> out;
+  using IA = std::invalid_argument;
+  expect_throw<IA>(
+      [&] {
+        ssd::forward_packed_into(out, H, x, dt.topRows(1), A, B, B, D, off, {}, nullptr, nullptr);
+      },
+      {fn, "dt is 1 x 9", "2 x 9"});
+  expect_throw<IA>(
+      [&] {
+        ssd::forward_packed_into(out, H, x, dt, A, B, B.leftCols(5), D, off, {}, nullptr, nullptr);
+      },
+      {fn, "C is 9 x 5", "B is 9 x 6"});
+  expect_throw<IA>(
+      [&] { ssd::forward_packed_into(out, H, x, dt, {-1.0}, B, B, D, off, {}, nullptr, nullptr); },
+      {fn, "A has 1", "2 heads"});
+  std::vector<ssd::State<double>> states(3, ssd::State<double>::empty(S, P));
+  expect_throw<IA>(
+      [&] { ssd::forward_packed_into(out, H, x, dt, A, B, B, D, off, {}, &states, nullptr); },
+      {fn, "states has 3 entries", "need 4"});
+  expect_throw<IA>(
+      [&] {
+        ssd::forward_packed_into(out, H, x, dt, A, B, B, D, {0, 5, 10}, {}, nullptr, nullptr);
+      },
+      {fn, "offsets"});
+  ssd::PackedSaved<double> saved;
+  ssd::forward_packed_into(out, H, x, dt, A, B, B, D, off, {}, nullptr, &saved);
+  ssd::PackedGrad<double> grad;
+  expect_throw<IA>(
+      [&] {
+        ssd::backward_packed_into(grad, H, x, dt, A, B, B, D, out, {0, 4, 9}, saved, {});
+      },
+      {"mixattn::ssd::backward_packed_into", "saved holds"});
+}
+
 // ---- errors
 // ---------------------------------------------------------------------------------------
 
@@ -798,6 +933,22 @@ TYPED_TEST(SsdTyped, SteadyStateAllocatesNothing) {
     decode(0);
     EXPECT_EQ(allocations_of([&] { decode(1); }), 0);
   }
+  // a packed training step of three sequences with states (one thread)
+  const Offsets off = {0, N / 4, N / 4, N};
+  Matrix<T> dt(1, N);
+  dt.row(0) = in.dt.transpose();
+  const std::vector<T> A = {in.A}, D = {in.D};
+  std::vector<ssd::State<T>> states(3, ssd::State<T>::empty(d, d));
+  Matrix<T> pout;
+  ssd::PackedSaved<T> psaved;
+  ssd::PackedGrad<T> pgrad;
+  const ssd::Options opt;
+  const auto packed_step = [&] {
+    ssd::forward_packed_into(pout, 1, in.x, dt, A, in.B, in.C, D, off, opt, &states, &psaved);
+    ssd::backward_packed_into(pgrad, 1, in.x, dt, A, in.B, in.C, D, dY, off, psaved, opt);
+  };
+  packed_step();
+  EXPECT_EQ(allocations_of(packed_step), 0) << "packed";
 }
 
 }  // namespace
