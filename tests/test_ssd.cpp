@@ -795,6 +795,18 @@ TEST(SsdErrors, ValuesOutOfDomainAndNonFinite) {
   nan_state.h(1, 1) = std::numeric_limits<double>::infinity();
   expect_throw<DE>([&] { ssd::forward<float>(x, dt, -1.0f, B, B, 1.0f, {}, &nan_state); },
                    {fn, "state.h has a non-finite entry at (1, 1)"});
+  // the same refusal on every path: decoding one token, an empty piece, the chunked form
+  for (const Index rows : {1, 0}) {
+    expect_throw<DE>(
+        [&] {
+          ssd::forward<float>(x.topRows(rows), dt.head(rows), -1.0f, B.topRows(rows),
+                              B.topRows(rows), 1.0f, {}, &nan_state);
+        },
+        {fn, "state.h has a non-finite entry at (1, 1)"});
+  }
+  ssd::Saved<float> rec;
+  expect_throw<DE>([&] { ssd::forward<float>(x, dt, -1.0f, B, B, 1.0f, {}, &nan_state, &rec); },
+                   {fn, "state.h has a non-finite entry at (1, 1)"});
   // an output that overflows float although every input is finite
   const Matrix<float> huge = Matrix<float>::Constant(N, P, 3e38f);
   expect_throw<DE>([&] { ssd::forward<float>(huge, dt, -1.0f, B, B, 2.0f); },

@@ -29,6 +29,7 @@ struct SsdScratch {
   Vector<W> gamma;   // C: chunk-local cumulative log decay
   Vector<T> eg, ed;  // C: e^gamma, e^(gamma_n - gamma)
   Vector<T> step;    // N: Delta when no record keeps it
+  Matrix<W> rows;    // 4 x max(S, P): the recurrence's b, c, u, y (ssd_recurrent_forward)
   // backward
   Matrix<T> states;   // ceil(N / C) S x P: every chunk's start state (recomputed)
   Matrix<T> du;       // C x P: dU

@@ -69,15 +69,16 @@ void ssd_check_inputs(const char* fn, const SsdInputs<T>& in, const ssd::Options
   if (!std::isfinite(in.D)) raise_domain_error(concat(fn, ": D is ", in.D, "; it must be finite"));
 }
 
+/// The state's shape and count, and with `scan` its values.
 template <class T>
 void ssd_check_state(const char* fn, const ssd::State<T>& st, Index S, Index P, Index n,
-                     const ssd::Options& opt) {
+                     bool scan) {
   require(st.h.rows() == S && st.h.cols() == P, fn, "state.h is ", shape_str(st.h), " but B has ",
           S, " columns and x has ", P, ": make it with State<T>::empty(", S, ", ", P, ")");
   require(st.tokens_seen >= 0 && n <= std::numeric_limits<Index>::max() - st.tokens_seen, fn,
           "state.tokens_seen is ", st.tokens_seen, "; with ", n,
           " more tokens it must stay in [0, max Index]");
-  if (opt.check_finite) require_finite(st.h, fn, "state.h");
+  if (scan) require_finite(st.h, fn, "state.h");
 }
 
 template <class T>

@@ -13,6 +13,7 @@
 #include "mixattn/detail/common/fingerprint.hpp"
 #include "mixattn/detail/ssd/checks.hpp"
 #include "mixattn/detail/ssd/chunk.hpp"
+#include "mixattn/detail/ssd/kernels.hpp"
 #include "mixattn/ssd_types.hpp"
 
 #include <Eigen/Core>
@@ -55,31 +56,40 @@ void ssd_forward_sweep(const SsdInputs<T>& in, const ssd::Options& opt, const Ve
   }
 }
 
-/// The recurrence (SPEC 10.1, (10.1)) token by token on the wide state h (S x P), in place: per
-/// token one pass over h's rows, h_s = a h_s + B_ts u and y += C_ts h_s. For short pieces
-/// without a record (decoding); `y` is wide scratch (P).
+/// The recurrence (SPEC 10.1, (10.1)) token by token on the wide state, from `start` (S x P) into
+/// `h` (sized here; the first token reads `start`, the later ones update `h` in place, so the
+/// caller's state is read once and never copied): per token one pass over the state
+/// (ssd_state_pass). For short pieces without a record (decoding); `rows` is wide scratch.
+/// Returns 0 when the end state is finite (NaN otherwise).
 template <class T>
-void ssd_recurrent_forward(const SsdInputs<T>& in, const ssd::Options& opt, Matrix<T>& out,
-                           Matrix<wide_t<T>>& h, Vector<wide_t<T>>& y) {
+wide_t<T> ssd_recurrent_forward(const SsdInputs<T>& in, const ssd::Options& opt, Matrix<T>& out,
+                                const Matrix<wide_t<T>>& start, Matrix<wide_t<T>>& h,
+                                Matrix<wide_t<T>>& rows) {
   using W = wide_t<T>;
   const Index N = in.x.rows(), P = in.x.cols(), S = in.B.cols();
-  y.resize(P);
+  h.resize(S, P);
+  rows.resize(4, std::max(S, P));  // b, c (S); u, y (P)
+  W *b = rows.row(0).data(), *c = rows.row(1).data(), *u = rows.row(2).data();
+  W* y = rows.row(3).data();
   const W A = static_cast<W>(in.A), D = static_cast<W>(in.D);
+  W probe = 0;
   for (Index t = 0; t < N; ++t) {
     const W z = ssd_step_input<T>(in.dt, t, opt.dt_bias);
     const W step = static_cast<W>(static_cast<T>(opt.dt_softplus ? ssd_softplus(z) : z));
-    const W a = std::exp(step * A);
-    y.setZero();
     for (Index i = 0; i < S; ++i) {
-      const W b = static_cast<W>(in.B(t, i)) * step, c = static_cast<W>(in.C(t, i));
-      auto row = h.row(i).array();
-      row = a * row + b * in.x.row(t).array().template cast<W>();
-      y.array() += c * row.transpose();
+      b[i] = static_cast<W>(in.B(t, i));
+      c[i] = static_cast<W>(in.C(t, i));
     }
-    out.row(t) = (y.array() + D * in.x.row(t).transpose().array().template cast<W>())
-                     .template cast<T>()
-                     .transpose();
+    for (Index j = 0; j < P; ++j) u[j] = static_cast<W>(in.x(t, j)) * step;
+    probe = ssd_state_pass<W>(t == 0 ? start.data() : h.data(), h.data(), S, P, std::exp(step * A),
+                              b, c, u, y);
+    for (Index j = 0; j < P; ++j) out(t, j) = static_cast<T>(y[j] + D * static_cast<W>(in.x(t, j)));
   }
+  if (N == 0) {
+    h = start;
+    probe = finite_probe(h);
+  }
+  return probe;
 }
 
 /// Pieces of up to this many rows continuing a State without a record run the recurrence token
@@ -122,17 +132,21 @@ void ssd_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& x
   const SsdInputs<T> in{x, dt, A, B, C, D};
   ssd_check_inputs<T>(fn, in, opt);
   const Index N = x.rows(), P = x.cols(), S = B.cols();
-  if (state) ssd_check_state<T>(fn, *state, S, P, N, opt);
+  // The recurrence never writes the caller's state and probes the end state as it writes it: a
+  // non-finite start state shows there (a h + b u is not finite), so it is scanned only then.
+  const bool recurrent = !saved && state && N <= ssd_recurrent_rows;
+  if (state) ssd_check_state<T>(fn, *state, S, P, N, opt.check_finite && !recurrent);
   if (saved) saved->valid = false;  // until this call has filled it
   SsdScratch<T>& s = saved ? saved->scratch : thread_scratch<SsdScratch<T>>();
   out.resize(N, P);
-  if (state)
+  bool end_checked = false;
+  if (recurrent)
+    end_checked = ssd_recurrent_forward<T>(in, opt, out, state->h, s.hw, s.rows) == 0;
+  else if (state)
     s.hw = state->h;
   else
     s.hw.setZero(S, P);
-  if (!saved && state && N <= ssd_recurrent_rows) {
-    ssd_recurrent_forward<T>(in, opt, out, s.hw, s.dgamma);
-  } else if (N > 0) {
+  if (!recurrent && N > 0) {
     Vector<T>& step = saved ? saved->step : s.step;
     ssd_steps<T>(dt, opt, step);
     ssd_forward_sweep<T>(in, opt, step, out, saved && opt.keep_states ? &saved->states : nullptr,
@@ -140,12 +154,14 @@ void ssd_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef<T>& x
   }
   if (saved && N == 0) saved->step.resize(0);
   if (opt.check_finite) {
+    if (recurrent && !end_checked) require_finite(state->h, fn, "state.h");
     require_finite_result(out, fn, "the output", "x, dt, B, C or the state is");
-    if (state) require_finite_result(s.hw, fn, "the end state", "x, dt, B, C or the state is");
+    if (state && !end_checked)
+      require_finite_result(s.hw, fn, "the end state", "x, dt, B, C or the state is");
   }
   if (saved) ssd_fill_record<T>(*saved, in, opt, state, s.hw);
   if (state) {
-    state->h = s.hw;
+    state->h.swap(s.hw);  // the end state, without a copy (s.hw: scratch from here on)
     state->tokens_seen += N;
   }
 }
