@@ -48,9 +48,10 @@ void ssd_chunk_backward_products(const SsdInputs<T>& in, const ConstMatrixRef<T>
                                  const ConstMatrixRef<T>& H, Index c0, Index n, SsdScratch<T>& s) {
   const ConstMatrixRef<T> U = s.u.topRows(n);
   ssd_product<T>(s.z.topRows(n), in.B.middleRows(c0, n), false, s.dh, false, false, s.gemm);
-  ssd_product<T>(s.du.topRows(n), s.prod.topLeftCorner(n, n), true, d_out, false, false, s.gemm);
+  ssd_triangular_product<T>(s.du.topRows(n), s.prod.topLeftCorner(n, n), true, d_out, false,
+                            s.gemm);
   s.du.topRows(n) += (s.z.topRows(n).array().colwise() * s.ed.head(n).array()).matrix();
-  ssd_product<T>(s.dp.topLeftCorner(n, n), d_out, false, U, true, false, s.gemm);
+  ssd_lower_abt<T>(s.dp.topLeftCorner(n, n), d_out, U, s.gemm);
   ssd_product<T>(s.yh.topRows(n), d_out, false, H, true, false, s.gemm);
   ssd_product<T>(s.ud.topRows(n), U, false, s.dh, true, false, s.gemm);
   s.ce.topRows(n).array() = in.C.middleRows(c0, n).array().colwise() * s.eg.head(n).array();
@@ -112,9 +113,9 @@ void ssd_chunk_input_grads(const SsdInputs<T>& in, const Vector<T>& step,
   }
   const ConstMatrixRef<T> G = s.dp.topLeftCorner(n, n);
   MatrixRef<T> dC = grad.C.middleRows(c0, n), dB = grad.B.middleRows(c0, n);
-  ssd_product<T>(dC, G, false, in.B.middleRows(c0, n), false, false, s.gemm);
+  ssd_triangular_product<T>(dC, G, false, in.B.middleRows(c0, n), false, s.gemm);
   dC += (s.yh.topRows(n).array().colwise() * s.eg.head(n).array()).matrix();
-  ssd_product<T>(dB, G, true, in.C.middleRows(c0, n), false, false, s.gemm);
+  ssd_triangular_product<T>(dB, G, true, in.C.middleRows(c0, n), false, s.gemm);
   dB += (s.ud.topRows(n).array().colwise() * s.ed.head(n).array()).matrix();
   grad.x.middleRows(c0, n) =
       (s.du.topRows(n).array().colwise() * step.segment(c0, n).array()).matrix() + in.D * d_out;

@@ -39,6 +39,39 @@ void ssd_product(MatrixRef<T> dst, const ConstMatrixRef<T>& a, bool ta, const Co
                   T(1), accumulate, space);
 }
 
+/// Chunks of fewer rows run their triangular products as one product: halving a smaller one
+/// costs more in the products' fixed overhead than the skipped quarter saves.
+constexpr Index ssd_split_rows = 32;
+
+/// The lower triangle of dst = a b^T (n x n; a, b: n rows), in two products that skip the upper
+/// right quarter (left as it was: the callers mask above the diagonal).
+template <class T>
+void ssd_lower_abt(MatrixRef<T> dst, const ConstMatrixRef<T>& a, const ConstMatrixRef<T>& b,
+                   GemmSpace<T>& space) {
+  const Index n = dst.rows(), h = n / 2;
+  if (n < 2 * ssd_split_rows) return ssd_product<T>(dst, a, false, b, true, false, space);
+  ssd_product<T>(dst.topLeftCorner(h, h), a.topRows(h), false, b.topRows(h), true, false, space);
+  ssd_product<T>(dst.bottomRows(n - h), a.bottomRows(n - h), false, b, true, false, space);
+}
+
+/// dst (+)= op(l) x for a lower triangular l (n x n, zeros above the diagonal), op a transpose
+/// with `trans`: two products that skip l's zero quarter.
+template <class T>
+void ssd_triangular_product(MatrixRef<T> dst, const ConstMatrixRef<T>& l, bool trans,
+                            const ConstMatrixRef<T>& x, bool accumulate, GemmSpace<T>& space) {
+  const Index n = l.rows(), h = n / 2;
+  if (n < 2 * ssd_split_rows) return ssd_product<T>(dst, l, trans, x, false, accumulate, space);
+  if (trans) {  // top rows of l^T: l[:, :h]^T x; bottom: l[h:, h:]^T x[h:] (l[:h, h:] = 0)
+    ssd_product<T>(dst.topRows(h), l.leftCols(h), true, x, false, accumulate, space);
+    ssd_product<T>(dst.bottomRows(n - h), l.bottomRightCorner(n - h, n - h), true,
+                   x.bottomRows(n - h), false, accumulate, space);
+  } else {  // top rows: l[:h, :h] x[:h]; bottom: l[h:, :] x
+    ssd_product<T>(dst.topRows(h), l.topLeftCorner(h, h), false, x.topRows(h), false, accumulate,
+                   space);
+    ssd_product<T>(dst.bottomRows(n - h), l.bottomRows(n - h), false, x, false, accumulate, space);
+  }
+}
+
 /// z_t = dt_t + dt_bias in the wide type.
 template <class T>
 wide_t<T> ssd_step_input(const Eigen::Ref<const Vector<T>>& dt, Index t, double bias) {
@@ -107,8 +140,8 @@ void ssd_load_chunk(const SsdInputs<T>& in, const Vector<T>& step, Index c0, Ind
 template <class T>
 void ssd_chunk_scores(const SsdInputs<T>& in, Index c0, Index n, SsdScratch<T>& s) {
   using W = wide_t<T>;
-  ssd_product<T>(s.prod.topLeftCorner(n, n), in.C.middleRows(c0, n), false, in.B.middleRows(c0, n),
-                 true, false, s.gemm);
+  ssd_lower_abt<T>(s.prod.topLeftCorner(n, n), in.C.middleRows(c0, n), in.B.middleRows(c0, n),
+                   s.gemm);
   for (Index r = 0; r < n; ++r) {
     T* l = s.decay.row(r).data();
     T* p = s.prod.row(r).data();

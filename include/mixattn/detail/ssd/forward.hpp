@@ -31,7 +31,8 @@ void ssd_chunk_forward(const SsdInputs<T>& in, Index c0, Index n, MatrixRef<T> o
                        SsdScratch<T>& s) {
   ssd_product<T>(out, in.C.middleRows(c0, n), false, s.h, false, false, s.gemm);  // C H
   out.array().colwise() *= s.eg.head(n).array();
-  ssd_product<T>(out, s.prod.topLeftCorner(n, n), false, s.u.topRows(n), false, true, s.gemm);
+  ssd_triangular_product<T>(out, s.prod.topLeftCorner(n, n), false, s.u.topRows(n), true,
+                            s.gemm);  // + P U
   out += in.D * in.x.middleRows(c0, n);
   ssd_advance_state<T>(in, c0, n, s);
 }
