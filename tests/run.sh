@@ -9,8 +9,8 @@
 #      an AVX2 machine without AVX-512: the main pass already ran those kernels). These passes
 #      build the test files that exercise the kernels (GMA forward, backward, backward kernel,
 #      causal scan and state; OVQ backward, dictionary, exactness, streaming and reference
-#      rules; the gated delta rule; the softmax reference; the layer: every SIMD kernel against
-#      its twin and every finite-difference check), and skip what does not depend on the ISA or
+#      rules; the gated delta rule; the SSD layer; the softmax reference; the layer: every SIMD
+#      kernel against its twin and every finite-difference check), and skip what does not depend on the ISA or
 #      costs the most: argument validation, thread, exception, diagnostics and stress files,
 #      the header checks (whether a header compiles on its own does not depend on -march; every
 #      header is compiled at that -march all the same, by the operators' instances file), the
@@ -86,7 +86,7 @@ if [[ ${MIXATTN_SKIP_ISA:-0} != 1 && $(uname -m) == x86_64 ]]; then
     cmake -S . -B "$build-$isa" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -DNDEBUG" -DMIXATTN_ARCH_FLAGS="-march=$isa" \
       -DMIXATTN_BUILD_TESTS=ON -DMIXATTN_BUILD_EXAMPLES=OFF -DMIXATTN_BUILD_BENCHMARKS=OFF \
-      -DMIXATTN_TEST_FILTER='^test_(gma_(forward|backward|backward_kernel|causal_scan|state)|ovq_(backward|dictionary|exactness|streaming|reference_rules)|reference|layer|delta)$' -DMIXATTN_INSTALL=OFF \
+      -DMIXATTN_TEST_FILTER='^test_(gma_(forward|backward|backward_kernel|causal_scan|state)|ovq_(backward|dictionary|exactness|streaming|reference_rules)|reference|layer|delta|ssd)$' -DMIXATTN_INSTALL=OFF \
       -DMIXATTN_TEST_TWO_TU=OFF -DMIXATTN_TEST_HEADER_CHECKS=OFF >/dev/null
     cmake --build "$build-$isa" -j "$jobs"
     ctest --test-dir "$build-$isa" --output-on-failure -j "$jobs" --timeout 900 \

@@ -21,9 +21,9 @@
 #include "mixattn/core.hpp"
 #include "mixattn/delta_types.hpp"
 #include "mixattn/detail/common/entry.hpp"
+#include "mixattn/detail/common/vector_arg.hpp"
 #include "mixattn/detail/delta/backward.hpp"
 #include "mixattn/detail/delta/forward.hpp"
-#include "mixattn/detail/delta/vector_arg.hpp"
 
 #include <Eigen/Core>
 
@@ -33,7 +33,7 @@ namespace delta {
 /// g and beta: N-vectors read in place (Vector<T>, a segment, a Map, a row of a row-major
 /// matrix); a strided vector is refused at compile time.
 template <class T>
-using ConstVectorArg = detail::DeltaVectorRef<typename detail::identity<T>::type>;
+using ConstVectorArg = detail::ConstVectorArgRef<typename detail::identity<T>::type>;
 
 /// Gated delta rule forward (SPEC 9.1, 9.2). q, k: N x d_k; v: N x d_v (row-major); g (log decay,
 /// <= 0) and beta (in [0, 1]): N. Returns N x d_v. state: when given (d_k x d_v,

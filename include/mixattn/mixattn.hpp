@@ -16,5 +16,6 @@
 #include "mixattn/performer.hpp"
 #include "mixattn/reference.hpp"
 #include "mixattn/rope.hpp"
+#include "mixattn/ssd.hpp"
 #include "mixattn/vq.hpp"
 #include "mixattn/window.hpp"

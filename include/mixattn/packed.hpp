@@ -38,6 +38,7 @@
 #include "mixattn/ovq.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/reference.hpp"
+#include "mixattn/ssd.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -753,4 +754,143 @@ void backward_packed_into(PackedGrad<T>& grad, Index heads, const ConstMatrixArg
 }
 
 }  // namespace delta
+namespace ssd {
+
+/// Records of forward_packed_into: one Saved per (sequence b, head h), item b H + h.
+template <class T>
+using PackedSaved = mixattn::detail::PackedRecords<T, Saved<T>>;
+
+/// Gradients of forward_packed_into: dx, dB, dC like x, B and C, ddt like dt (H x total), one dA,
+/// dD and d dt_bias per head (summed over the sequences in order), and one Grad per item (its
+/// `state`: the start state's gradient when the forward continued states).
+template <class T>
+struct PackedGrad {
+  Matrix<T> x, B, C, dt;
+  std::vector<T> A, D, dt_bias;
+  std::vector<Grad<T>> items;
+  std::vector<Index> order;  // scratch of the largest-first schedule
+};
+
+}  // namespace ssd
+
+namespace detail {
+
+/// Validates a packed SSD call: x total x (H P), B and C total x (H S), dt H x total, A and D one
+/// per head, the offsets, the thread count; returns the layout (r = S, d_v = P).
+template <class T>
+PackedHeads ssd_check_packed(const char* fn, Index heads, const ConstMatrixRef<T>& x,
+                             const ConstMatrixRef<T>& dt, const std::vector<T>& A,
+                             const ConstMatrixRef<T>& B, const ConstMatrixRef<T>& C,
+                             const std::vector<T>& D, const Offsets& offsets, int threads) {
+  require(heads >= 1, fn, "heads is ", heads, "; it must be >= 1");
+  const Index total = x.rows();
+  require(x.cols() % heads == 0 && x.cols() > 0, fn, "x has ", x.cols(),
+          " columns, not a positive multiple of ", heads, " heads");
+  require(B.rows() == total && B.cols() % heads == 0 && B.cols() > 0, fn, "B is ", shape_str(B),
+          " but x has ", total, " rows and ", heads, " heads: B must be ", total,
+          " x (a positive multiple of ", heads, ")");
+  require(C.rows() == B.rows() && C.cols() == B.cols(), fn, "C is ", shape_str(C), " but B is ",
+          shape_str(B));
+  require(dt.rows() == heads && dt.cols() == total, fn, "dt is ", shape_str(dt), " but ", heads,
+          " heads over ", total, " rows need ", heads, " x ", total, " (row h: head h's steps)");
+  require(static_cast<Index>(A.size()) == heads && static_cast<Index>(D.size()) == heads, fn,
+          "A has ", A.size(), " and D has ", D.size(), " entries; ", heads, " heads need ", heads,
+          " each");
+  require(threads >= 0, fn, "threads must be >= 0, got ", threads);
+  check_offsets(fn, "offsets", offsets, total);
+  return {static_cast<Index>(offsets.size()) - 1, heads, heads, B.cols() / heads, x.cols() / heads};
+}
+
+}  // namespace detail
+
+namespace ssd {
+
+/// Packed SSD layer (causal: one offsets vector). x: total x (H P), head h in column block h;
+/// B, C: total x (H S); dt: H x total, row h the raw steps of head h (read in place); A, D: one
+/// per head; opt.dt_bias applies to every head; states: null (every sequence starts from zero)
+/// or B H states, item b H + h, each continued and advanced as by forward. out: resized to
+/// total x (H P). Every (sequence, head) item is one call of forward_into: the results equal the
+/// separate calls bit for bit.
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void forward_packed_into(Matrix<T>& out, Index heads, const ConstMatrixArg<T>& x,
+                         const ConstMatrixArg<T>& dt, const std::vector<T>& A,
+                         const ConstMatrixArg<T>& B, const ConstMatrixArg<T>& C,
+                         const std::vector<T>& D, const Offsets& offsets, const Options& opt,
+                         std::vector<State<typename mixattn::detail::identity<T>::type>>* states,
+                         PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
+                         int threads = 1) {
+  constexpr const char* fn = "mixattn::ssd::forward_packed_into";
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::ssd_check_packed<T>(fn, heads, x, dt, A, B, C, D, offsets, threads);
+  if (states)
+    detail::require(static_cast<Index>(states->size()) == ph.items(), fn, "states has ",
+                    states->size(), " entries but ", ph.batch, " sequences x ", heads,
+                    " heads need ", ph.items());
+  PackedSaved<T> local;
+  const Index S = ph.r, P = ph.d_v;
+  mixattn::detail::packed_forward(
+      out, ph, offsets, offsets, saved ? *saved : local, saved != nullptr, threads, false,
+      [&](const mixattn::detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
+        const std::size_t h = static_cast<std::size_t>(p.h);
+        State<T>* st = states ? &(*states)[static_cast<std::size_t>(p.b * heads + p.h)] : nullptr;
+        forward_into<T>(o, mixattn::detail::item_block(x, p.q0, p.h * P, p.nq, P),
+                        dt.row(p.h).segment(p.q0, p.nq), A[h],
+                        mixattn::detail::item_block(B, p.q0, p.h * S, p.nq, S),
+                        mixattn::detail::item_block(C, p.q0, p.h * S, p.nq, S), D[h], opt, st, s);
+      });
+}
+
+/// Backward of forward_packed_into; grad_out: total x (H P). grad_states_out (optional, with
+/// states in the forward): B H gradients of the end states, item b H + h.
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void backward_packed_into(PackedGrad<T>& grad, Index heads, const ConstMatrixArg<T>& x,
+                          const ConstMatrixArg<T>& dt, const std::vector<T>& A,
+                          const ConstMatrixArg<T>& B, const ConstMatrixArg<T>& C,
+                          const std::vector<T>& D, const ConstMatrixArg<T>& grad_out,
+                          const Offsets& offsets, const PackedSaved<T>& saved, const Options& opt,
+                          const std::vector<StateGrad<T>>* grad_states_out = nullptr,
+                          int threads = 1) {
+  constexpr const char* fn = "mixattn::ssd::backward_packed_into";
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::ssd_check_packed<T>(fn, heads, x, dt, A, B, C, D, offsets, threads);
+  mixattn::detail::check_packed_backward<T>(fn, ph, x.rows(), grad_out, offsets, offsets, saved);
+  if (grad_states_out)
+    detail::require(static_cast<Index>(grad_states_out->size()) == ph.items(), fn,
+                    "grad_states_out has ", grad_states_out->size(), " entries but ", ph.batch,
+                    " sequences x ", heads, " heads need ", ph.items());
+  const Index S = ph.r, P = ph.d_v;
+  grad.items.resize(static_cast<std::size_t>(ph.items()));
+  grad.x.resize(x.rows(), x.cols());
+  grad.B.resize(B.rows(), B.cols());
+  grad.C.resize(C.rows(), C.cols());
+  grad.dt.resize(heads, x.rows());
+  mixattn::detail::packed_items(
+      ph, offsets, offsets, threads, false, grad.order,
+      [&](const mixattn::detail::PairRows& p, std::size_t i, Index) {
+        Grad<T>& gr = grad.items[i];
+        const std::size_t h = static_cast<std::size_t>(p.h);
+        backward_into<T>(gr, mixattn::detail::item_block(x, p.q0, p.h * P, p.nq, P),
+                         dt.row(p.h).segment(p.q0, p.nq), A[h],
+                         mixattn::detail::item_block(B, p.q0, p.h * S, p.nq, S),
+                         mixattn::detail::item_block(C, p.q0, p.h * S, p.nq, S), D[h],
+                         mixattn::detail::item_block(grad_out, p.q0, p.h * P, p.nq, P),
+                         saved.items[i], opt, grad_states_out ? &(*grad_states_out)[i] : nullptr);
+        mixattn::detail::item_block(grad.x, p.q0, p.h * P, p.nq, P) = gr.x;
+        mixattn::detail::item_block(grad.B, p.q0, p.h * S, p.nq, S) = gr.B;
+        mixattn::detail::item_block(grad.C, p.q0, p.h * S, p.nq, S) = gr.C;
+        grad.dt.row(p.h).segment(p.q0, p.nq) = gr.dt.transpose();
+      });
+  grad.A.assign(static_cast<std::size_t>(heads), T(0));
+  grad.D.assign(static_cast<std::size_t>(heads), T(0));
+  grad.dt_bias.assign(static_cast<std::size_t>(heads), T(0));
+  for (std::size_t h = 0; h < static_cast<std::size_t>(heads); ++h)  // sequence order
+    for (Index b = 0; b < ph.batch; ++b) {
+      const Grad<T>& gr = grad.items[static_cast<std::size_t>(b * heads) + h];
+      grad.A[h] += gr.A;
+      grad.D[h] += gr.D;
+      grad.dt_bias[h] += gr.dt_bias;
+    }
+}
+
+}  // namespace ssd
 MIXATTN_END_NAMESPACE

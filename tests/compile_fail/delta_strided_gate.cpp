@@ -1,6 +1,6 @@
 // Must not compile: the gated delta rule's g given as a column of a row-major matrix (strided)
 // would be copied on every call. tests/CMakeLists.txt expects the build of this file to fail with
-// detail/delta/vector_arg.hpp's message.
+// detail/common/vector_arg.hpp's message.
 #include <mixattn/delta.hpp>
 
 int main() {

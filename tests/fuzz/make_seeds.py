@@ -169,6 +169,35 @@ def delta():
         write("fuzz_delta", name, b)
 
 
+def ssd():
+    """fuzz_ssd: [double, d_head - 1, d_state - 1, n, chunk, dt_bias, softplus, keep_states,
+    check_finite, state, raw, into, mismatch, A, D], x, dt, B, C, (h0), dout, the cut."""
+    nan_x = [1 << 3, 7, 0, 0, 2, 1, 0]  # x with one NaN
+    for name, t, p, s, n, chunk, bias, sp, keep, cf, state, raw, into, mismatch, a, d, cuts, x in [
+        ("double_three_pieces", 1, 4, 3, 40, 4, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, [2, 7, 11], None),
+        ("float_one_token_pieces", 0, 2, 2, 6, 0, 2, 1, 0, 1, 0, 0, 0, 0, 1, 1, [4, 1, 1, 1, 1], None),
+        ("double_into_keep_states", 1, 5, 4, 33, 1, 1, 1, 1, 1, 1, 0, 1, 0, 2, 2, [1, 20], None),
+        ("float_chunk3_state", 0, 8, 8, 48, 3, 0, 1, 0, 1, 1, 0, 1, 0, 4, 3, [2, 10, 30], None),
+        ("double_without_softplus", 1, 3, 2, 20, 2, 3, 0, 0, 1, 1, 0, 0, 0, 3, 0, [1, 9], None),
+        ("positive_A_refused", 1, 3, 3, 12, 0, 0, 1, 0, 1, 1, 1, 0, 0, 12, 12, [1, 5], None),
+        ("nan_in_x_checked", 0, 3, 2, 10, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, [1, 4], nan_x),
+        ("nan_in_x_unchecked", 1, 3, 2, 10, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, [1, 4], nan_x),
+        ("state_of_other_shape", 1, 3, 2, 10, 0, 0, 1, 0, 1, 1, 0, 0, 1, 0, 0, [0], None),
+        ("chunk_zero", 0, 3, 2, 10, 0, 0, 1, 0, 1, 0, 0, 0, 2, 0, 0, [0], None),
+        ("dt_of_other_length", 1, 3, 2, 10, 0, 0, 1, 0, 1, 0, 0, 0, 3, 0, 0, [0], None),
+        ("record_other_x", 1, 3, 2, 20, 4, 0, 1, 0, 1, 1, 0, 0, 4, 0, 0, [1, 8], None),
+        ("grad_state_other_state", 1, 3, 2, 20, 4, 0, 1, 0, 1, 1, 0, 0, 5, 0, 0, [1, 8], None),
+        ("grad_state_without_state", 0, 3, 2, 20, 4, 0, 1, 0, 1, 1, 0, 1, 6, 0, 0, [1, 8], None),
+    ]:
+        b = [t, p - 1, s - 1, n, chunk, bias, sp, keep, cf, state, 8 if raw else 1, into, mismatch,
+             a, d]
+        b += (x if x else mat(71)) + mat(72) + mat(73) + mat(74)
+        if state:
+            b += mat(75)
+        b += mat(76) + cuts
+        write("fuzz_ssd", name, b)
+
+
 if __name__ == "__main__":
     gma_state()
     into()
@@ -177,3 +206,4 @@ if __name__ == "__main__":
     layer_load()
     layer_decode()
     delta()
+    ssd()
