@@ -70,8 +70,15 @@ void linformer_check_shapes(const char* fn, const LinformerInputs<T>& in) {
           " only (F: ", shape_str(in.F), ")");
 }
 
-/// Shapes, options and, with check_finite, the finiteness of every input (in the order q, k,
-/// v, E, F).
+/// The finiteness of every input (in the order q, k, v, E, F), located when one is not.
+template <class T>
+void linformer_require_finite(const char* fn, const LinformerInputs<T>& in) {
+  require_finite_qkv<T>(fn, in.q, in.k, in.v);
+  require_finite(in.E, fn, "E");
+  require_finite(in.F, fn, "F");
+}
+
+/// Shapes, options and, with check_finite, the finiteness of every input.
 template <class T>
 void linformer_check_inputs(const char* fn, const LinformerInputs<T>& in,
                             const linformer::Options& opt) {
@@ -79,22 +86,24 @@ void linformer_check_inputs(const char* fn, const LinformerInputs<T>& in,
   linformer_check_shapes<T>(fn, in);
   if (!opt.check_finite) return;
   if (finite_probe(in.q) + finite_probe(in.k) + finite_probe(in.v) + finite_probe(in.E) +
-          finite_probe(in.F) ==
+          finite_probe(in.F) !=
       T(0))
-    return;
-  require_finite_qkv<T>(fn, in.q, in.k, in.v);
-  require_finite(in.E, fn, "E");
-  require_finite(in.F, fn, "F");
+    linformer_require_finite<T>(fn, in);
 }
 
+/// The fingerprints of q, k, v, E and F and, with `check`, their finiteness read off the same
+/// pass (Fingerprint::add_checked): a record's inputs are read once, not once per purpose (E and
+/// F alone are 2 k_proj N scalars).
 template <class T>
-void linformer_fingerprint_inputs(const LinformerInputs<T>& in,
-                                  typename linformer::Saved<T>::Fingerprints& f) {
-  f.q = fingerprint(in.q);
-  f.k = fingerprint(in.k);
-  f.v = fingerprint(in.v);
-  f.E = fingerprint(in.E);
-  f.F = fingerprint(in.F);
+void linformer_scan_inputs(const char* fn, const LinformerInputs<T>& in, bool check,
+                           typename linformer::Saved<T>::Fingerprints& f) {
+  bool fq = true, fk = true, fv = true, fE = true, fF = true;
+  f.q = Fingerprint().add_checked(in.q, fq).value();
+  f.k = Fingerprint().add_checked(in.k, fk).value();
+  f.v = Fingerprint().add_checked(in.v, fv).value();
+  f.E = Fingerprint().add_checked(in.E, fE).value();
+  f.F = Fingerprint().add_checked(in.F, fF).value();
+  if (check && !(fq && fk && fv && fE && fF)) linformer_require_finite<T>(fn, in);
 }
 
 /// Validates backward's arguments against the inputs and the record.
@@ -102,7 +111,10 @@ template <class T>
 void linformer_check_backward(const char* fn, const LinformerInputs<T>& in,
                               const ConstMatrixRef<T>& grad_out, const linformer::Saved<T>& saved,
                               const linformer::Options& opt) {
-  linformer_check_inputs<T>(fn, in, opt);
+  linformer_check_options<T>(fn, opt);
+  linformer_check_shapes<T>(fn, in);
+  typename linformer::Saved<T>::Fingerprints now;
+  linformer_scan_inputs<T>(fn, in, opt.check_finite, now);
   const Index N = in.q.rows(), dv = in.v.cols(), kp = in.E.rows();
   require(grad_out.rows() == N && grad_out.cols() == dv, fn, "grad_out is ", shape_str(grad_out),
           " but the output is ", N, " x ", dv, " (q rows x v columns)");
@@ -116,8 +128,6 @@ void linformer_check_backward(const char* fn, const LinformerInputs<T>& in,
   const double scale = linformer_scale(opt, in.q.cols());
   require(saved.scale == scale, fn, "saved was made with scale = ", saved.scale,
           " but the options give scale = ", scale);
-  typename linformer::Saved<T>::Fingerprints now;
-  linformer_fingerprint_inputs<T>(in, now);
   const typename linformer::Saved<T>::Fingerprints& kept = saved.fingerprint;
   check_record(fn, "saved",
                {{kept.q, now.q, "q"},

@@ -69,9 +69,15 @@ void linformer_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef
                             const ConstMatrixRef<T>& E, const ConstMatrixRef<T>& F,
                             const linformer::Options& opt, linformer::Saved<T>* saved) {
   const LinformerInputs<T> in{q, k, v, E, F};
-  linformer_check_inputs<T>(fn, in, opt);
+  if (saved) {  // the fingerprints and the finiteness in one read
+    linformer_check_options<T>(fn, opt);
+    linformer_check_shapes<T>(fn, in);
+    saved->valid = false;  // until this call has filled it
+    linformer_scan_inputs<T>(fn, in, opt.check_finite, saved->fingerprint);
+  } else {
+    linformer_check_inputs<T>(fn, in, opt);
+  }
   linformer::Saved<T>& rec = saved ? *saved : thread_scratch<linformer::Saved<T>>();
-  rec.valid = false;  // until this call has filled it
   const double scale = linformer_scale(opt, q.cols());
   out.resize(q.rows(), v.cols());
   linformer_project<T>(in, rec);
@@ -79,7 +85,6 @@ void linformer_forward_into(const char* fn, Matrix<T>& out, const ConstMatrixRef
   if (opt.check_finite) require_finite_result(out, fn, "the output", "q, k, v, E or F is");
   if (!saved) return;
   rec.scale = scale;
-  linformer_fingerprint_inputs<T>(in, rec.fingerprint);
   rec.valid = true;
 }
 
