@@ -17,8 +17,9 @@ namespace detail {
 template <class T>
 struct LinformerScratch {
   Matrix<T> ds;       // rows x k_proj: dP, then dS, of one block of rows
-  Matrix<T> dkp;      // k_proj x d: dK' (SPEC 10.2)
-  Matrix<T> dvp;      // k_proj x d_v: dV'
+  Matrix<T> dkpt;     // d x k_proj: dK'^T (SPEC 10.2)
+  Matrix<T> dvpt;     // d_v x k_proj: dV'^T
+  Matrix<T> xt;       // d or d_v x rows: a block of dk^T or dv^T before its transpose
   GemmSpace<T> gemm;  // the packing buffers of every product
 };
 
