@@ -1,4 +1,4 @@
-// bench/bench_linformer.cpp — Linformer (SPEC §10), float, one head, one thread.
+// bench/bench_linformer.cpp — Linformer (SPEC §11), float, one head, one thread.
 //
 //   linformer_forward/k:K/N:N   forward_into without a record (inference), output reused
 //   linformer_step/k:K/N:N      forward_into with a reused Saved, then backward_into into a reused

@@ -1,4 +1,4 @@
-// Linformer (SPEC §10): the forward and backward against their slow, obvious twins in double (the
+// Linformer (SPEC §11): the forward and backward against their slow, obvious twins in double (the
 // formula with every matrix materialised, and a per-row loop that forms no matrix product),
 // central finite differences for q, k, v, E and F, packed batches against separate calls, the
 // records, the errors, and the steady state of the `_into` forms.
@@ -58,7 +58,7 @@ double rel_err(const A& a, const B& b) {
 // ---- the slow twins, in double
 // -------------------------------------------------------------------
 
-/// The formula of SPEC 10.1 and 10.2 with every intermediate materialised by plain Eigen.
+/// The formula of SPEC 11.1 and 11.2 with every intermediate materialised by plain Eigen.
 struct Twin {
   Matrix<double> out, dq, dk, dv, dE, dF;
 };
@@ -90,7 +90,7 @@ Twin twin(const Problem& p, const linformer::Options& opt, const Matrix<double>&
   return t;
 }
 
-/// The forward of SPEC 10.1 as loops, one query row at a time: each logit's projected key and
+/// The forward of SPEC 11.1 as loops, one query row at a time: each logit's projected key and
 /// each projected value summed over the sequence directly, no matrix product anywhere.
 Matrix<double> row_loop_forward(const Problem& p, const linformer::Options& opt) {
   const double scale = resolved_scale(opt, p.d());

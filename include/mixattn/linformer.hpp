@@ -1,5 +1,5 @@
 // mixattn/linformer.hpp — Linformer (Wang, Li, Khabsa, Fang & Ma 2020, "Linformer: Self-Attention
-// with Linear Complexity"), SPEC.md section 10, forward and backward.
+// with Linear Complexity"), SPEC.md section 11, forward and backward.
 //
 // Per head, learned projections E, F (k_proj x N) shorten the keys and values along the
 // sequence, and every query attends to the k_proj projected keys:
@@ -29,7 +29,7 @@
 MIXATTN_BEGIN_NAMESPACE
 namespace linformer {
 
-/// Linformer forward (SPEC 10.1). q, k: N x d; v: N x d_v; E, F: k_proj x N (row-major).
+/// Linformer forward (SPEC 11.1). q, k: N x d; v: N x d_v; E, F: k_proj x N (row-major).
 /// Returns N x d_v. saved: when given, receives what backward needs. T is not deduced from the
 /// matrices: linformer::forward<float>(q, k, v, E, F). Throws std::invalid_argument for bad
 /// shapes (a sequence whose length is not E.cols()) or options (causal); with check_finite,
@@ -54,7 +54,7 @@ void forward_into(Matrix<T>& out, const ConstMatrixArg<T>& q, const ConstMatrixA
                                     saved);
 }
 
-/// Linformer backward (SPEC 10.2): the gradients of sum(grad_out o forward(...)) with respect
+/// Linformer backward (SPEC 11.2): the gradients of sum(grad_out o forward(...)) with respect
 /// to q, k (N x d), v (N x d_v), E and F (k_proj x N). grad_out: N x d_v. saved: filled by
 /// forward with the same inputs and options.
 template <class T, detail::enable_if_supported<T> = 0>

@@ -1,4 +1,4 @@
-// mixattn/linformer_types.hpp — Linformer's records (SPEC.md §10): its options, what forward saves
+// mixattn/linformer_types.hpp — Linformer's records (SPEC.md §11): its options, what forward saves
 // for backward, and the gradients, each with the working memory it keeps
 // (detail::LinformerScratch, data only). The operations are in mixattn/linformer.hpp.
 #pragma once
@@ -17,7 +17,7 @@ namespace detail {
 template <class T>
 struct LinformerScratch {
   Matrix<T> ds;       // rows x k_proj: dP, then dS, of one block of rows
-  Matrix<T> dkpt;     // d x k_proj: dK'^T (SPEC 10.2)
+  Matrix<T> dkpt;     // d x k_proj: dK'^T (SPEC 11.2)
   Matrix<T> dvpt;     // d_v x k_proj: dV'^T
   Matrix<T> xt;       // d or d_v x rows: a block of dk^T or dv^T before its transpose
   GemmSpace<T> gemm;  // the packing buffers of every product
@@ -31,7 +31,7 @@ struct Options {
   /// Multiplies the logits q K'^T; 0 means 1/sqrt(d). Finite and >= 0.
   double scale = 0;
   /// Refused when true: Linformer is bidirectional only, since every projected key E k mixes
-  /// every position of the sequence, later ones included (SPEC 10.3).
+  /// every position of the sequence, later ones included (SPEC 11.3).
   bool causal = false;
   /// Reject NaN/Inf in q, k, v, E, F and grad_out, and overflowed results.
   bool check_finite = true;

@@ -1,9 +1,9 @@
-// libFuzzer target: Linformer (linformer.hpp, SPEC §10). Decodes d, d_v, k_proj <= 8, a sequence
+// libFuzzer target: Linformer (linformer.hpp, SPEC §11). Decodes d, d_v, k_proj <= 8, a sequence
 // of <= 48 tokens (NaN/Inf/huge/tiny/zero/duplicate rows), E and F, options (scale, causal,
 // check_finite), the form (value or _into) and a mismatch to inject. Every call is held to the
 // oracle in fuzz_common.hpp, and:
 //   - causal = true is refused with std::invalid_argument naming causal;
-//   - for moderate inputs (logits within 1e3 in double) the output equals the formula of SPEC 10.1
+//   - for moderate inputs (logits within 1e3 in double) the output equals the formula of SPEC 11.1
 //     computed with plain Eigen, and the value and _into forms give the same bits, forward and
 //     backward;
 //   - the backward's gradients have the inputs' shapes and are finite when the call must be;
@@ -59,7 +59,7 @@ Case<T> decode(fz::Bytes& in) {
   return c;
 }
 
-/// SPEC 10.1 with plain Eigen in double.
+/// SPEC 11.1 with plain Eigen in double.
 template <class T>
 Matrix<double> twin_forward(const Case<T>& c, double& logit_bound) {
   const Matrix<double> q = c.q.template cast<double>(), k = c.k.template cast<double>();

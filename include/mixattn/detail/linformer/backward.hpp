@@ -1,4 +1,4 @@
-// mixattn/detail/linformer/backward.hpp — Linformer's backward (SPEC.md §10.2): through the
+// mixattn/detail/linformer/backward.hpp — Linformer's backward (SPEC.md §11.2): through the
 // softmax attention over the projected keys a block of rows at a time, then through the
 // projections, and the body behind the entry points, linformer_backward_into.
 //
@@ -85,7 +85,7 @@ void linformer_backward_projections(const LinformerInputs<T>& in, linformer::Gra
   linformer_position_grad<T>(in.F, s.dvpt, grad.v, s);
 }
 
-/// backward's body (SPEC 10.2; `fn` names the entry point in messages): validation once (the
+/// backward's body (SPEC 11.2; `fn` names the entry point in messages): validation once (the
 /// record against the inputs), then the attention's backward and the projections'.
 template <class T>
 void linformer_backward_into(const char* fn, linformer::Grad<T>& grad, const ConstMatrixRef<T>& q,

@@ -1,4 +1,4 @@
-// mixattn/detail/linformer/checks.hpp — Linformer's argument checks (SPEC.md §10.3): shapes of q,
+// mixattn/detail/linformer/checks.hpp — Linformer's argument checks (SPEC.md §11.3): shapes of q,
 // k, v and the projections E, F, the options, finiteness, and the record a backward is given.
 //
 // Internal: included by mixattn/linformer.hpp.

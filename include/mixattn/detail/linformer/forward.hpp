@@ -1,4 +1,4 @@
-// mixattn/detail/linformer/forward.hpp — Linformer's forward (SPEC.md §10.1): the projections
+// mixattn/detail/linformer/forward.hpp — Linformer's forward (SPEC.md §11.1): the projections
 // K' = E k, V' = F v, then softmax attention of the N queries over the k_proj projected keys,
 // block of rows by block of rows, and the body behind the entry points, linformer_forward_into.
 //
@@ -60,7 +60,7 @@ void linformer_attend(const ConstMatrixRef<T>& q, T scale, linformer::Saved<T>& 
   }
 }
 
-/// forward's body (SPEC 10.1; `fn` names the entry point in messages): validation once, the
+/// forward's body (SPEC 11.1; `fn` names the entry point in messages): validation once, the
 /// projections, the attention, the record completed with the fingerprints of the inputs. Without
 /// a record the call works in this thread's.
 template <class T>
