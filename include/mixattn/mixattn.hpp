@@ -9,6 +9,7 @@
 #include "mixattn/gma.hpp"
 #include "mixattn/layer.hpp"
 #include "mixattn/linear.hpp"
+#include "mixattn/linformer.hpp"
 #include "mixattn/named_block.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/packed.hpp"

@@ -35,6 +35,7 @@
 #include "mixattn/detail/common/checks.hpp"
 #include "mixattn/detail/common/simd.hpp"
 #include "mixattn/gma.hpp"
+#include "mixattn/linformer.hpp"
 #include "mixattn/ovq.hpp"
 #include "mixattn/parallel.hpp"
 #include "mixattn/reference.hpp"
@@ -893,4 +894,76 @@ void backward_packed_into(PackedGrad<T>& grad, Index heads, const ConstMatrixArg
 }
 
 }  // namespace ssd
+
+namespace linformer {
+
+/// Records of forward_packed_into: one Saved per (sequence b, head h), item b H + h.
+template <class T>
+using PackedSaved = mixattn::detail::PackedRecords<T, Saved<T>>;
+
+/// Gradients of forward_packed_into: dq, dk, dv like q, k, v; dE, dF (k_proj x N) the items'
+/// gradients of the shared E and F summed in item order (b H + h); one Grad per item.
+template <class T>
+struct PackedGrad : mixattn::detail::PackedGrads<T, Grad<T>> {
+  Matrix<T> E, F;
+};
+
+/// Packed Linformer (one offsets vector). q, k: total x (H d), v: total x (H d_v), head h in
+/// column block h; E, F: k_proj x N, shared by every head and sequence (the paper's layer-wise
+/// sharing: one projection per layer), so every sequence must have length N = E.cols().
+/// out: resized to total x (H d_v). Every (sequence, head) item is one call of forward_into:
+/// the results equal the separate calls bit for bit.
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void forward_packed_into(Matrix<T>& out, Index heads, const ConstMatrixArg<T>& q,
+                         const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                         const ConstMatrixArg<T>& E, const ConstMatrixArg<T>& F,
+                         const Offsets& offsets, const Options& opt,
+                         PackedSaved<typename mixattn::detail::identity<T>::type>* saved,
+                         int threads = 1) {
+  constexpr const char* fn = "mixattn::linformer::forward_packed_into";
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(),
+                                    k.rows(), v.rows(), offsets, offsets, threads);
+  mixattn::detail::linformer_check_packed<T>(fn, offsets, E, F, opt);
+  PackedSaved<T> local;
+  const Index d = ph.r, dv = ph.d_v;
+  mixattn::detail::packed_forward(
+      out, ph, offsets, offsets, saved ? *saved : local, saved != nullptr, threads, false,
+      [&](const mixattn::detail::PairRows& p, Matrix<T>& o, Saved<T>* s) {
+        forward_into<T>(o, q.block(p.q0, p.h * d, p.nq, d), k.block(p.q0, p.h * d, p.nq, d),
+                        v.block(p.q0, p.h * dv, p.nq, dv), E, F, opt, s);
+      });
+}
+
+/// Backward of forward_packed_into; grad_out: total x (H d_v). grad.E and grad.F: the sums of
+/// the items' gradients of E and F, in item order.
+template <class T, mixattn::detail::enable_if_supported<T> = 0>
+void backward_packed_into(PackedGrad<T>& grad, Index heads, const ConstMatrixArg<T>& q,
+                          const ConstMatrixArg<T>& k, const ConstMatrixArg<T>& v,
+                          const ConstMatrixArg<T>& E, const ConstMatrixArg<T>& F,
+                          const ConstMatrixArg<T>& grad_out, const Offsets& offsets,
+                          const PackedSaved<T>& saved, const Options& opt, int threads = 1) {
+  constexpr const char* fn = "mixattn::linformer::backward_packed_into";
+  const mixattn::detail::PackedHeads ph =
+      mixattn::detail::check_packed(fn, heads, heads, q.cols(), k.cols(), v.cols(), q.rows(),
+                                    k.rows(), v.rows(), offsets, offsets, threads);
+  mixattn::detail::linformer_check_packed<T>(fn, offsets, E, F, opt);
+  mixattn::detail::check_packed_backward<T>(fn, ph, q.rows(), grad_out, offsets, offsets, saved);
+  const Index d = ph.r, dv = ph.d_v;
+  mixattn::detail::packed_backward(
+      grad, ph, offsets, offsets, saved, threads, false,
+      [&](const mixattn::detail::PairRows& p, Grad<T>& gr, const Saved<T>& s) {
+        backward_into<T>(gr, q.block(p.q0, p.h * d, p.nq, d), k.block(p.q0, p.h * d, p.nq, d),
+                         v.block(p.q0, p.h * dv, p.nq, dv), E, F,
+                         grad_out.block(p.q0, p.h * dv, p.nq, dv), s, opt);
+      });
+  grad.E.setZero(E.rows(), E.cols());
+  grad.F.setZero(F.rows(), F.cols());
+  for (const Grad<T>& gr : grad.items) {  // item order, as separate calls summed would be
+    grad.E += gr.E;
+    grad.F += gr.F;
+  }
+}
+
+}  // namespace linformer
 MIXATTN_END_NAMESPACE

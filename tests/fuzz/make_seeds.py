@@ -196,6 +196,26 @@ def ssd():
             b += mat(75)
         b += mat(76) + cuts
         write("fuzz_ssd", name, b)
+def linformer():
+    """fuzz_linformer: [double, d - 1, d_v - 1, n, k_proj - 1, scale, causal, check_finite, into,
+    mismatch], q, k, v, E, F, dout."""
+    nan_v = [1 << 3, 7, 0, 0, 2, 1, 0]  # v with one NaN
+    for name, t, d, dv, n, kp, scale, causal, cf, into, mismatch, v in [
+        ("double_moderate", 1, 4, 3, 40, 6, 0, 0, 1, 0, 0, None),
+        ("float_into", 0, 8, 8, 48, 8, 2, 0, 1, 1, 0, None),
+        ("double_one_row_kproj1", 1, 3, 2, 1, 1, 3, 0, 1, 0, 0, None),
+        ("double_empty", 1, 3, 2, 0, 4, 0, 0, 1, 1, 0, None),
+        ("causal_refused", 1, 3, 2, 10, 2, 0, 7, 1, 0, 0, None),
+        ("nan_in_v_checked", 0, 3, 2, 10, 3, 0, 0, 1, 0, 0, nan_v),
+        ("nan_in_v_unchecked", 1, 3, 2, 10, 3, 0, 0, 0, 0, 0, nan_v),
+        ("E_of_other_length", 1, 3, 2, 12, 3, 0, 0, 1, 0, 1, None),
+        ("F_of_other_kproj", 0, 3, 2, 12, 3, 0, 0, 1, 0, 2, None),
+        ("record_other_q", 1, 3, 2, 20, 4, 0, 0, 1, 0, 3, None),
+        ("record_other_E", 0, 3, 2, 20, 4, 0, 0, 1, 1, 4, None),
+    ]:
+        b = [t, d - 1, dv - 1, n, kp - 1, scale, causal, cf, into, mismatch]
+        b += mat(71) + mat(72) + (v if v else mat(73)) + mat(74) + mat(75) + mat(76)
+        write("fuzz_linformer", name, b)
 
 
 if __name__ == "__main__":
@@ -207,3 +227,4 @@ if __name__ == "__main__":
     layer_decode()
     delta()
     ssd()
+    linformer()
