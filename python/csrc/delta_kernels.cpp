@@ -93,10 +93,10 @@ SavedPtr delta_forward_packed(const PackedShape& s, const DeltaConfig& c, const 
   for (Index i = 0; i < items; ++i)
     start_from(states[static_cast<std::size_t>(i)], state.S0, i, dk, dv);
   auto& o = thread_scratch<mixattn::Matrix<T>>();
-  mixattn::delta::forward_packed_into<T>(
-      o, H, packed(in.q, n, H * dk), packed(in.k, n, H * dk), packed(in.v, n, H * dv),
-      packed(in.g, H, n), packed(in.beta, H, n), s.offsets, c, &states,
-      save ? &rec->saved : nullptr, at::get_num_threads());
+  mixattn::delta::forward_packed_into<T>(o, H, packed(in.q, n, H * dk), packed(in.k, n, H * dk),
+                                         packed(in.v, n, H * dv), packed(in.g, H, n),
+                                         packed(in.beta, H, n), s.offsets, c, &states,
+                                         save ? &rec->saved : nullptr, at::get_num_threads());
   packed(out, n, H * dv) = o;
   for (Index i = 0; i < items; ++i)
     slice(state.S, i, dk, dv) = states[static_cast<std::size_t>(i)].S;
@@ -121,8 +121,8 @@ void delta_backward_packed(const PackedShape& s, const DeltaConfig& c, const Del
   auto& g = thread_scratch<mixattn::delta::PackedGrad<T>>();
   mixattn::delta::backward_packed_into<T>(
       g, H, packed(in.q, n, H * dk), packed(in.k, n, H * dk), packed(in.v, n, H * dv),
-      packed(in.g, H, n), packed(in.beta, H, n), packed(grad_out, n, H * dv), s.offsets,
-      rec.saved, c, state.dS != nullptr ? &ends : nullptr, at::get_num_threads());
+      packed(in.g, H, n), packed(in.beta, H, n), packed(grad_out, n, H * dv), s.offsets, rec.saved,
+      c, state.dS != nullptr ? &ends : nullptr, at::get_num_threads());
   packed(out.q, n, H * dk) = g.q;
   packed(out.k, n, H * dk) = g.k;
   packed(out.v, n, H * dv) = g.v;

@@ -673,9 +673,8 @@ at::Tensor delta_gate(const std::string& fn, const at::Tensor& t, const char* na
 }
 
 DeltaArgs delta_args(const std::string& fn, const at::Tensor& q, const at::Tensor& k,
-                     const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
-                     double scale, bool normalize, int64_t chunk, bool check_finite,
-                     const Opt& cu_seqlens) {
+                     const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
+                     bool normalize, int64_t chunk, bool check_finite, const Opt& cu_seqlens) {
   DeltaArgs a;
   a.q = q;
   a.k = k;
@@ -718,9 +717,8 @@ at::Tensor delta_state(const std::string& fn, const at::Tensor& t, const char* n
   if (t.sizes() != at::IntArrayRef(sizes)) {
     std::ostringstream want;
     want << at::IntArrayRef(sizes);
-    fail(fn, std::string(name) + " has shape " + shape_of(t) + " but must be " + want.str() +
-                 " (" + (s.offsets.empty() ? "batch" : "sequences") +
-                 ", heads, key dim, value dim)");
+    fail(fn, std::string(name) + " has shape " + shape_of(t) + " but must be " + want.str() + " (" +
+                 (s.offsets.empty() ? "batch" : "sequences") + ", heads, key dim, value dim)");
   }
   if (t.is_neg()) return t.resolve_neg().contiguous();
   return t.contiguous();
@@ -748,11 +746,12 @@ Three delta_forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        bool save, const Opt& initial_state, const Opt& cu_seqlens) {
   return as_torch_errors([&]() -> Three {
     const std::string fn = "mixattn.gated_delta_rule";
-    const DeltaArgs a = delta_args(fn, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel,
-                                   chunk_size, check_finite, cu_seqlens);
+    const DeltaArgs a = delta_args(fn, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, chunk_size,
+                                   check_finite, cu_seqlens);
     const Shape& s = a.shape;
     const bool given = initial_state.has_value() && initial_state->defined();
-    const at::Tensor S0 = given ? delta_state(fn, *initial_state, "initial_state", s) : at::Tensor();
+    const at::Tensor S0 =
+        given ? delta_state(fn, *initial_state, "initial_state", s) : at::Tensor();
     at::Tensor S = new_state(s);
     const DeltaStateIO io{given ? S0.data_ptr<double>() : nullptr, S.data_ptr<double>()};
     if (!s.offsets.empty()) {
@@ -769,8 +768,8 @@ Three delta_forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
     SavedPtr rec = dispatch(a.q, [&](auto t) {
       using T = decltype(t);
-      return delta_forward<T>(s, a.config, delta_inputs<T>(a.q, a.k, a.v, a), out.data_ptr<T>(),
-                              io, save);
+      return delta_forward<T>(s, a.config, delta_inputs<T>(a.q, a.k, a.v, a), out.data_ptr<T>(), io,
+                              save);
     });
     return {out, S, record_handle("delta", a.q, std::move(rec))};
   });
@@ -790,8 +789,8 @@ Six delta_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const Opt& initial_state, const Opt& cu_seqlens) {
   return as_torch_errors([&]() -> Six {
     const std::string fn = "mixattn.gated_delta_rule (backward)";
-    const DeltaArgs a = delta_args(fn, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel,
-                                   chunk_size, check_finite, cu_seqlens);
+    const DeltaArgs a = delta_args(fn, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, chunk_size,
+                                   check_finite, cu_seqlens);
     const Shape& s = a.shape;
     const at::Tensor go = checked_grad_out(fn, grad_out, s, a.q);
     // An end state no loss reads has a zero gradient (autograd may pass None for it).
@@ -814,8 +813,8 @@ Six delta_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       auto dq = at::empty_like(pq), dk = at::empty_like(pk), dv = at::empty_like(pv);
       dispatch(a.q, [&](auto t) {
         using T = decltype(t);
-        delta_backward_packed<T>(p, a.config, delta_inputs<T>(pq, pk, pv, a), pg.data_ptr<T>(),
-                                 rec, delta_grads<T>(dq, dk, dv, dg, dbeta), io);
+        delta_backward_packed<T>(p, a.config, delta_inputs<T>(pq, pk, pv, a), pg.data_ptr<T>(), rec,
+                                 delta_grads<T>(dq, dk, dv, dg, dbeta), io);
       });
       return {from_packed(dq), from_packed(dk), from_packed(dv), dg, dbeta, dS0};
     }
