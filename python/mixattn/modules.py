@@ -352,7 +352,7 @@ class GatedDeltaAttention(_Projections):
 
         beta_t = sigmoid(x_t . w_b,h),    g_t = -exp(A_log_h) softplus(x_t . w_a,h + dt_bias_h)
 
-    so g_t < 0 and beta_t in (0, 1) for any parameters. Initialisation (Gated DeltaNet's and
+    so g_t <= 0 and beta_t in [0, 1] for any parameters (the bounds reached only by rounding). Initialisation (Gated DeltaNet's and
     Mamba2's): A_log = log A with A ~ U(1, 16); dt_bias = softplus^-1(dt) with dt log-uniform in
     [1e-3, 0.1]; a_proj and b_proj as the other projections. q and k are L2-normalised inside
     (``use_qk_l2norm=True``: the rule is then contractive whatever the projections do).

@@ -12,8 +12,8 @@
 // rather than giving every mixer the layer's input, which would widen the one interface for a
 // single mixer. Cost: a gate reads r of the input's d_model directions. With Config::rope the
 // mixer sees the rotated keys, so the gates then depend on the position too (Gated DeltaNet
-// itself uses no rotary embedding). g_t < 0 and β_t in (0, 1) for any parameters (β_t rounds to
-// 0 or 1 at most), as delta::forward requires.
+// itself uses no rotary embedding). g_t <= 0 and β_t in [0, 1] for any parameters (the bounds
+// reached only by rounding), as delta::forward requires.
 #pragma once
 
 #include "mixattn/core.hpp"
