@@ -137,7 +137,7 @@ const MixerEntry<T>* find_mixer(layer::MixerKind kind) {
   return nullptr;
 }
 
-/// The names of the mixers that decode, for messages: "gma, ovq and softmax".
+/// The names of the mixers that decode, for messages: "gma, ovq, softmax and delta".
 inline std::string decoding_mixers() {
   std::vector<const char*> names;
   for (const MixerName& e : mixer_names)
