@@ -64,7 +64,7 @@ setup(
             name="mixattn._C",
             sources=[os.path.join("csrc", f) for f in
                      ("ops.cpp", "bindings.cpp", "caches.cpp", "gma_kernels.cpp", "ovq_kernels.cpp",
-                      "flash_kernels.cpp", "baseline_kernels.cpp")],
+                      "flash_kernels.cpp", "baseline_kernels.cpp", "delta_kernels.cpp")],
             include_dirs=[library_include, "/usr/include/eigen3"],
             extra_compile_args={"cxx": cxx_flags},
             extra_link_args=link_flags,

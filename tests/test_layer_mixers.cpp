@@ -1,5 +1,7 @@
 // MultiHeadAttention (layer.hpp) with the papers' baselines as mixers: linear attention (SPEC 4),
-// Performer (SPEC 5) and static-codebook VQ attention (SPEC 6). The layer against a composition
+// Performer (SPEC 5), static-codebook VQ attention (SPEC 6) and the gated delta rule (SPEC 9,
+// its gates computed from each head's keys: layer/mixers/delta.hpp, also against a
+// token-by-token recurrence written here, and decoding). The layer against a composition
 // assembled by hand from Eigen products and the operators' own public forwards, gradients
 // against central differences for X and every parameter block (VQ's straight-through key
 // gradient against a twin with the codes held), packed batches against separate calls, the
@@ -7,6 +9,7 @@
 // (SPEC 8.4) on sliding-window softmax (SPEC 7) and other mixers: the layer against a hand
 // composition with rope::apply per head, central differences, packed batches (positions per
 // sequence), decoding (positions continue at tokens_seen) and the configuration's checks.
+#include <mixattn/delta.hpp>
 #include <mixattn/layer.hpp>
 #include <mixattn/rope.hpp>
 #include <mixattn/window.hpp>
@@ -27,6 +30,7 @@ namespace {
 
 using mixattn::Index;
 using mixattn::Matrix;
+namespace delta = mixattn::delta;
 namespace layer = mixattn::layer;
 namespace linear = mixattn::linear;
 namespace performer = mixattn::performer;
@@ -54,6 +58,7 @@ const Case kCases[] = {
     {"performer_causal", layer::MixerKind::performer, true},
     {"vq_bidirectional", layer::MixerKind::vq, false},
     {"vq_causal", layer::MixerKind::vq, true},
+    {"delta", layer::MixerKind::delta, true},  // causal only
 };
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   return info.param.name;
@@ -74,6 +79,7 @@ layer::Config small_config(const Case& c, std::uint64_t seed) {
   cfg.features = 5;
   cfg.codes = 4;
   cfg.linear.chunk = cfg.performer.chunk = cfg.vq.chunk = 3;
+  cfg.delta.chunk = 3;
   cfg.linear.causal = cfg.performer.causal = cfg.vq.causal = !c.causal;
   cfg.seed = seed;
   return cfg;
@@ -121,9 +127,28 @@ double smallest_code_gap(const layer::MultiHeadAttention<T>& mha, const Matrix<T
   return gap;
 }
 
+/// The gated delta rule layer's gates of head h from its keys kh (n x r), written out from the
+/// formulas of layer/mixers/delta.hpp in double: beta_t = 1 / (1 + e^(-(k_t . w_beta +
+/// b_beta))), g_t = -e^(A_log) log(1 + e^(k_t . w_a + b_a)).
+template <class T>
+void delta_gates_of(const layer::DeltaGates<T>& p, const Matrix<T>& kh, mixattn::Vector<T>& g,
+                    mixattn::Vector<T>& beta) {
+  g.resize(kh.rows());
+  beta.resize(kh.rows());
+  for (Index t = 0; t < kh.rows(); ++t) {
+    double zb = double(p.b_beta), za = double(p.b_a);
+    for (Index j = 0; j < kh.cols(); ++j) {
+      zb += double(kh(t, j)) * double(p.w_beta(j));
+      za += double(kh(t, j)) * double(p.w_a(j));
+    }
+    beta(t) = static_cast<T>(1 / (1 + std::exp(-zb)));
+    g(t) = static_cast<T>(-std::exp(double(p.A_log)) * std::log1p(std::exp(za)));
+  }
+}
+
 /// The layer assembled by hand: projections by Eigen, each head through the operator's public
-/// value-returning forward on its column block (options with the case's causal flag), the
-/// output projection by Eigen.
+/// value-returning forward on its column block (options with the case's causal flag; the gated
+/// delta rule's gates by delta_gates_of), the output projection by Eigen.
 template <class T>
 Matrix<T> composition(const layer::MultiHeadAttention<T>& mha, const Case& c, const Matrix<T>& x) {
   const layer::Config& cfg = mha.config();
@@ -142,10 +167,14 @@ Matrix<T> composition(const layer::MultiHeadAttention<T>& mha, const Case& c, co
       performer::Options o = cfg.performer;
       o.causal = c.causal;
       oh = performer::forward<T>(qh, kh, vh, mha.features(h), o);
-    } else {
+    } else if (c.mixer == layer::MixerKind::vq) {
       vq::Options o = cfg.vq;
       o.causal = c.causal;
       oh = vq::forward<T>(qh, kh, vh, mha.codebook(h), o);
+    } else {
+      mixattn::Vector<T> g, beta;
+      delta_gates_of(mha.delta_gates(h), kh, g, beta);
+      oh = delta::forward<T>(qh, kh, vh, g, beta, cfg.delta);
     }
     mixed.middleCols(h * dv, dv) = oh;
   }
@@ -154,7 +183,8 @@ Matrix<T> composition(const layer::MultiHeadAttention<T>& mha, const Case& c, co
 
 /// Tolerances of the layer against the hand composition. The two differ only in how the
 /// projections are rounded (the layer's GEMM tasks against Eigen's small-product kernel: a few
-/// ulps per entry of q, k, v); the heads then run the same operator code. The features are
+/// ulps per entry of q, k, v) and, for the gated delta rule, the gates (double here, T in the
+/// mixer: a few ulps of T); the heads then run the same operator code. The features are
 /// exponentials of O(1) arguments and the outputs ratios of positive sums, which carry those
 /// relative errors through with O(1) amplification, and W_O sums d_v H = 4 terms.
 template <class T>
@@ -271,7 +301,9 @@ TEST_P(MixerCase, GradientsMatchCentralDifferences) {
 
   std::vector<layer::NamedBlock<double>> params = mha.parameters();
   ASSERT_EQ(params.size(), g.params.size());
-  ASSERT_EQ(params.size(), is_vq ? 6u : 4u);
+  // VQ: a codebook per head; the gated delta rule: five gate blocks per head.
+  const std::size_t per_head = is_vq ? 1 : c.mixer == layer::MixerKind::delta ? 5 : 0;
+  ASSERT_EQ(params.size(), 4 + 2 * per_head);
   if (!is_vq) {
     EXPECT_TRUE(all_close(g.x, numeric_gradient(x, loss), 1e-5, 1e-7))
         << c.name << " x, seed " << seed;
@@ -346,11 +378,12 @@ TEST_P(MixerCase, ThreadsGiveIdenticalResults) {
     EXPECT_EQ(&g1.param(params[i].name), &g1.params[i]) << params[i].name;
 }
 
-// Causal linear and VQ layers: output row i depends on X rows <= i only, bit for bit. (Causal
+// Causal linear, VQ and gated delta rule layers: output row i depends on X rows <= i only, bit
+// for bit (the delta rule's chunks multiply the later rows of a chunk by exact zeros). (Causal
 // Performer is left out on purpose: its key stabiliser is one maximum over the whole call, so
 // later keys reach earlier rows through the guard eps and the features' rounding, SPEC 5.2.)
 TEST(LayerMixers, CausalOutputsIgnoreTheFuture) {
-  for (const Case& c : {kCases[1], kCases[5]}) {
+  for (const Case& c : {kCases[1], kCases[5], kCases[6]}) {
     const layer::MultiHeadAttention<double> mha(small_config(c, 21));
     Matrix<double> x = random_matrix<double>(8, 5, 22);
     const Matrix<double> before = mha.forward(x);
@@ -502,6 +535,133 @@ TEST(LayerMixers, InvalidCombinationsAreRejected) {
   EXPECT_PRED2(has, error_of([&] { v.backward(x, x, cache); }), "a parameter of the layer");
 }
 
+// ---- The gated delta rule (MixerKind::delta) ----
+
+/// The gated delta rule layer in double from SPEC 9.1, token by token rather than through the
+/// library's chunked form: per head the gates of delta_gates_of (from the raw keys), q and k
+/// normalised (x / sqrt(|x|^2 + norm_eps)), S_t = e^(g_t) (I - beta_t k_t k_t^T) S_(t-1) +
+/// beta_t k_t v_t^T from S_0 = 0, o_t = S_t^T q_t / sqrt(r); then W_O.
+Matrix<double> delta_recurrence(const layer::MultiHeadAttention<double>& mha,
+                                const Matrix<double>& x) {
+  const layer::Config& cfg = mha.config();
+  const Index r = cfg.key_dim, dv = cfg.value_dim;
+  const Matrix<double> q = x * mha.w_q(), k = x * mha.w_k(), v = x * mha.w_v();
+  const auto normalised = [&](const Matrix<double>& m) {
+    Matrix<double> out = m;
+    for (Index t = 0; t < m.rows(); ++t)
+      out.row(t) /= std::sqrt(m.row(t).squaredNorm() + cfg.delta.norm_eps);
+    return out;
+  };
+  Matrix<double> mixed(x.rows(), cfg.heads * dv);
+  for (Index h = 0; h < cfg.heads; ++h) {
+    const Matrix<double> kh = k.middleCols(h * r, r);
+    mixattn::Vector<double> g, beta;
+    delta_gates_of(mha.delta_gates(h), kh, g, beta);
+    const Matrix<double> qn = normalised(q.middleCols(h * r, r)), kn = normalised(kh);
+    Matrix<double> S = Matrix<double>::Zero(r, dv);
+    for (Index t = 0; t < x.rows(); ++t) {
+      S *= std::exp(g(t));
+      const Matrix<double> err = v.block(t, h * dv, 1, dv) - kn.row(t) * S;
+      S += beta(t) * kn.row(t).transpose() * err;
+      mixed.block(t, h * dv, 1, dv) = qn.row(t) * S / std::sqrt(double(r));
+    }
+  }
+  return mixed * mha.w_o();
+}
+
+// The chunked form (chunks of 3 over 11 tokens) against the recurrence: the same float64
+// quantities in another order, ~1e-15 relative on these contracting updates (normalised keys,
+// beta in (0, 1)); 1e-12 catches any wrong term (a gate's or a key's is O(1e-2) or more).
+TEST(LayerDelta, ForwardIsTheRecurrence) {
+  layer::MultiHeadAttention<double> mha(small_config(kCases[6], 5));
+  const Matrix<double> x = random_matrix<double>(11, 5, 6);
+  const Matrix<double> y = mha.forward(x);
+  EXPECT_TRUE(all_close(y, delta_recurrence(mha, x), 1e-12, 1e-12));
+  // Every gate parameter reaches the output.
+  for (const auto edit : {+[](layer::DeltaGates<double>& p) { p.w_beta(1) += 0.5; },
+                          +[](layer::DeltaGates<double>& p) { p.b_beta += 0.5; },
+                          +[](layer::DeltaGates<double>& p) { p.w_a(2) += 0.5; },
+                          +[](layer::DeltaGates<double>& p) { p.b_a += 0.5; },
+                          +[](layer::DeltaGates<double>& p) { p.A_log += 0.5; }}) {
+    layer::MultiHeadAttention<double> changed = mha;
+    edit(changed.delta_gates(1));
+    const Matrix<double> yc = changed.forward(x);
+    EXPECT_FALSE(all_close(yc, y, 1e-6, 1e-6));
+    EXPECT_TRUE(all_close(yc, delta_recurrence(changed, x), 1e-12, 1e-12));
+  }
+}
+
+TEST(LayerDelta, DecodingMatchesOneForward) {
+  const layer::MultiHeadAttention<double> mha(small_config(kCases[6], 33));
+  expect_decoding_matches_forward(mha, random_matrix<double>(20, 5, 34), "delta");
+}
+
+// parameters(): the four projections, then per head its five gate blocks, aliasing
+// delta_gates(h); the initial values as layer::DeltaGates documents, from seed + 1 + h.
+TEST(LayerDelta, ParametersAndInitialGates) {
+  const layer::Config cfg = small_config(kCases[6], 4);
+  layer::MultiHeadAttention<double> mha(cfg);
+  const std::vector<layer::NamedBlock<double>> p = mha.parameters();
+  const std::vector<std::string> names{"w_q",          "w_k",          "w_v",          "w_o",
+                                       "head0.w_beta", "head0.b_beta", "head0.w_a",    "head0.b_a",
+                                       "head0.A_log",  "head1.w_beta", "head1.b_beta", "head1.w_a",
+                                       "head1.b_a",    "head1.A_log"};
+  ASSERT_EQ(p.size(), names.size());
+  for (std::size_t i = 0; i < p.size(); ++i) EXPECT_EQ(p[i].name, names[i]);
+  EXPECT_EQ(p[4].rows, 3);
+  EXPECT_EQ(p[4].cols, 1);
+  EXPECT_EQ(p[8].rows * p[8].cols, 1);
+  EXPECT_EQ(mha.parameter_count(), 30 + 30 + 20 + 20 + 2 * (3 + 1 + 3 + 1 + 1));
+  p[13].map()(0, 0) = 0.25;
+  p[11].map()(2, 0) = -1.5;
+  EXPECT_EQ(mha.delta_gates(1).A_log, 0.25);
+  EXPECT_EQ(mha.delta_gates(1).w_a(2), -1.5);
+  const layer::MultiHeadAttention<double> again(cfg), other(small_config(kCases[6], 5));
+  for (Index h = 0; h < cfg.heads; ++h) {
+    const layer::DeltaGates<double>& g = again.delta_gates(h);
+    EXPECT_EQ(g.b_beta, 0.0);
+    EXPECT_GE(g.A_log, 0.0);  // A in [1, 16]
+    EXPECT_LE(g.A_log, std::log(16.0));
+    const double dt = std::log1p(std::exp(g.b_a));  // softplus(b_a) = dt in [1e-3, 0.1]
+    EXPECT_GE(dt, 1e-3 * (1 - 1e-12));
+    EXPECT_LE(dt, 0.1 * (1 + 1e-12));
+    EXPECT_FALSE(g.w_beta == g.w_a);
+    EXPECT_FALSE(g.w_beta == other.delta_gates(h).w_beta);
+  }
+  EXPECT_FALSE(again.delta_gates(0).w_beta == again.delta_gates(1).w_beta);
+  EXPECT_TRUE(layer::MultiHeadAttention<double>(cfg).delta_gates(1).w_a ==
+              again.delta_gates(1).w_a);
+}
+
+TEST(LayerDelta, InvalidConfigurationsAreRejected) {
+  const auto bad_config = [](auto edit) {
+    layer::Config cfg = small_config(kCases[6], 1);
+    edit(cfg);
+    return error_of([&] { layer::MultiHeadAttention<double> l(cfg); });
+  };
+  const auto has = [](const std::string& msg, const char* fragment) {
+    return msg.find(fragment) != std::string::npos && msg.find("mixattn::layer") == 0;
+  };
+  EXPECT_PRED2(has, bad_config([](layer::Config& c) { c.causal = false; }),
+               "the gated delta rule is causal: set config.causal = true");
+  EXPECT_PRED2(has, bad_config([](layer::Config& c) { c.delta.chunk = 0; }),
+               "config.delta.chunk must be >= 1, got 0");
+  EXPECT_PRED2(has, bad_config([](layer::Config& c) { c.delta.scale = -1; }),
+               "config.delta.scale must be >= 0");
+  EXPECT_PRED2(has, bad_config([](layer::Config& c) { c.delta.norm_eps = 0; }),
+               "config.delta.norm_eps must be > 0 and finite");
+  layer::MultiHeadAttention<double> d(small_config(kCases[6], 2)), v(small_config(kCases[5], 2));
+  EXPECT_PRED2(has, error_of([&] { v.delta_gates(0); }), "exists for heads 0..H-1 of a delta");
+  EXPECT_PRED2(has, error_of([&] { d.delta_gates(2); }), "asked for head 2 of a delta layer of 2");
+  EXPECT_PRED2(has, error_of([&] { d.codebook(0); }), "of a vq layer; asked for head 0");
+  // A cache made before a gate changed is refused by the layer's fingerprint of its parameters.
+  const Matrix<double> x = random_matrix<double>(6, 5, 4);
+  layer::Cache<double> cache;
+  d.forward(x, &cache);
+  d.delta_gates(1).b_a += 1;
+  EXPECT_PRED2(has, error_of([&] { d.backward(x, x, cache); }), "a parameter of the layer");
+}
+
 // ---- RoPE in the layer (Config::rope, SPEC 8.4) ----
 
 const Case kRopeCases[] = {
@@ -646,13 +806,15 @@ TEST_P(RopeCase, PackedBatchEqualsSeparateCalls) {
 // decode that restarted at 0 per piece would rotate queries and keys by other angles, and the
 // scores depend on the difference of positions). Softmax with a window of 3 (the KV cache keeps
 // every rotated key, each new token reads the last 3), GMA and OVQ (blocks of 3, at most 2
-// centroids: seeding and merging). Double; as DecodingMatchesOneForward in test_layer.cpp, the
-// pieces reorder sums of <= 20 O(1) terms and the projections are Eigen's products rather than
-// the layer's GEMM tasks (a few ulps): 1e-12 leaves a margin of ~100.
+// centroids: seeding and merging) and the gated delta rule (its gates read the rotated keys).
+// Double; as DecodingMatchesOneForward in test_layer.cpp, the pieces reorder sums of <= 20 O(1)
+// terms and the projections are Eigen's products rather than the layer's GEMM tasks (a few
+// ulps): 1e-12 leaves a margin of ~100.
 TEST(LayerRope, DecodingMatchesOneForward) {
   const Case cases[] = {{"softmax_window_rope", layer::MixerKind::softmax, true},
                         {"gma_causal_rope", layer::MixerKind::gma, true},
-                        {"ovq_rope", layer::MixerKind::ovq, true}};
+                        {"ovq_rope", layer::MixerKind::ovq, true},
+                        {"delta_rope", layer::MixerKind::delta, true}};
   for (const Case& c : cases) {
     layer::Config cfg = rope_config(c, 31);
     cfg.gma.chunk = 4;

@@ -369,7 +369,7 @@ TEST(SteadyState, LayerStepAllocatesNothing) {
         Case{layer::MixerKind::linear, false}, Case{layer::MixerKind::linear, true},
         Case{layer::MixerKind::performer, false}, Case{layer::MixerKind::performer, true},
         Case{layer::MixerKind::vq, false}, Case{layer::MixerKind::vq, true},
-        Case{layer::MixerKind::softmax, true, true}}) {
+        Case{layer::MixerKind::delta, true}, Case{layer::MixerKind::softmax, true, true}}) {
     layer::Config cfg;
     cfg.model_dim = 128;
     cfg.heads = 4;
@@ -665,7 +665,7 @@ TEST(SteadyState, LayerDefaultsAtTrainingLengthsAllocateNothing) {
                          Case{MixerKind::linear, false}, Case{MixerKind::linear, true},
                          Case{MixerKind::performer, false}, Case{MixerKind::performer, true},
                          Case{MixerKind::vq, false}, Case{MixerKind::vq, true},
-                         Case{MixerKind::softmax, true, true}}) {
+                         Case{MixerKind::delta, true}, Case{MixerKind::softmax, true, true}}) {
       if (c.mixer == MixerKind::softmax && !c.window_rope && n > 2048) continue;
       layer::Config cfg;
       cfg.model_dim = 128;

@@ -12,14 +12,16 @@
 //   - softmax attention (SPEC §3, the tiled form), bidirectional or causal;
 //   - the papers' baselines, bidirectional or causal: linear attention (SPEC §4), Performer /
 //     FAVOR+ (SPEC §5) with its own constant random features per head, and static-codebook VQ
-//     attention (SPEC §6) with its own learned codebook per head.
+//     attention (SPEC §6) with its own learned codebook per head;
+//   - the gated delta rule (SPEC §9, Gated DeltaNet), always causal, with its own gate
+//     parameters per head (its gates computed from the head's keys, layer/mixers/delta.hpp).
 // Causal softmax heads take a sliding window (Config::softmax.window, SPEC §7). With
 // Config::rope, every head's Q_h and K_h are rotated by RoPE (SPEC §8.4) before its mixer, row n
 // of each sequence at position n: the local sliding-window layers of OVQ's hybrid models.
 //
 // Causal layers also decode: begin_decoding() makes one sequence's DecodeState (a gma::State,
-// ovq::State or softmax KvCache per head) and decode(x, state) takes the next token(s), giving
-// the rows forward() would give over the whole sequence.
+// ovq::State, softmax KvCache or delta::State per head) and decode(x, state) takes the next
+// token(s), giving the rows forward() would give over the whole sequence.
 //
 // Parameters are exposed as a flat list of named blocks (parameters()), and backward returns
 // one gradient per block in the same order, so any optimiser (adam.hpp) can step them and
@@ -71,8 +73,8 @@ namespace layer {
 /// tokens_seen, tokens_seen + 1, …
 /// The heads' mixer is one detail::Mixer (mixattn/layer/mixers/), made from its entry in the
 /// mixer table: the layer runs it through that interface and names none. What one mixer adds
-/// (mixture(h), beta(h), features(h), codebook(h), the responsibilities) comes from that mixer's
-/// accessors, from which the layer derives (layer/table.hpp).
+/// (mixture(h), beta(h), features(h), codebook(h), delta_gates(h), the responsibilities) comes
+/// from that mixer's accessors, from which the layer derives (layer/table.hpp).
 template <class T>
 class MultiHeadAttention : public ::mixattn::detail::MixerAccessors<MultiHeadAttention<T>, T> {
   static_assert(::mixattn::detail::refuse_arguments<T>(), "see the message above");
@@ -173,10 +175,10 @@ class MultiHeadAttention : public ::mixattn::detail::MixerAccessors<MultiHeadAtt
   /// token when generating); returns n x d_model, the rows forward() would give for them over
   /// the whole sequence (up to rounding), and advances `state`. Per token and head the cost is
   /// O(K (r + d_v)) for GMA, O((N_max + C)(r + d_v)) for OVQ, O(t (r + d_v)) for softmax at
-  /// position t. With config.rope the new rows are at positions state.tokens_seen onwards.
-  /// A throw for x (shape, non-finite values, or projections that overflow T) leaves
-  /// `state` unchanged; after any other (a mismatched state, a non-finite parameter, an output
-  /// that overflowed T), begin_decoding() again.
+  /// position t, O(r d_v) for the gated delta rule. With config.rope the new rows are at positions
+  /// state.tokens_seen onwards. A throw for x (shape, non-finite values, or projections that
+  /// overflow T) leaves `state` unchanged; after any other (a mismatched state, a non-finite
+  /// parameter, an output that overflowed T), begin_decoding() again.
   Matrix<T> decode(const ConstMatrixArg<T>& x, DecodeState<T>& state) const {
     constexpr const char* fn = "mixattn::layer::MultiHeadAttention::decode";
     ::mixattn::detail::check_layer_input<T>(p_.cfg, fn, x);

@@ -9,6 +9,7 @@
 // inside is single-threaded (EIGEN_DONT_PARALLELIZE).
 #pragma once
 
+#include <mixattn/delta_types.hpp>
 #include <mixattn/gma.hpp>
 #include <mixattn/linear.hpp>
 #include <mixattn/ovq.hpp>
@@ -285,6 +286,60 @@ using RopeConfig = mixattn::rope::Options;  // base, check_finite
 template <class T>
 void rope_rotate(const Shape& s, const RopeConfig& c, Index start, const T* x, T* out,
                  bool backward);
+
+// --- The gated delta rule (SPEC 9) -------------------------------------------------------------
+using DeltaConfig = mixattn::delta::Options;  // chunk, scale (0: 1/sqrt(d_k)), normalize, ...
+
+/// q, k (B, H, N, d_k), v (B, H, N, d_v), g and beta (B, H, N); for a packed call (the _packed
+/// kernels) q, k (T, H, d_k) and v (T, H, d_v), the library's packed layout, and g, beta (H, T).
+template <class T>
+struct DeltaInputs {
+  const T *q, *k, *v, *g, *beta;
+};
+
+/// The gradients, shaped as the inputs of DeltaInputs (written).
+template <class T>
+struct DeltaGrads {
+  T *q, *k, *v, *g, *beta;
+};
+
+/// Every pair's start state S0 (null: zeros) and end state S (written), (streams, H, d_k, d_v)
+/// contiguous float64 (the library's wide type for float and double alike, so a state passes
+/// between calls unrounded); a stream is a batch entry or a packed sequence.
+struct DeltaStateIO {
+  const double* S0 = nullptr;
+  double* S = nullptr;
+};
+
+/// dL/d(end state) in (null: the end state is not used) and dL/d(start state) out (written),
+/// shaped as DeltaStateIO's.
+struct DeltaStateGradIO {
+  const double* dS = nullptr;
+  double* dS0 = nullptr;
+};
+
+/// Writes out (B, H, N, d_v) and every pair's end state, delta::forward_into per pair continuing
+/// its start state. save = false keeps no record and returns null.
+template <class T>
+SavedPtr delta_forward(const Shape& s, const DeltaConfig& c, const DeltaInputs<T>& in, T* out,
+                       const DeltaStateIO& state, bool save);
+
+/// Gradients of sum(grad_out . out) + <dS, end states>: of q, k, v, g, beta and the start states.
+template <class T>
+void delta_backward(const Shape& s, const DeltaConfig& c, const DeltaInputs<T>& in,
+                    const T* grad_out, const SavedPtr& saved, const DeltaGrads<T>& out,
+                    const DeltaStateGradIO& state);
+
+/// The packed call (delta::forward_packed_into, on torch.get_num_threads() threads): out
+/// (T, H, d_v), one state per (sequence, head), item b H + h.
+template <class T>
+SavedPtr delta_forward_packed(const PackedShape& s, const DeltaConfig& c, const DeltaInputs<T>& in,
+                              T* out, const DeltaStateIO& state, bool save);
+
+template <class T>
+void delta_backward_packed(const PackedShape& s, const DeltaConfig& c, const DeltaInputs<T>& in,
+                           const T* grad_out, const SavedPtr& saved, const DeltaGrads<T>& out,
+                           const DeltaStateGradIO& state);
 
 // --- Timing (the decode benchmark, bench/torch_decode_bench.py) --------------------------------
 

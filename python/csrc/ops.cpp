@@ -648,6 +648,186 @@ Three window_backward_op(const at::Tensor& q_in, const at::Tensor& k_in, const a
   });
 }
 
+// --- The gated delta rule (SPEC 9) ---------------------------------------------------------------
+//
+// Causal, with a state per (batch entry or packed sequence, head): every call continues
+// initial_state (zeros when none is given) and returns its end state, S (streams, H, d_k, d_v)
+// float64. Without cu_seqlens each (b, h) pair is one delta::forward_into reading its blocks in
+// place; with them, the library's packed entry point (delta::forward_packed_into) runs the
+// (sequence, head) items.
+
+struct DeltaArgs {
+  Shape shape;  // with cu_seqlens: the sequences, one state each (Shape::offsets)
+  DeltaConfig config;
+  at::Tensor q, k, v, g, beta;
+};
+
+/// A gate (g or beta): (B, H, N), the first three sizes of q.
+at::Tensor delta_gate(const std::string& fn, const at::Tensor& t, const char* name,
+                      const at::Tensor& q) {
+  at::Tensor c = checked(t, fn, name, 3, q);
+  expect_size(fn, c, name, 0, q.size(0), "batch of q");
+  expect_size(fn, c, name, 1, q.size(1), "heads of q");
+  expect_size(fn, c, name, 2, q.size(2), "tokens of q");
+  return c;
+}
+
+DeltaArgs delta_args(const std::string& fn, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, double scale,
+                     bool normalize, int64_t chunk, bool check_finite, const Opt& cu_seqlens) {
+  DeltaArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  const Shape s = attention_shape(fn, a.q, a.k, a.v);
+  if (s.keys != s.queries)
+    fail(fn, "the gated delta rule is causal: k has shape " + shape_of(a.k) + " but q has " +
+                 shape_of(a.q) + " (as many tokens needed)");
+  a.g = delta_gate(fn, g, "g", a.q);
+  a.beta = delta_gate(fn, beta, "beta", a.q);
+  if (chunk < 1) fail(fn, "chunk_size is " + std::to_string(chunk) + "; it must be >= 1");
+  if (!std::isfinite(scale) || scale < 0)
+    fail(fn, "scale is " + number(scale) + "; it must be finite and > 0 (0: 1/sqrt(d_k))");
+  a.config.chunk = chunk;
+  a.config.scale = scale;
+  a.config.normalize = normalize;
+  a.config.check_finite = check_finite;
+  a.shape = sequences_shape(fn, s, offsets_of(fn, cu_seqlens, a.q));
+  return a;
+}
+
+template <class T>
+DeltaInputs<T> delta_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const DeltaArgs& a) {
+  return {q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), a.g.data_ptr<T>(),
+          a.beta.data_ptr<T>()};
+}
+
+/// A state tensor (initial_state, or the gradient of final_state): dense CPU float64 of sizes
+/// (streams, heads, d_k, d_v), made contiguous.
+at::Tensor delta_state(const std::string& fn, const at::Tensor& t, const char* name,
+                       const Shape& s) {
+  const std::vector<int64_t> sizes{s.batch, s.heads, s.key_dim, s.value_dim};
+  if (t.device().type() != at::kCPU || t.layout() != at::kStrided)
+    fail(fn, std::string(name) + " must be a dense CPU tensor, got a " + place_of(t) + " tensor");
+  if (t.scalar_type() != at::kDouble)
+    fail(fn, std::string(name) +
+                 " must be float64 (the state's type for float32 and float64 inputs), got " +
+                 dtype_name(t));
+  if (t.sizes() != at::IntArrayRef(sizes)) {
+    std::ostringstream want;
+    want << at::IntArrayRef(sizes);
+    fail(fn, std::string(name) + " has shape " + shape_of(t) + " but must be " + want.str() + " (" +
+                 (s.offsets.empty() ? "batch" : "sequences") + ", heads, key dim, value dim)");
+  }
+  if (t.is_neg()) return t.resolve_neg().contiguous();
+  return t.contiguous();
+}
+
+/// The packed call of a sequences shape (Shape::offsets).
+PackedShape packed_of(const Shape& s) {
+  PackedShape p;
+  p.heads = s.heads;
+  p.rows = s.queries;
+  p.key_dim = s.key_dim;
+  p.value_dim = s.value_dim;
+  p.offsets = s.offsets;
+  return p;
+}
+
+at::Tensor new_state(const Shape& s) {
+  return at::empty({s.batch, s.heads, s.key_dim, s.value_dim},
+                   at::TensorOptions().dtype(at::kDouble));
+}
+
+Three delta_forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& g, const at::Tensor& beta, double scale,
+                       bool use_qk_l2norm_in_kernel, int64_t chunk_size, bool check_finite,
+                       bool save, const Opt& initial_state, const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Three {
+    const std::string fn = "mixattn.gated_delta_rule";
+    const DeltaArgs a = delta_args(fn, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, chunk_size,
+                                   check_finite, cu_seqlens);
+    const Shape& s = a.shape;
+    const bool given = initial_state.has_value() && initial_state->defined();
+    const at::Tensor S0 =
+        given ? delta_state(fn, *initial_state, "initial_state", s) : at::Tensor();
+    at::Tensor S = new_state(s);
+    const DeltaStateIO io{given ? S0.data_ptr<double>() : nullptr, S.data_ptr<double>()};
+    if (!s.offsets.empty()) {
+      const PackedShape p = packed_of(s);
+      const at::Tensor pq = to_packed(a.q), pk = to_packed(a.k), pv = to_packed(a.v);
+      at::Tensor out = at::empty({p.rows, p.heads, p.value_dim}, a.q.options());
+      SavedPtr rec = dispatch(a.q, [&](auto t) {
+        using T = decltype(t);
+        return delta_forward_packed<T>(p, a.config, delta_inputs<T>(pq, pk, pv, a),
+                                       out.data_ptr<T>(), io, save);
+      });
+      return {from_packed(out), S, record_handle("delta-packed", a.q, std::move(rec))};
+    }
+    at::Tensor out = at::empty({s.batch, s.heads, s.queries, s.value_dim}, a.q.options());
+    SavedPtr rec = dispatch(a.q, [&](auto t) {
+      using T = decltype(t);
+      return delta_forward<T>(s, a.config, delta_inputs<T>(a.q, a.k, a.v, a), out.data_ptr<T>(), io,
+                              save);
+    });
+    return {out, S, record_handle("delta", a.q, std::move(rec))};
+  });
+}
+
+template <class T>
+DeltaGrads<T> delta_grads(at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dg,
+                          at::Tensor& dbeta) {
+  return {dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>(), dg.data_ptr<T>(),
+          dbeta.data_ptr<T>()};
+}
+
+Six delta_backward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& g, const at::Tensor& beta, const at::Tensor& grad_out,
+                      const at::Tensor& saved, double scale, bool use_qk_l2norm_in_kernel,
+                      int64_t chunk_size, bool check_finite, const Opt& grad_final_state,
+                      const Opt& initial_state, const Opt& cu_seqlens) {
+  return as_torch_errors([&]() -> Six {
+    const std::string fn = "mixattn.gated_delta_rule (backward)";
+    const DeltaArgs a = delta_args(fn, q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, chunk_size,
+                                   check_finite, cu_seqlens);
+    const Shape& s = a.shape;
+    const at::Tensor go = checked_grad_out(fn, grad_out, s, a.q);
+    // An end state no loss reads has a zero gradient (autograd may pass None for it).
+    const bool end_read = grad_final_state.has_value() && grad_final_state->defined();
+    const at::Tensor dS =
+        end_read ? delta_state(fn, *grad_final_state, "grad of final_state", s) : at::Tensor();
+    const bool packed = !s.offsets.empty();
+    const SavedPtr rec = record_or_again(saved, packed ? "delta-packed" : "delta", a.q, fn, [&] {
+      return std::get<2>(delta_forward_op(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel,
+                                          chunk_size, check_finite, true, initial_state,
+                                          cu_seqlens));
+    });
+    at::Tensor dS0 = new_state(s);
+    const DeltaStateGradIO io{end_read ? dS.data_ptr<double>() : nullptr, dS0.data_ptr<double>()};
+    auto dg = at::empty_like(a.g), dbeta = at::empty_like(a.beta);
+    if (packed) {
+      const PackedShape p = packed_of(s);
+      const at::Tensor pq = to_packed(a.q), pk = to_packed(a.k), pv = to_packed(a.v);
+      const at::Tensor pg = to_packed(go);
+      auto dq = at::empty_like(pq), dk = at::empty_like(pk), dv = at::empty_like(pv);
+      dispatch(a.q, [&](auto t) {
+        using T = decltype(t);
+        delta_backward_packed<T>(p, a.config, delta_inputs<T>(pq, pk, pv, a), pg.data_ptr<T>(), rec,
+                                 delta_grads<T>(dq, dk, dv, dg, dbeta), io);
+      });
+      return {from_packed(dq), from_packed(dk), from_packed(dv), dg, dbeta, dS0};
+    }
+    auto dq = at::empty_like(a.q), dk = at::empty_like(a.k), dv = at::empty_like(a.v);
+    dispatch(a.q, [&](auto t) {
+      using T = decltype(t);
+      delta_backward<T>(s, a.config, delta_inputs<T>(a.q, a.k, a.v, a), go.data_ptr<T>(), rec,
+                        delta_grads<T>(dq, dk, dv, dg, dbeta), io);
+    });
+    return {dq, dk, dv, dg, dbeta, dS0};
+  });
+}
+
 // --- RoPE (SPEC 8) -------------------------------------------------------------------------------
 
 /// x (B, H, N, r) rotated (rope::apply_into per pair), or rotated back (`backward`: x is then
@@ -768,6 +948,17 @@ TORCH_LIBRARY(mixattn, m) {
   m.def(
       "window_backward(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor saved, int window, "
       "float scale, bool check_finite, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor)");
+  // The gated delta rule: causal, with a state always returned (S (streams, H, d_k, d_v),
+  // float64); initial_state None starts from zeros, grad_final_state None is a zero gradient.
+  m.def(
+      "delta_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
+      "bool use_qk_l2norm_in_kernel, int chunk_size, bool check_finite, bool save, "
+      "Tensor? initial_state=None, Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "delta_backward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor grad_out, "
+      "Tensor saved, float scale, bool use_qk_l2norm_in_kernel, int chunk_size, "
+      "bool check_finite, Tensor? grad_final_state=None, Tensor? initial_state=None, "
+      "Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // RoPE keeps no record (its backward is the inverse rotation); start is a SymInt so that a
   // compiled decoding loop does not specialise on every position.
   m.def(
@@ -796,6 +987,8 @@ TORCH_LIBRARY_IMPL(mixattn, CPU, m) {
   m.impl("vq_backward", &mt::vq_backward_op);
   m.impl("window_forward", &mt::window_forward_op);
   m.impl("window_backward", &mt::window_backward_op);
+  m.impl("delta_forward", &mt::delta_forward_op);
+  m.impl("delta_backward", &mt::delta_backward_op);
   m.impl("rope_forward", &mt::rope_forward_op);
   m.impl("rope_backward", &mt::rope_backward_op);
 }

@@ -33,7 +33,8 @@ def _streams(q, cu_seqlens):
 _FUNCTIONS = {"gma": "mixattn.gma_attention", "ovq": "mixattn.ovq_attention",
               "flash": "mixattn.flash_attention", "linear": "mixattn.linear_attention",
               "performer": "mixattn.performer_attention", "vq": "mixattn.vq_attention",
-              "window": "mixattn.sliding_window_attention", "rope": "mixattn.rope"}
+              "window": "mixattn.sliding_window_attention", "rope": "mixattn.rope",
+              "delta": "mixattn.gated_delta_rule"}
 
 
 def _same_device(op, q, tensors):
@@ -176,6 +177,27 @@ def _window_backward_fake(q, k, v, grad_out, saved, window, scale, check_finite,
                           cu_seqlens=None):
     _same_device("window_backward", q, dict(locals()))
     return _like(q, k, v)
+
+
+def _delta_state(q, v, cu_seqlens):
+    """A gated delta rule state: (streams, H, d_k, d_v), float64 whatever q's dtype."""
+    return q.new_empty(_streams(q, cu_seqlens), q.shape[1], q.shape[3], v.shape[3],
+                       dtype=torch.float64)
+
+
+@torch.library.register_fake("mixattn::delta_forward")
+def _delta_forward_fake(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, chunk_size,
+                        check_finite, save, initial_state=None, cu_seqlens=None):
+    _same_device("delta_forward", q, dict(locals()))
+    return _out(q, v), _delta_state(q, v, cu_seqlens), _handle(q)
+
+
+@torch.library.register_fake("mixattn::delta_backward")
+def _delta_backward_fake(q, k, v, g, beta, grad_out, saved, scale, use_qk_l2norm_in_kernel,
+                         chunk_size, check_finite, grad_final_state=None, initial_state=None,
+                         cu_seqlens=None):
+    _same_device("delta_backward", q, dict(locals()))
+    return (*_like(q, k, v, g, beta), _delta_state(q, v, cu_seqlens))
 
 
 @torch.library.register_fake("mixattn::rope_forward")
@@ -325,6 +347,19 @@ def _window_backward(ctx, grad_out, _):
     return (*grads, None, None, None, None, None)
 
 
+def _delta_setup(ctx, inputs, output):
+    q, k, v, g, beta, scale, normalize, chunk, check_finite, _, start, cu = inputs
+    _keep(ctx, (q, k, v, g, beta, output[2], start, cu), (scale, normalize, chunk, check_finite))
+
+
+def _delta_backward(ctx, grad_out, grad_final_state, _):
+    *inputs, saved, start, cu = _kept(ctx)
+    *grads, grad_start = ops.delta_backward(*inputs, grad_out, saved, *ctx.options,
+                                            grad_final_state=grad_final_state,
+                                            initial_state=start, cu_seqlens=cu)
+    return (*grads, None, None, None, None, None, None if start is None else grad_start, None)
+
+
 def _rope_setup(ctx, inputs, output):
     _, start, base, check_finite, cu = inputs
     _keep(ctx, (cu,), (start, base, check_finite))
@@ -356,12 +391,15 @@ torch.library.register_autograd("mixattn::vq_forward", _vq_backward,
                                 setup_context=_features_setup)
 torch.library.register_autograd("mixattn::window_forward", _window_backward,
                                 setup_context=_window_setup)
+torch.library.register_autograd("mixattn::delta_forward", _delta_backward,
+                                setup_context=_delta_setup)
 torch.library.register_autograd("mixattn::rope_forward", _rope_backward,
                                 setup_context=_rope_setup)
 torch.library.register_autograd("mixattn::rope_backward", _rope_backward_backward,
                                 setup_context=_rope_setup)
 for _name in ("gma_backward", "gma_backward_state", "ovq_backward", "flash_backward",
-              "linear_backward", "performer_backward", "vq_backward", "window_backward"):
+              "linear_backward", "performer_backward", "vq_backward", "window_backward",
+              "delta_backward"):
     torch.library.register_autograd(f"mixattn::{_name}", _first_order_only(_name))
 
 
@@ -423,6 +461,7 @@ for _name in ("gma_forward", "gma_backward", "gma_forward_state", "gma_backward_
               "gma_forward_cached", "ovq_forward", "ovq_backward", "ovq_forward_cached",
               "flash_forward", "flash_backward", "linear_forward", "linear_backward",
               "performer_forward", "performer_backward", "vq_forward", "vq_backward",
-              "window_forward", "window_backward", "rope_forward", "rope_backward"):
+              "window_forward", "window_backward", "delta_forward", "delta_backward",
+              "rope_forward", "rope_backward"):
     for _key in ("SparseCPU", "SparseCsrCPU"):
         _LIBRARY.impl(_name, _refuse_sparse(_name), _key)

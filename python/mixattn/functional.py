@@ -31,7 +31,8 @@ from .cache import GmaCache, OvqCache, OvqState
 
 __all__ = ["gma_attention", "ovq_attention", "flash_attention", "linear_attention",
            "performer_attention", "performer_features", "vq_attention",
-           "sliding_window_attention", "rope", "clear_prepared_cache", "release_memory"]
+           "sliding_window_attention", "gated_delta_rule", "rope", "clear_prepared_cache",
+           "release_memory"]
 
 
 def _contiguous(*tensors):
@@ -570,6 +571,64 @@ def sliding_window_attention(q, k, v, window=256, scale=None, check_finite=True,
     out, _ = ops.window_forward(*_contiguous(q, k, v), window, scale, check_finite,
                                 _needs_record(q, k, v), cu_seqlens=cu)
     return out
+
+
+_DELTA_TENSORS = ("q", "k", "v", "g", "beta")
+
+
+def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, use_qk_l2norm_in_kernel=False, chunk_size=64,
+                     check_finite=True):
+    """The gated delta rule (SPEC.md section 9; Gated DeltaNet, Yang, Kautz & Hatamizadeh 2024),
+    causal, with flash-linear-attention's chunk_gated_delta_rule keywords. Per (batch, head) a
+    state S (d_k x d_v) is decayed, corrected towards each key's value and read:
+
+        S_t = exp(g_t) (I - beta_t k_t k_t^T) S_(t-1) + beta_t k_t v_t^T,   o_t = scale S_t^T q_t
+
+    q, k: (B, H, N, d_k); v: (B, H, N, d_v); g (log decay, <= 0) and beta (in [0, 1]): (B, H, N).
+    scale: None is 1/sqrt(d_k) (else finite and > 0). ``use_qk_l2norm_in_kernel=True``
+    normalises q and k inside (x / sqrt(|x|^2 + 1e-6)), with the gradient through it; without it
+    the keys' norms are the caller's (the rule is contractive while beta_t |k_t|^2 <= 2).
+    ``chunk_size``: the chunk length C of the chunked form (SPEC 9.2), >= 1; it changes only
+    the rounding. Returns ``(o, final_state)``: o (B, H, N, d_v) in q's dtype, final_state the
+    state after the last token, (B, H, d_k, d_v) float64 (the library's accumulation type, for
+    float32 inputs too, so it passes between calls unrounded), or None unless
+    ``output_final_state=True``.
+
+    ``initial_state`` (B, H, d_k, d_v; None: zeros; float32 is widened) is the state to continue:
+    running a sequence in pieces, each given the previous piece's final state, gives the
+    one-call outputs up to rounding. Gradients flow to q, k, v, g, beta and initial_state, and
+    from a loss on final_state back to all of them. The backward is first-order only.
+
+    ``cu_seqlens``: packed variable-length sequences along T of (1, H, T, .) tensors and (1, H, T)
+    gates, as in gma_attention (the library's packed entry points); each sequence has its own
+    state: initial_state and final_state are then (N, H, d_k, d_v) for N sequences.
+    g > 0 or beta outside [0, 1] raise ValueError naming them (always: the chunked form's
+    decays rest on them); NaN/Inf too unless ``check_finite=False``.
+    """
+    fn = "mixattn.gated_delta_rule"
+    _args.tensors(fn, _DELTA_TENSORS, (q, k, v, g, beta))
+    _args.dense(fn, _DELTA_TENSORS, (q, k, v, g, beta))
+    scale = _positive_scale(fn, scale, "1/sqrt(d_k)")
+    normalize = _args.flag(fn, "use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    chunk = _args.integer(fn, "chunk_size", chunk_size)
+    if chunk < 1:
+        raise ValueError(f"{fn}: chunk_size is {chunk}; it must be >= 1")
+    check_finite = _args.flag(fn, "check_finite", check_finite)
+    output_final_state = _args.flag(fn, "output_final_state", output_final_state)
+    cu = None if cu_seqlens is None else _args.offsets(fn, cu_seqlens, q)
+    start = None
+    if initial_state is not None:
+        _args.tensors(fn, ("initial_state",), (initial_state,))
+        _args.dense(fn, ("initial_state",), (initial_state,))
+        if initial_state.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{fn}: initial_state must be float32 or float64, got "
+                             f"{initial_state.dtype}")
+        start = initial_state.to(torch.float64).contiguous()  # differentiable; a no-op for float64
+    out, final, _ = ops.delta_forward(*_contiguous(q, k, v, g, beta), scale, normalize, chunk,
+                                      check_finite, _needs_record(q, k, v, g, beta, start),
+                                      initial_state=start, cu_seqlens=cu)
+    return out, (final if output_final_state else None)
 
 
 def rope(x, start=0, base=10000.0, check_finite=True, cu_seqlens=None):

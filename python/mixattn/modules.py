@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from .cache import OvqState, _Cache
-from .functional import (gma_attention, linear_attention, ovq_attention, performer_attention,
-                         performer_features, rope, sliding_window_attention, vq_attention)
+from .functional import (gated_delta_rule, gma_attention, linear_attention, ovq_attention,
+                         performer_attention, performer_features, rope, sliding_window_attention,
+                         vq_attention)
 
 __all__ = ["GaussianMixtureAttention", "OnlineVQAttention", "LinearAttention",
-           "PerformerAttention", "VQAttention", "SlidingWindowAttention"]
+           "PerformerAttention", "VQAttention", "SlidingWindowAttention", "GatedDeltaAttention"]
 
 
 def _linear(fan_in, fan_out, device, dtype):
@@ -339,3 +340,71 @@ class SlidingWindowAttention(_Stateless):
     def extra_repr(self):
         return (f"d_model={self.d_model}, heads={self.heads}, window={self.window}, "
                 f"key_dim={self.key_dim}, value_dim={self.value_dim}{self._rope_repr()}")
+
+
+class GatedDeltaAttention(_Projections):
+    """Multi-head gated delta rule (SPEC.md section 9), the token mixer of Gated DeltaNet, causal.
+    x: (batch, tokens, d_model) -> (batch, tokens, d_model).
+
+    Parameters: the four projections, and the gates' own: a_proj and b_proj (d_model -> heads,
+    no bias), A_log and dt_bias (heads,). Each token's gates come from the layer input x, as
+    Gated DeltaNet computes them, per head h:
+
+        beta_t = sigmoid(x_t . w_b,h),    g_t = -exp(A_log_h) softplus(x_t . w_a,h + dt_bias_h)
+
+    so g_t <= 0 and beta_t in [0, 1] for any parameters (the bounds reached only by rounding). Initialisation (Gated DeltaNet's and
+    Mamba2's): A_log = log A with A ~ U(1, 16); dt_bias = softplus^-1(dt) with dt log-uniform in
+    [1e-3, 0.1]; a_proj and b_proj as the other projections. q and k are L2-normalised inside
+    (``use_qk_l2norm=True``: the rule is then contractive whatever the projections do).
+    ``scale`` (None: 1/sqrt(key_dim)) and ``chunk_size`` are gated_delta_rule's. The paper's
+    short convolutions, output gate and norm are left to the model around the module (the other
+    modules' shape: projections, mixer, output projection).
+
+    Streaming: ``forward(x, initial_state=None, output_final_state=False)`` as gated_delta_rule:
+    the state is S (batch, heads, key_dim, value_dim), float64; with output_final_state the
+    module returns ``(y, S)``, and gradients flow through the states. Packed variable-length
+    input: ``forward(x, cu_seqlens=...)`` with x (1, T, d_model) (one state per sequence).
+    ``rope=True`` rotates queries and keys first (see the module docstring); continuing an
+    ``initial_state`` then needs ``start=``.
+    """
+
+    def __init__(self, d_model, heads, key_dim=None, value_dim=None, scale=None,
+                 use_qk_l2norm=True, chunk_size=64, rope=False, rope_base=10000.0, device=None,
+                 dtype=None):
+        super().__init__(d_model, heads, key_dim, value_dim, device, dtype, rope, rope_base)
+        if int(chunk_size) < 1:
+            raise ValueError(f"GatedDeltaAttention: chunk_size is {chunk_size}; must be >= 1")
+        self.scale, self.use_qk_l2norm = scale, bool(use_qk_l2norm)
+        self.chunk_size = int(chunk_size)
+        self.a_proj = _linear(d_model, heads, device, dtype)
+        self.b_proj = _linear(d_model, heads, device, dtype)
+        a = torch.empty(heads, device=device, dtype=torch.float64).uniform_(1.0, 16.0)
+        lo, hi = math.log(1e-3), math.log(0.1)
+        dt = torch.exp(torch.rand(heads, device=device, dtype=torch.float64) * (hi - lo) + lo)
+        self.A_log = nn.Parameter(torch.log(a).to(dtype=self.a_proj.weight.dtype))
+        # softplus^-1(dt) = dt + log(1 - exp(-dt)), in float64 before rounding.
+        self.dt_bias = nn.Parameter((dt + torch.log(-torch.expm1(-dt))).to(
+            dtype=self.a_proj.weight.dtype))
+
+    def gates(self, x):
+        """(g, beta) of x (batch, tokens, d_model), each (batch, heads, tokens)."""
+        beta = torch.sigmoid(self.b_proj(x))
+        g = -torch.exp(self.A_log) * nn.functional.softplus(self.a_proj(x) + self.dt_bias)
+        return g.transpose(1, 2), beta.transpose(1, 2)
+
+    def forward(self, x, initial_state=None, output_final_state=False, cu_seqlens=None,
+                start=None):
+        q, k, v = self._heads(x, self._start(start, initial_state), cu_seqlens)
+        g, beta = self.gates(x)
+        o, state = gated_delta_rule(q, k, v, g, beta, scale=self.scale,
+                                    initial_state=initial_state,
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                    use_qk_l2norm_in_kernel=self.use_qk_l2norm,
+                                    chunk_size=self.chunk_size)
+        y = self._merge(o)
+        return (y, state) if output_final_state else y
+
+    def extra_repr(self):
+        return (f"d_model={self.d_model}, heads={self.heads}, key_dim={self.key_dim}, "
+                f"value_dim={self.value_dim}, use_qk_l2norm={self.use_qk_l2norm}, "
+                f"chunk_size={self.chunk_size}{self._rope_repr()}")

@@ -3,7 +3,8 @@
 the functions (the compiled graph calls the same kernels on the same inputs) and within 1e-12
 for the modules (whose projections the compiler may evaluate in another order); a small model
 of two mixattn layers compiles whole and trains as in eager mode. The same for the baselines
-(linear, Performer, static VQ, sliding window) and RoPE, whose position compiles as a SymInt.
+(linear, Performer, static VQ, sliding window), the gated delta rule (streaming and packed
+included) and RoPE, whose position compiles as a SymInt.
 Decoding through a cache is eager-only: under fullgraph it is refused by name, without fullgraph
 it breaks the graph and still gives the eager results.
 
@@ -127,6 +128,39 @@ BASELINE_CALLS = {
 }
 
 
+def _delta_two_pieces(q, k, v, g, beta, S0):
+    """A sequence in two pieces carrying the state, from a given state, with a loss on the final
+    state too."""
+    a, S = mixattn.gated_delta_rule(q[:, :, :4], k[:, :, :4], v[:, :, :4], g[:, :, :4],
+                                    beta[:, :, :4], initial_state=S0, output_final_state=True,
+                                    chunk_size=3)
+    b, S = mixattn.gated_delta_rule(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], g[:, :, 4:],
+                                    beta[:, :, 4:], initial_state=S, output_final_state=True,
+                                    chunk_size=3)
+    return torch.cat([a, b], 2), S
+
+
+DELTA_CALLS = {
+    "plain": lambda q, k, v, g, beta: mixattn.gated_delta_rule(q, k, v, g, beta)[0],
+    "l2norm chunk 4": lambda q, k, v, g, beta: mixattn.gated_delta_rule(
+        q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=4, scale=0.5)[0],
+    "streaming": _delta_two_pieces,
+    "packed": lambda q, k, v, g, beta, S0: mixattn.gated_delta_rule(
+        q, k, v, g, beta, initial_state=S0, output_final_state=True,
+        cu_seqlens=torch.tensor([0, 4, 10])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DELTA_CALLS))
+def test_gated_delta_rule_compiles_to_the_eager_results(case):
+    from test_delta import delta_inputs, start_state
+    b = 1 if case == "packed" else 2
+    inputs = delta_inputs(b, 2, 10, 4, 3, seed=15)
+    if case in ("packed", "streaming"):  # a state to continue: two sequences or batch entries
+        inputs.append(start_state(2, 2, 4, 3, seed=16))
+    assert_same(DELTA_CALLS[case], inputs)
+
+
 @pytest.mark.parametrize("case", sorted(BASELINE_CALLS))
 def test_baselines_compile_to_the_eager_results(case):
     inputs = flash_inputs(1 if "packed" in case else 2, 2, 10, 10, 4, 3, seed=13)
@@ -155,7 +189,8 @@ def test_modules_compile_to_the_eager_results():
     others = (mixattn.LinearAttention(16, 2, causal=True, rope=True, dtype=DOUBLE),
               mixattn.PerformerAttention(16, 2, features=6, dtype=DOUBLE),
               mixattn.VQAttention(16, 2, codes=5, causal=True, dtype=DOUBLE),
-              mixattn.SlidingWindowAttention(16, 2, window=4, rope=True, dtype=DOUBLE))
+              mixattn.SlidingWindowAttention(16, 2, window=4, rope=True, dtype=DOUBLE),
+              mixattn.GatedDeltaAttention(16, 2, chunk_size=4, dtype=DOUBLE))
     for layer in (gma, ovq, *others):
         params = list(layer.parameters())
         assert_same(lambda x, *p: layer(x), [x, *params], exact=False)

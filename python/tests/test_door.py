@@ -22,6 +22,14 @@ def ovq_args():
     return [x.detach() for x in ovq_inputs(2, 2, 5, 3, 2, seed=602, contiguous=True)]
 
 
+def delta_args():
+    """q, k (2, 2, 5, 3), v (2, 2, 5, 2), g <= 0 and beta in [0, 1] (2, 2, 5)."""
+    q, k, v = gma_args()[:3]
+    gen = torch.Generator().manual_seed(603)
+    return [q, k, v, -torch.rand(2, 2, 5, generator=gen, dtype=DOUBLE),
+            torch.rand(2, 2, 5, generator=gen, dtype=DOUBLE)]
+
+
 def replaced(args, i, value):
     out = list(args)
     out[i] = value
@@ -47,11 +55,13 @@ CALLS = {
                lambda *a, **kw: mixattn.sliding_window_attention(*a, window=2, **kw)),
     "rope": (("x",), lambda: gma_args()[2:3],  # v: (2, 2, 5, 2), an even r
              lambda *a, **kw: mixattn.rope(*a, start=3, **kw)),
+    "delta": (("q", "k", "v", "g", "beta"), delta_args,
+              lambda *a, **kw: mixattn.gated_delta_rule(*a, chunk_size=2, **kw)[0]),
 }
 FN = {"gma": "gma_attention", "gma-causal": "gma_attention", "ovq": "ovq_attention",
       "flash": "flash_attention", "linear": "linear_attention",
       "performer": "performer_attention", "vq": "vq_attention",
-      "window": "sliding_window_attention", "rope": "rope"}
+      "window": "sliding_window_attention", "rope": "rope", "delta": "gated_delta_rule"}
 # RoPE rotates every row on its own: any batch, heads or tokens is valid (test_baselines.py
 # refuses an odd r).
 SIZED = sorted(set(CALLS) - {"rope"})
@@ -76,7 +86,7 @@ def test_each_tensor_argument_is_named_when_bad(case):
         ]
         if i > 0:
             checks.append((t.float(), ValueError, rf"{name} is Float but q is Double"))
-        if name == "beta":  # a list or array is beta's per-head values (test_caches)
+        if case == "ovq" and name == "beta":  # a list or array is OVQ's per-head beta
             checks[6] = ("2", TypeError, r"beta must be a tensor of one value per head")
         for value, error, message in checks:
             with pytest.raises(error, match=fn + message):
@@ -109,9 +119,11 @@ def test_non_finite_inputs_are_named_or_passed_through(case):
             args = make()
             t = args[i].clone()
             t.view(-1)[t.numel() // 2] = bad
-            # Performer's directions are the library's features.w.
+            # Performer's directions are the library's features.w; the gated delta rule's gates
+            # are checked against their ranges first (g = inf > 0, beta = +-inf outside [0, 1]).
             with pytest.raises(ValueError, match=rf"{fn}.*({name}(\.w)? has a non-finite entry|"
-                                                 rf"{name} is -?(nan|inf), not finite)"):
+                                                 rf"{name} is -?(nan|inf), not finite|"
+                                                 rf"{name} has -?inf at row)"):
                 call(*replaced(args, i, t))
     # check_finite=False: no check; a NaN in q reaches the outputs (documented) -- no crash.
     args = make()
@@ -251,7 +263,8 @@ def test_modules_refuse_bad_input():
                 mixattn.LinearAttention(8, heads=2, rope=True),
                 mixattn.PerformerAttention(8, heads=2, features=3, seed=1),
                 mixattn.VQAttention(8, heads=2, codes=3),
-                mixattn.SlidingWindowAttention(8, heads=2, window=2, rope=True))
+                mixattn.SlidingWindowAttention(8, heads=2, window=2, rope=True),
+                mixattn.GatedDeltaAttention(8, heads=2, chunk_size=2))
 
     for layer, on_meta in zip(layers(), layers()):
         name = type(layer).__name__

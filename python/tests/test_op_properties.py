@@ -5,7 +5,8 @@ either raises ValueError, TypeError or RuntimeError whose message names the argu
 the result of the clean call: the same bits for the views (the kernels read them made
 contiguous), outputs of the right shape for NaN/Inf with check_finite=False (no crash).
 Every forward operator is drawn: GMA (with and without a state), OVQ, tiled softmax, linear
-attention, Performer, static VQ, sliding window and RoPE.
+attention, Performer, static VQ, sliding window, the gated delta rule (with a start state) and
+RoPE.
 Fixed seed (derandomize); each example is a handful of small kernel calls."""
 
 import math
@@ -24,7 +25,8 @@ OVQ = (3, 5, "plateau", 0.0, "greedy_dispersion", "all_centroids", True, True, 1
 # What a message calls an argument when it is not the schema's name: the library names a
 # continued state's parts by their field.
 ALIASES = {"S0": ("S0", "initial_state[0]", "state.S"), "z0": ("z0", "initial_state[1]",
-                                                              "state.z")}
+                                                              "state.z"),
+           "initial_state": ("initial_state", "state.S")}
 
 
 def names(message, name):
@@ -69,6 +71,14 @@ def clean_call(op, shape, dtype, check_finite, gen):
     elif op == "window_forward":
         args = dict(q=t(b, h, n, r), k=t(b, h, n, r), v=t(b, h, n, dv), window=k, scale=0.0,
                     check_finite=check_finite, save=False, cu_seqlens=None)
+    elif op == "delta_forward":  # g <= 0 and beta in [0, 1]; a start state of its own
+        args = dict(q=t(b, h, n, r), k=t(b, h, n, r), v=t(b, h, n, dv),
+                    g=-torch.rand(b, h, n, generator=gen, dtype=dtype),
+                    beta=torch.rand(b, h, n, generator=gen, dtype=dtype), scale=0.0,
+                    use_qk_l2norm_in_kernel=bool(m % 2), chunk_size=k,
+                    check_finite=check_finite, save=False,
+                    initial_state=torch.randn(b, h, r, dv, generator=gen, dtype=torch.float64),
+                    cu_seqlens=None)
     else:  # rope_forward: r even
         args = dict(x=t(b, h, n, 2 * r), start=m - 3, base=100.0, check_finite=check_finite,
                     cu_seqlens=None)
@@ -130,7 +140,7 @@ def same_values(kind, t):
 shapes = st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(0, 7), st.integers(0, 7),
                    st.integers(1, 4), st.integers(1, 4), st.integers(1, 4))
 OPS = ["gma_forward", "gma_forward_state", "ovq_forward", "flash_forward", "linear_forward",
-       "performer_forward", "vq_forward", "window_forward", "rope_forward"]
+       "performer_forward", "vq_forward", "window_forward", "delta_forward", "rope_forward"]
 # RoPE rotates each row of x on its own: any batch, heads or tokens is a valid call (the "size"
 # change), and a meta x alone is a shape computation, as for any PyTorch operator.
 VALID_CHANGES = {"rope_forward": ("size", "meta")}

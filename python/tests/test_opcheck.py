@@ -3,7 +3,8 @@ unannotated mutation or aliasing), the autograd registration, the fake implement
 the kernel (shapes, strides, dtypes) and AOTAutograd with dynamic shapes against eager (outputs
 and gradients), each over several shapes: bidirectional and causal, M != N, packed, streaming
 with states, OVQ with and without gradients through the dictionary; the baselines (linear,
-Performer, static VQ, sliding window) bidirectional, causal and packed; RoPE and its inverse.
+Performer, static VQ, sliding window) bidirectional, causal and packed; the gated delta rule
+plain, continuing a state, normalising q and k, and packed; RoPE and its inverse.
 
 The cache forwards skip the AOT check: decoding through a cache is eager-only (mixattn.cache
 says why) and a cache advances on every call, so two runs of one call cannot agree.
@@ -102,6 +103,23 @@ def baseline_forward_cases():
             yield "window_forward", name, (q, k, v, 3, 0.0, True, True, packed)
 
 
+def delta_forward_cases():
+    """Plain, continuing a state (gradients into it), with the queries and keys normalised
+    inside, and packed with an empty sequence and one state per sequence."""
+    from test_delta import delta_inputs
+    for name, (b, n, start, normalize, packed) in {
+            "plain": (2, 9, False, False, None), "state": (2, 7, True, False, None),
+            "l2norm": (2, 8, True, True, None),
+            "packed": (1, 11, True, False, cu(0, 4, 4, 11))}.items():
+        q, k, v, g, beta = delta_inputs(b, 2, n, 3, 4, seed=85 + len(name))
+        S0 = None
+        if start:
+            streams = b if packed is None else packed.shape[0] - 1
+            gen = torch.Generator().manual_seed(86)
+            S0 = torch.randn(streams, 2, 3, 4, generator=gen, dtype=DOUBLE).requires_grad_()
+        yield name, (q, k, v, g, beta, 0.0, normalize, 3, True, True, S0, packed)
+
+
 def rope_cases():
     for name, (b, n, start, packed) in {"batched": (2, 6, 0, None), "start": (2, 5, 9, None),
                                         "packed": (1, 10, 3, cu(0, 3, 3, 10))}.items():
@@ -114,6 +132,7 @@ FORWARDS = ([("gma_forward", n, a) for n, a in gma_forward_cases()]
             + [("ovq_forward", n, a) for n, a in ovq_forward_cases()]
             + [("flash_forward", n, a) for n, a in flash_forward_cases()]
             + list(baseline_forward_cases())
+            + [("delta_forward", n, a) for n, a in delta_forward_cases()]
             + [("rope_forward", n, a) for n, a in rope_cases()]
             + [("rope_backward", n, a) for n, a in rope_cases()])
 
@@ -150,6 +169,14 @@ def backward_cases():
         out, saved = getattr(ops, op)(*args)
         yield op.replace("forward", "backward"), (*args[:tensors], torch.randn_like(out), saved,
                                                   *args[tensors:-2], args[-1])
+
+
+    for _, args in delta_forward_cases():
+        args = (*detached(args[:5]), *args[5:10],
+                None if args[10] is None else args[10].detach(), args[11])
+        out, S, saved = ops.delta_forward(*args)
+        yield "delta_backward", (*args[:5], torch.randn_like(out), saved, *args[5:9],
+                                 torch.randn_like(S), args[10], args[11])
 
 
 BACKWARDS = list(backward_cases())

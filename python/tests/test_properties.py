@@ -1,7 +1,9 @@
 """Property-based checks (hypothesis): shapes, splits, offsets and options drawn at random, the
 functions checked against each other -- a sequence in pieces (copying form and cache) against one
 call, a packed batch against separate calls, float64 gradcheck on small draws, any cu_seqlens
-either refused with ValueError naming it or equal to the separate calls.
+either refused with ValueError naming it or equal to the separate calls; the same for the gated
+delta rule (pieces carrying the state, packed with a state per sequence, gradcheck through the
+start state).
 
 Bounded for the test command's time: a fixed number of examples per property, derandomized (the
 same draws on every run, so a failure is reproducible; hypothesis prints the falsifying example),
@@ -169,3 +171,68 @@ def test_any_cu_seqlens_is_refused_or_equals_separate_calls(cu, seed):
                 separate = torch.cat([call(*(piece(t, a, b) for t in (q, k, v)))
                                       for a, b in zip(cu[:-1], cu[1:])], 2)
             assert_rel(packed, separate, f"cu_seqlens {cu}", rel=PIECES_REL)
+
+
+def delta_tensors(seed, b, h, n, r, dv):
+    """q, k, v (k scaled to |k| ~ 1), g in (-1, 0] and beta in [0, 1): a contracting rule."""
+    q, k, v = tensors(seed, b, h, n, r, dv, 1)[:3]
+    gen = torch.Generator().manual_seed(seed + 1)
+    g = -torch.rand(b, h, n, generator=gen, dtype=DOUBLE)
+    beta = torch.rand(b, h, n, generator=gen, dtype=DOUBLE)
+    return [q, k / r ** 0.5, v, g, beta]
+
+
+@FAST
+@given(sizes(max_tokens=30), st.data(), st.integers(1, 9), st.booleans(),
+       st.integers(0, 2**31 - 1))
+def test_delta_pieces_equal_one_call(shape, data, chunk, normalize, seed):
+    b, h, n, r, dv, _ = shape
+    split = data.draw(cuts(n))
+    x = delta_tensors(seed, b, h, n, r, dv)
+    kw = dict(chunk_size=chunk, use_qk_l2norm_in_kernel=normalize, output_final_state=True)
+    with torch.no_grad():
+        one, S1 = mixattn.gated_delta_rule(*x, **kw)
+        outs, state = [], None
+        for a, c in zip(split[:-1], split[1:]):
+            out, state = mixattn.gated_delta_rule(*(piece(t, a, c) for t in x),
+                                                  initial_state=state, **kw)
+            outs.append(out)
+    assert_rel(torch.cat(outs, 2), one, f"delta pieces {split}, chunk {chunk}", rel=PIECES_REL)
+    assert_rel(state, S1, "delta final state", rel=PIECES_REL)
+
+
+@FAST
+@given(packed_batch(), st.integers(1, 3), st.integers(1, 9), st.integers(0, 2**31 - 1))
+def test_delta_packed_equals_separate_calls(cu, heads, chunk, seed):
+    x = delta_tensors(seed, 1, heads, cu[-1], 3, 2)
+    gen = torch.Generator().manual_seed(seed + 2)
+    S0 = torch.randn(len(cu) - 1, heads, 3, 2, generator=gen, dtype=DOUBLE)
+    with torch.no_grad():
+        packed, S = mixattn.gated_delta_rule(*x, initial_state=S0, output_final_state=True,
+                                             cu_seqlens=cu, chunk_size=chunk)
+        separate = [mixattn.gated_delta_rule(*(piece(t, a, b) for t in x),
+                                             initial_state=S0[i:i + 1], output_final_state=True,
+                                             chunk_size=chunk)
+                    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+    assert_rel(packed, torch.cat([o for o, _ in separate], 2), f"delta packed {cu}",
+               rel=PIECES_REL)
+    assert_rel(S, torch.cat([s for _, s in separate], 0), f"delta packed states {cu}",
+               rel=PIECES_REL)
+
+
+@SLOW
+@given(sizes(max_tokens=5), st.integers(1, 3), st.booleans(), st.integers(0, 2**31 - 1))
+def test_delta_gradcheck_on_small_draws(shape, chunk, normalize, seed):
+    b, h, n, r, dv, _ = shape
+    x = [t.requires_grad_() for t in delta_tensors(seed, b, h, n, r, dv)]
+    S0 = torch.randn(b, h, r, dv, generator=torch.Generator().manual_seed(seed),
+                     dtype=DOUBLE).requires_grad_()
+    # gradcheck steps each entry by 1e-6: the gates are moved 1e-3 inside their ranges (g <= 0,
+    # beta in [0, 1]) so that no step leaves them.
+    with torch.no_grad():
+        x[3].sub_(1e-3)
+        x[4].clamp_(1e-3, 1 - 1e-3)
+    assert torch.autograd.gradcheck(
+        lambda *a: mixattn.gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True,
+                                            chunk_size=chunk, use_qk_l2norm_in_kernel=normalize),
+        (*x, S0), eps=1e-6, atol=1e-7, rtol=1e-5)

@@ -1,5 +1,6 @@
 // libFuzzer target: the layer's decode across begin_decoding (layer.hpp). Decodes a small layer
-// (mixer GMA, OVQ or softmax with or without a window, RoPE or not, H <= 2, dimensions <= 6,
+// (mixer GMA, OVQ, softmax with or without a window or the gated delta rule, RoPE or not, H <= 2,
+// dimensions <= 6,
 // check_finite on or off; now and then a bidirectional or linear-attention layer, which cannot
 // decode), a sequence x (<= 24 tokens, NaN/Inf/huge/tiny/zero/duplicate rows) cut into pieces,
 // and a hostile call to slip in. The oracle:
@@ -57,11 +58,13 @@ bool same_decode_state(const layer::MultiHeadAttention<T>& model, const layer::D
 
 layer::Config draw_config(fz::Bytes& in) {
   layer::Config cfg;
-  static constexpr layer::MixerKind kinds[] = {layer::MixerKind::gma, layer::MixerKind::gma,
-                                               layer::MixerKind::ovq, layer::MixerKind::softmax,
-                                               layer::MixerKind::softmax, layer::MixerKind::linear};
+  static constexpr layer::MixerKind kinds[] = {layer::MixerKind::gma,     layer::MixerKind::gma,
+                                               layer::MixerKind::ovq,     layer::MixerKind::softmax,
+                                               layer::MixerKind::softmax, layer::MixerKind::linear,
+                                               layer::MixerKind::delta};
   cfg.mixer = in.pick(kinds);
-  cfg.causal = cfg.mixer == layer::MixerKind::ovq || in.u8() % 8 != 0;
+  cfg.causal = cfg.mixer == layer::MixerKind::ovq || cfg.mixer == layer::MixerKind::delta ||
+               in.u8() % 8 != 0;
   cfg.rope = in.flag();
   cfg.model_dim = in.range(1, 6);
   cfg.heads = in.range(1, 2);
@@ -76,6 +79,7 @@ layer::Config draw_config(fz::Bytes& in) {
   if (cfg.causal && w % 2 == 0) cfg.softmax.window = 1 + w % 8;
   static constexpr Index chunk_menu[] = {0, 1, 3};
   cfg.gma.chunk = in.pick(chunk_menu);
+  cfg.delta.chunk = cfg.gma.chunk == 0 ? 64 : cfg.gma.chunk;  // (0 is GMA's default, not delta's)
   cfg.seed = in.u8();
   return cfg;
 }

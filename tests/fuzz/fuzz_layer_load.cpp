@@ -1,9 +1,9 @@
 // libFuzzer target: layer::load_parameters, the one parser of bytes from disk. Decodes a small
-// layer (mixer GMA, OVQ, VQ or softmax; H <= 2; dimensions <= 4; the scalar type from the entry
-// point's flag) and a file: either the rest of the input as it is, or the layer's own saved file
-// (save_parameters) with edits — bytes overwritten, a header or shape field set to a hostile
-// integer (0, 1, the largest u32 / u64, 2^62, a count one off), the file cut short or extended —
-// and loads it into the layer through a file in the temporary directory. The oracle:
+// layer (mixer GMA, OVQ, VQ, softmax or the gated delta rule; H <= 2; dimensions <= 4; the scalar
+// type from the entry point's flag) and a file: either the rest of the input as it is, or the
+// layer's own saved file (save_parameters) with edits — bytes overwritten, a header or shape field
+// set to a hostile integer (0, 1, the largest u32 / u64, 2^62, a count one off), the file cut short
+// or extended — and loads it into the layer through a file in the temporary directory. The oracle:
 //   - the load returns or throws std::runtime_error, nothing else (run.sh also caps any single
 //     allocation, -malloc_limit_mb, far above what these models need);
 //   - on a throw, every parameter is bitwise as it was before;
@@ -51,9 +51,11 @@ Bytes read_file(const std::string& path) {
 layer::Config draw_config(fz::Bytes& in) {
   layer::Config cfg;
   static constexpr layer::MixerKind kinds[] = {layer::MixerKind::gma, layer::MixerKind::ovq,
-                                               layer::MixerKind::vq, layer::MixerKind::softmax};
+                                               layer::MixerKind::vq, layer::MixerKind::softmax,
+                                               layer::MixerKind::delta};
   cfg.mixer = in.pick(kinds);
-  cfg.causal = cfg.mixer == layer::MixerKind::ovq || in.flag();
+  cfg.causal =
+      cfg.mixer == layer::MixerKind::ovq || cfg.mixer == layer::MixerKind::delta || in.flag();
   cfg.model_dim = in.range(1, 4);
   cfg.heads = in.range(1, 2);
   cfg.key_dim = in.range(1, 4);

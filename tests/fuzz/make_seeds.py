@@ -129,10 +129,16 @@ def layer_load():
                          ([3, 0, 0, 5, 7], "trailing"), ([0, 9, 0, 3], "byte")]:
         write("fuzz_layer_load", "mutated_" + label, config + [1, 0] + edits)
     write("fuzz_layer_load", "garbage", [0] + config[1:] + [0] + list(b"MIXATTNP\x01"))
+    # the gated delta rule (mixer 4, always causal: no flag byte), d = H = r = d_v = 1
+    delta = [("w_q", 1, 1), ("w_k", 1, 1), ("w_v", 1, 1), ("w_o", 1, 1)] + [
+        ("head0." + name, 1, 1) for name in ("w_beta", "b_beta", "w_a", "b_a", "A_log")]
+    write("fuzz_layer_load", "valid_delta", [1, 4, 0, 0, 0, 0, 0, 0, 0] + [0] +
+          list(param_file(delta, 8)))
 
 
 def layer_decode():
-    for mixer, name in [(0, "gma"), (2, "ovq"), (3, "softmax"), (5, "linear_refused")]:
+    for mixer, name in [(0, "gma"), (2, "ovq"), (3, "softmax"), (5, "linear_refused"),
+                        (6, "delta")]:
         for t in range(2):
             for rope in range(2):
                 b = [t, mixer, 1, rope, 3, 1, 1, 2, 2, 1, 0, 3, 0, 0, 9, 20, 0, 0, 0,

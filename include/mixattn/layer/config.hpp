@@ -13,7 +13,8 @@ namespace layer {
 /// Shape and behaviour of a MultiHeadAttention layer: the fields every mixer shares, the mixer,
 /// and every mixer's own fields (GmaConfig: components, gma_mean_scale, gma; OvqConfig: ovq;
 /// SoftmaxConfig: softmax; LinearConfig: linear; PerformerConfig: performer, features,
-/// feature_draw; VqConfig: vq, codes, codebook_scale), read only when that mixer is chosen.
+/// feature_draw; VqConfig: vq, codes, codebook_scale; DeltaConfig: delta), read only when that
+/// mixer is chosen.
 struct Config : CommonConfig, ::mixattn::detail::MixerSlices {
   MixerKind mixer = MixerKind::gma;  ///< the mixer every head runs
 };

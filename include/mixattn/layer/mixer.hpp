@@ -61,8 +61,9 @@ struct HeadBlock {
   const T* data = nullptr;
   Index rows = 0, cols = 0;
 };
-/// The most blocks one head of any mixer has (GMA: mean, var_raw, prior_logit).
-inline constexpr std::size_t max_head_blocks = 3;
+/// The most blocks one head of any mixer has (the gated delta rule's gates: w_beta, b_beta, w_a,
+/// b_a, A_log).
+inline constexpr std::size_t max_head_blocks = 5;
 
 /// Records a mixer keeps per item or per head between calls; each mixer derives its own.
 struct MixerRecords {

@@ -5,6 +5,7 @@
 
 #include "mixattn/core.hpp"
 #include "mixattn/layer/mixer.hpp"
+#include "mixattn/layer/mixers/delta.hpp"
 #include "mixattn/layer/mixers/gma.hpp"
 #include "mixattn/layer/mixers/linear.hpp"
 #include "mixattn/layer/mixers/ovq.hpp"
@@ -28,6 +29,7 @@ enum class MixerKind {
   linear,     ///< linear attention, elu + 1 features (SPEC §4), bidirectional or causal
   performer,  ///< Performer / FAVOR+ random features (SPEC §5), bidirectional or causal
   vq,         ///< static learned-codebook VQ attention (SPEC §6), bidirectional or causal
+  delta,      ///< the gated delta rule (SPEC §9, Gated DeltaNet), always causal
 };
 
 }  // namespace layer
@@ -59,7 +61,8 @@ using mixer_rows =
               MixerRow<layer::MixerKind::softmax, SoftmaxMixer>,
               MixerRow<layer::MixerKind::linear, LinearMixer>,
               MixerRow<layer::MixerKind::performer, PerformerMixer, PerformerAccessors>,
-              MixerRow<layer::MixerKind::vq, VqMixer, VqAccessors>>;
+              MixerRow<layer::MixerKind::vq, VqMixer, VqAccessors>,
+              MixerRow<layer::MixerKind::delta, DeltaMixer, DeltaAccessors>>;
 
 /// Every mixer's part of the Config, side by side (layer::Config derives from it).
 template <class Rows>
@@ -134,7 +137,7 @@ const MixerEntry<T>* find_mixer(layer::MixerKind kind) {
   return nullptr;
 }
 
-/// The names of the mixers that decode, for messages: "gma, ovq and softmax".
+/// The names of the mixers that decode, for messages: "gma, ovq, softmax and delta".
 inline std::string decoding_mixers() {
   std::vector<const char*> names;
   for (const MixerName& e : mixer_names)
@@ -152,7 +155,7 @@ inline std::string decoding_mixers() {
 namespace layer {
 
 /// The mixer's name as written in MixerKind ("gma", "ovq", "softmax", "linear", "performer",
-/// "vq"), for messages.
+/// "vq", "delta"), for messages.
 inline const char* mixer_name(MixerKind kind) {
   for (const ::mixattn::detail::MixerName& e : ::mixattn::detail::mixer_names)
     if (e.kind == kind) return e.name;
