@@ -12,10 +12,11 @@
 #      rules; the gated delta rule; the SSD layer; the softmax reference; the layer: every SIMD
 #      kernel against its twin and every finite-difference check), and skip what does not depend
 #      on the ISA or costs the most: argument validation, thread, exception, diagnostics and
-#      stress files, the header checks (whether a header compiles on its own does not depend on -march; every
-#      header is compiled at that -march all the same, by the operators' instances file), the
-#      consumer.* projects (they test packaging, not kernels), the examples, and the two-TU
-#      program (its two files set their own -march, so it would be the main pass's again);
+#      stress files, the header checks (whether a header compiles on its own does not depend on
+#      -march; every header is compiled at that -march all the same, by the operators'
+#      instances file), the consumer.* projects (they test packaging, not kernels), the
+#      examples, and the two-TU program (its two files set their own -march, so it would be the
+#      main pass's again);
 #   3. builds and runs the whole suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
 #      with the libFuzzer targets built in the same tree and their seed corpora replayed by its
 #      ctest, the threaded tests under ThreadSanitizer, and the PyTorch extension's tests with
